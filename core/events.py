@@ -1,0 +1,124 @@
+"""Events: frozen dataclasses the core publishes to subscribers.
+
+Subscribers (the CLI, the tray's bridge, tests) register with
+`Core.subscribe`. Callbacks run on the core thread and must return quickly; the
+GUI's bridge re-emits them as queued Qt signals.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of every event; `ts` is wall-clock seconds."""
+
+    ts: float = field(default_factory=_now, kw_only=True)
+
+
+@dataclass(frozen=True)
+class ServerStateChanged(Event):
+    """The supervisor moved between stopped/starting/ready/stopping/failed."""
+
+    state: str
+    previous: str
+    reason: str = ""
+    pid: int | None = None
+    port: int | None = None
+
+
+@dataclass(frozen=True)
+class ServerExited(Event):
+    """llama-server exited; `outcome` is 'requested', 'crashed' or 'start_failed'."""
+
+    run_id: int
+    pid: int
+    returncode: int | None
+    signal: int | None
+    outcome: str
+    requested_by: str
+    last_lines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LogLine(Event):
+    """One line of llama-server's output, parsed (see `core.server.logparse`)."""
+
+    level: str
+    area: str
+    text: str
+    raw: str
+
+
+@dataclass(frozen=True)
+class RequestCompleted(Event):
+    """A proxied request finished (successfully or not)."""
+
+    request_id: str
+    client: str
+    session: str
+    endpoint: str
+    stream: bool
+    has_tools: bool
+    status: int
+    slot: int | None = None
+    prompt_n: int | None = None
+    cache_n: int | None = None
+    prompt_ms: float | None = None
+    predicted_n: int | None = None
+    ttfb_ms: float | None = None
+    total_ms: float | None = None
+    kind: str = "agent"
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class CacheEvent(Event):
+    """Something happened to a cached prefix/state: kind + reason + numbers."""
+
+    kind: str
+    reason: str = ""
+    fingerprint: str = ""
+    slot: int | None = None
+    tokens: int | None = None
+    bytes: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PressureSample(Event):
+    """One memory-pressure sample and the level it implies."""
+
+    level: str
+    ram_available_pct: float
+    swap_used_pct: float
+    server_rss_bytes: int | None
+    disk_free_pct: float
+    gpus: tuple[tuple[int, int, int], ...] = ()  # (index, total bytes, free bytes)
+
+
+@dataclass(frozen=True)
+class BuildProgress(Event):
+    """Progress of a llama-server build: 0..100 and the current step."""
+
+    build_id: str
+    percent: float
+    step: str
+    done: bool = False
+    ok: bool | None = None
+
+
+@dataclass(frozen=True)
+class Notice(Event):
+    """A message meant for the user (warnings, errors with hints)."""
+
+    level: str
+    text: str
+    hint: str = ""
