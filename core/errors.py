@@ -3,7 +3,7 @@
 ::
 
     WarmslotError                     base of everything raised on purpose
-    ├── ConfigError                   a settings file or value is wrong (names file, key, expected, got)
+    ├── ConfigError                   a setting is wrong (names file, key, expected, got)
     ├── EnvironmentProblem            the machine is not as needed; `hint` says what to do
     │   ├── BinaryNotFound            no usable llama-server binary
     │   ├── ModelNotFound             no usable GGUF model

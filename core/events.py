@@ -35,10 +35,24 @@ class ServerStateChanged(Event):
 
 
 @dataclass(frozen=True)
+class ServerLaunched(Event):
+    """A llama-server process was started with exactly this argv."""
+
+    run_id: str
+    pid: int
+    port: int
+    argv: tuple[str, ...]
+    binary: str
+    binary_version: str
+    model: str
+    attempt: str = "start"  # start | restart | no-repack-retry
+
+
+@dataclass(frozen=True)
 class ServerExited(Event):
     """llama-server exited; `outcome` is 'requested', 'crashed' or 'start_failed'."""
 
-    run_id: int
+    run_id: str
     pid: int
     returncode: int | None
     signal: int | None

