@@ -1,4 +1,4 @@
-"""Reading cmake / make / ninja output: progress, current step, and the tail for errors.
+"""Build output: running cmake steps, the build log, progress and the tail for errors.
 
 Pure functions and small stateful helpers, tested against recorded output of a real
 llama.cpp build (``tests/fixtures/build_output.txt``). Two line shapes carry progress:
@@ -12,17 +12,33 @@ does not move the bar.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from core.errors import BuildError
 
 __all__ = [
+    "BuildCancelled",
+    "BuildLog",
     "LogTail",
     "ProgressLine",
     "ProgressTracker",
     "describe_step",
     "parse_progress_line",
+    "run_step",
+    "terminate_group",
 ]
 
 # Ninja's default status is "[%f/%t] " (finished/total edges); users may set NINJA_STATUS,
@@ -33,6 +49,11 @@ _MAKE = re.compile(r"^\[\s*(\d{1,3})%\]\s+(.*\S)\s*$")
 # "…/CMakeFiles/<target>.dir/<path>" → "<target>: <path>" reads better in a one-line bar.
 _OBJ = re.compile(r"(?:\S+/)?CMakeFiles/([^/\s]+)\.dir/(\S+?)(?:\.o|\.obj)?$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_KILL_GRACE_S = 5.0
+
+
+class BuildCancelled(BuildError):
+    """The build was cancelled; nothing was left in the build cache."""
 
 
 @dataclass(frozen=True)
@@ -124,3 +145,151 @@ class LogTail:
         if n is not None:
             lines = lines[-n:]
         return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the log file
+
+
+class BuildLog:
+    """The build's log file; lines written before the file exists are kept until then."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._file: TextIO | None = None
+        self.path: Path | None = None
+        self.tail = LogTail()
+
+    def open(self, path: Path) -> None:
+        with self._lock:
+            self._file = path.open("w", encoding="utf-8", errors="replace")
+            self.path = path
+            self._file.writelines(self._pending)
+            self._file.flush()
+            self._pending.clear()
+
+    def note(self, msg: str) -> None:
+        self.write(f"== {time.strftime('%H:%M:%S')} {msg}")
+
+    def write(self, line: str) -> None:
+        line = line.rstrip("\r\n")
+        self.tail.add(line)
+        with self._lock:
+            if self._file is None:
+                self._pending.append(line + "\n")
+            else:
+                self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def save_copy(self, dest: Path) -> Path | None:
+        self.close()
+        with contextlib.suppress(OSError):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if self.path is not None and self.path.exists():
+                shutil.copyfile(self.path, dest)
+            else:
+                dest.write_text("".join(self._pending), "utf-8")
+            return dest
+        return None
+
+
+# ---------------------------------------------------------------------------- running steps
+
+
+def _kill_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        if os.name == "nt":
+            subprocess.run(
+                ["taskkill", "/F", "/T", "/PID", str(proc.pid)], capture_output=True, check=False
+            )
+        else:
+            os.killpg(proc.pid, sig)
+
+
+async def terminate_group(proc: asyncio.subprocess.Process) -> None:
+    """Kill cmake and everything it started (its own process group)."""
+    _kill_group(proc, signal.SIGTERM)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), _KILL_GRACE_S)
+    # Compilers may outlive make/ninja for a moment; the group id stays valid while any
+    # member lives, so finish them off.
+    if os.name != "nt":
+        _kill_group(proc, signal.SIGKILL)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), _KILL_GRACE_S)
+
+
+async def run_step(
+    cmd: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    blog: BuildLog,
+    cancel: asyncio.Event | None,
+    on_line: Callable[[str], None] | None = None,
+) -> int:
+    """Run one command in its own process group, streaming its output to the log."""
+    blog.note("$ " + " ".join(cmd))
+    kwargs: dict[str, Any] = {}
+    if os.name == "nt":
+        kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
+    else:
+        kwargs["start_new_session"] = True
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            cwd=cwd,
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            limit=1 << 20,
+            **kwargs,
+        )
+    except FileNotFoundError as e:
+        raise BuildError(
+            f"{cmd[0]} is not installed", hint="Install CMake (3.14 or newer) and a C/C++ compiler."
+        ) from e
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    async def pump() -> None:
+        while True:
+            try:
+                raw = await stdout.readline()
+            except ValueError:  # a line longer than the limit: take what is there
+                raw = await stdout.read(1 << 20)
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            blog.write(line)
+            if on_line is not None:
+                on_line(line)
+
+    reader = asyncio.create_task(pump())
+    waiter = asyncio.create_task(proc.wait())
+    stopper = asyncio.create_task(cancel.wait()) if cancel is not None else None
+    try:
+        waits: set[asyncio.Future[Any]] = {waiter}
+        if stopper is not None:
+            waits.add(stopper)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():
+            await terminate_group(proc)
+            raise BuildCancelled("Build cancelled")
+        with contextlib.suppress(TimeoutError):
+            # Grandchildren may hold the pipe open; the exit code is what counts.
+            await asyncio.wait_for(asyncio.shield(reader), 10)
+        return waiter.result()
+    except asyncio.CancelledError:
+        await terminate_group(proc)
+        raise
+    finally:
+        for t in (reader, waiter, stopper):
+            if t is not None and not t.done():
+                t.cancel()

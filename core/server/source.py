@@ -17,10 +17,14 @@ archive's sha256, else a hash of the tree's files) plus a way to export a fresh 
 the tree. Builds always work on such a copy: the user's checkout is never modified.
 
 Resolving is blocking (git, hashing, downloads); the build runs it in a worker thread.
+
+Patches (``patches/*.patch``, see patches/README.md) are applied to that copy with
+``git apply``, each checked first so a failure names the patch and the hunk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -34,20 +38,26 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from core.errors import BuildError
+from core.paths import resources_dir
 
 __all__ = [
     "DEFAULT_SOURCE",
     "PINNED_LLAMA_CPP",
     "PYPI_INDEX",
     "BuildSource",
+    "Patch",
+    "PatchFailed",
     "ResolvedSource",
+    "apply_patches",
+    "default_patches_dir",
     "find_llama_root",
+    "load_patches",
     "resolve_source",
     "sources_dir",
     "tree_hash",
@@ -167,7 +177,7 @@ class ResolvedSource:
         if not _is_llama_root(dest):
             raise BuildError(
                 f"{self.source} does not contain a llama.cpp source tree",
-                hint="The top-level CMakeLists.txt must declare project(\"llama.cpp\").",
+                hint='The top-level CMakeLists.txt must declare project("llama.cpp").',
             )
 
 
@@ -244,8 +254,8 @@ def _walk_tree(root: Path) -> Iterator[Path]:
         d = stack.pop()
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
-        except OSError as e:
-            raise BuildError(f"Cannot read {d}: {e.strerror}") from e
+        except OSError as err:
+            raise BuildError(f"Cannot read {d}: {err.strerror}") from err
         dirs = []
         for e in entries:
             p = Path(e.path)
@@ -274,9 +284,7 @@ def tree_hash(root: Path) -> str:
 def _copy_tree(root: Path, dest: Path) -> None:
     def ignore(d: str, names: list[str]) -> set[str]:
         rel = Path(d).relative_to(root).parts
-        return {
-            n for n in names if (Path(d) / n).is_dir() and _skip_dir((*rel, n))
-        }
+        return {n for n in names if (Path(d) / n).is_dir() and _skip_dir((*rel, n))}
 
     shutil.copytree(root, dest, symlinks=True, ignore=ignore)
 
@@ -301,11 +309,19 @@ def _git(*args: str | Path, cwd: Path | None = None, check: bool = True) -> str:
     cmd = ["git", *(str(a) for a in args)]
     try:
         proc = subprocess.run(
-            cmd, cwd=cwd, env=_git_env(), capture_output=True, text=True,
-            errors="replace", stdin=subprocess.DEVNULL, check=False,
+            cmd,
+            cwd=cwd,
+            env=_git_env(),
+            capture_output=True,
+            text=True,
+            errors="replace",
+            stdin=subprocess.DEVNULL,
+            check=False,
         )
     except FileNotFoundError as e:
-        raise BuildError("git is not installed", hint="Install git, or use an archive source.") from e
+        raise BuildError(
+            "git is not installed", hint="Install git, or use an archive source."
+        ) from e
     if check and proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip().splitlines()
         raise BuildError(
@@ -338,8 +354,12 @@ def _git_build_number(repo: Path, commit: str) -> int | None:
 def _git_archive_export(repo: Path, commit: str, dest: Path) -> None:
     dest.mkdir(parents=True)
     proc = subprocess.Popen(
-        ["git", "archive", "--format=tar", commit], cwd=repo, env=_git_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        ["git", "archive", "--format=tar", commit],
+        cwd=repo,
+        env=_git_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.stdout is not None and proc.stderr is not None
     try:
@@ -408,7 +428,7 @@ def _unpack_archive(archive: Path, dest: Path) -> None:
         if root is None:
             raise BuildError(
                 f"{archive.name} does not contain a llama.cpp source tree",
-                hint="Expected a CMakeLists.txt declaring project(\"llama.cpp\") at its top, "
+                hint='Expected a CMakeLists.txt declaring project("llama.cpp") at its top, '
                 "in one top-level folder, or under llama.cpp/ (PyPI sdists).",
             )
         root.rename(dest)
@@ -479,7 +499,9 @@ def _resolve_checkout(src: BuildSource, emit: Logger) -> ResolvedSource:
         if src.ref:
             commit = _git("rev-parse", "--verify", f"{src.ref}^{{commit}}", cwd=path).strip()
             return ResolvedSource(
-                src, f"git:{commit}", f"git checkout {path} at {src.ref} ({commit[:12]})",
+                src,
+                f"git:{commit}",
+                f"git checkout {path} at {src.ref} ({commit[:12]})",
                 build_number=_build_number_hint(src.ref) or _git_build_number(path, commit),
                 commit=commit,
                 exporter=lambda dest: _git_archive_export(path, commit, dest),
@@ -489,7 +511,9 @@ def _resolve_checkout(src: BuildSource, emit: Logger) -> ResolvedSource:
         identity = f"git:{commit}" + (f"+dirty:{dirty}" if dirty else "")
         desc = f"git checkout {path} ({commit[:12]}{', with local changes' if dirty else ''})"
         return ResolvedSource(
-            src, identity, desc,
+            src,
+            identity,
+            desc,
             build_number=_git_build_number(path, commit),
             commit=commit,
             exporter=lambda dest: _copy_git_worktree(path, dest),
@@ -503,7 +527,7 @@ def _resolve_checkout(src: BuildSource, emit: Logger) -> ResolvedSource:
     if root is None:
         raise BuildError(
             f"{path} is not a llama.cpp source tree",
-            hint="Expected a CMakeLists.txt declaring project(\"llama.cpp\") there or in "
+            hint='Expected a CMakeLists.txt declaring project("llama.cpp") there or in '
             "its llama.cpp/ folder.",
         )
     emit(f"Hashing source tree {root}")
@@ -517,17 +541,22 @@ def _resolve_checkout(src: BuildSource, emit: Logger) -> ResolvedSource:
         if name and ver:
             hint_names.insert(0, f"{name.group(1)}-{ver.group(1)}")
     return ResolvedSource(
-        src, f"tree:{digest}", f"source tree {root}",
+        src,
+        f"tree:{digest}",
+        f"source tree {root}",
         build_number=_build_number_hint(*hint_names),
         exporter=lambda dest: _copy_tree(root, dest),
     )
 
 
-def _resolve_archive_file(src: BuildSource, archive: Path, desc: str,
-                          digest: str | None = None, hint: str = "") -> ResolvedSource:
+def _resolve_archive_file(
+    src: BuildSource, archive: Path, desc: str, digest: str | None = None, hint: str = ""
+) -> ResolvedSource:
     digest = digest or _sha256_file(archive)
     return ResolvedSource(
-        src, f"sha256:{digest}", desc,
+        src,
+        f"sha256:{digest}",
+        desc,
         build_number=_build_number_hint(hint, archive.name),
         exporter=lambda dest: _unpack_archive(archive, dest),
     )
@@ -542,8 +571,9 @@ def _resolve_url(src: BuildSource, cache_dir: Path, emit: Logger) -> ResolvedSou
     return _resolve_archive_file(src, dest, f"archive {src.location}", hint=src.location)
 
 
-def _resolve_pypi(src: BuildSource, cache_dir: Path, index_url: str,
-                  emit: Logger) -> ResolvedSource:
+def _resolve_pypi(
+    src: BuildSource, cache_dir: Path, index_url: str, emit: Logger
+) -> ResolvedSource:
     m = _REQ.match(src.location)
     assert m is not None  # validated by BuildSource.parse
     name, version = m.group(1), m.group(2)
@@ -559,7 +589,10 @@ def _resolve_pypi(src: BuildSource, cache_dir: Path, index_url: str,
             digest = _sha256_file(archive)
             if digest == meta["sha256"]:
                 return _resolve_archive_file(
-                    src, archive, f"PyPI sdist {meta['filename']}", digest,
+                    src,
+                    archive,
+                    f"PyPI sdist {meta['filename']}",
+                    digest,
                     hint=f"{name}=={version}",
                 )
             emit(f"Cached {archive.name} does not match its recorded sha256; downloading again")
@@ -581,7 +614,7 @@ def _resolve_pypi(src: BuildSource, cache_dir: Path, index_url: str,
             continue
         for suffix in (".tar.gz", ".zip"):
             if low.endswith(suffix):
-                sdists[fname[len(prefix):-len(suffix)]] = f
+                sdists[fname[len(prefix) : -len(suffix)]] = f
     if version is None:
         candidates = [v for v in sdists if _version_key(v) is not None]
         if not candidates:
@@ -598,15 +631,20 @@ def _resolve_pypi(src: BuildSource, cache_dir: Path, index_url: str,
         raise BuildError(f"The index gives no sha256 for {entry['filename']}; refusing to use it")
     url = urllib.parse.urljoin(page, str(entry["url"]))
     archive = pkg_dir / str(entry["filename"])
-    digest = _sha256_file(archive) if archive.is_file() else None
-    if digest != sha:
-        digest = _download(url, archive, sha, emit)
+    have = _sha256_file(archive) if archive.is_file() else None
+    got: str = have if have is not None and have == sha else _download(url, archive, sha, emit)
     (pkg_dir / f"{version}.json").write_text(
-        json.dumps({"filename": archive.name, "sha256": digest, "url": url, "version": version},
-                   indent=2), "utf-8",
+        json.dumps(
+            {"filename": archive.name, "sha256": got, "url": url, "version": version}, indent=2
+        ),
+        "utf-8",
     )
     return _resolve_archive_file(
-        src, archive, f"PyPI sdist {archive.name}", digest, hint=f"{name}=={version}",
+        src,
+        archive,
+        f"PyPI sdist {archive.name}",
+        got,
+        hint=f"{name}=={version}",
     )
 
 
@@ -621,8 +659,9 @@ def _resolve_git(src: BuildSource, cache_dir: Path, emit: Logger) -> ResolvedSou
     saved_ref = "refs/warmslot/" + hashlib.sha256(want.encode()).hexdigest()[:16]
     commit = ""
     if _FULL_SHA.match(want):
-        commit = _git("rev-parse", "--verify", "-q", f"{want}^{{commit}}", cwd=repo,
-                      check=False).strip()
+        commit = _git(
+            "rev-parse", "--verify", "-q", f"{want}^{{commit}}", cwd=repo, check=False
+        ).strip()
     if not commit:
         try:
             emit(f"Fetching {want} from {src.location}")
@@ -636,15 +675,18 @@ def _resolve_git(src: BuildSource, cache_dir: Path, emit: Logger) -> ResolvedSou
                 raise
             emit(f"Fetch failed ({e}); using the last fetched {want} = {commit[:12]}")
     return ResolvedSource(
-        src, f"git:{commit}", f"{src.location} at {want} ({commit[:12]})",
+        src,
+        f"git:{commit}",
+        f"{src.location} at {want} ({commit[:12]})",
         build_number=_build_number_hint(want),
         commit=commit,
         exporter=lambda dest: _git_archive_export(repo, commit, dest),
     )
 
 
-def resolve_source(source: BuildSource, cache_dir: Path, *, index_url: str = PYPI_INDEX,
-                   emit: Logger | None = None) -> ResolvedSource:
+def resolve_source(
+    source: BuildSource, cache_dir: Path, *, index_url: str = PYPI_INDEX, emit: Logger | None = None
+) -> ResolvedSource:
     """Pin a source down to an identity, downloading or fetching it if needed (blocking).
 
     `cache_dir` is Warmslot's cache directory; downloads land in `sources_dir(cache_dir)`.
@@ -662,3 +704,121 @@ def resolve_source(source: BuildSource, cache_dir: Path, *, index_url: str = PYP
     if source.kind == "pypi":
         return _resolve_pypi(source, cache_dir, index_url, say)
     return _resolve_git(source, cache_dir, say)
+
+
+# ---------------------------------------------------------------------------- patches
+
+
+class PatchFailed(BuildError):
+    """A patch from patches/ does not apply to the source being built."""
+
+    def __init__(self, message: str, *, patch: str, detail: str, hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.patch = patch
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch file: its name and exact bytes (both go into the build id)."""
+
+    name: str
+    data: bytes = field(repr=False)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+def default_patches_dir() -> Path:
+    """The repository's (or bundle's) top-level ``patches/`` folder."""
+    return resources_dir().parent / "patches"
+
+
+def load_patches(patches_dir: Path) -> list[Patch]:
+    """``*.patch`` files of `patches_dir` in name order; none if the folder is missing."""
+    if not patches_dir.is_dir():
+        return []
+    return [
+        Patch(p.name, p.read_bytes()) for p in sorted(patches_dir.glob("*.patch")) if p.is_file()
+    ]
+
+
+def _hunk_header(patch: bytes, file: str, line: int) -> str | None:
+    """The ``@@ … @@`` header of the hunk of `patch` that edits `file` at old line `line`."""
+    current = None
+    for raw in patch.decode("utf-8", "replace").splitlines():
+        if raw.startswith("diff --git "):
+            current = None
+        elif raw.startswith("--- "):
+            current = raw[4:].split("\t")[0].strip()
+            current = current[2:] if current.startswith("a/") else current
+        elif raw.startswith("+++ ") and (current in (None, "/dev/null")):
+            new = raw[4:].split("\t")[0].strip()
+            current = new[2:] if new.startswith("b/") else new
+        elif raw.startswith("@@") and current == file:
+            m = re.match(r"@@ -(\d+)", raw)
+            if m and int(m.group(1)) == line:
+                return raw.strip()
+    return None
+
+
+def _patch_failure(patch: Patch, output: str) -> PatchFailed:
+    errors = [
+        ln.removeprefix("error: ").strip() for ln in output.splitlines() if ln.startswith("error:")
+    ]
+    where = ""
+    for e in errors:
+        m = re.match(r"patch failed: (.+):(\d+)$", e)
+        if m:
+            hunk = _hunk_header(patch.data, m.group(1), int(m.group(2)))
+            where = f"hunk {hunk} of {m.group(1)}" if hunk else f"{m.group(1)} line {m.group(2)}"
+            break
+    detail = "; ".join(errors) or output.strip() or "git apply failed"
+    msg = f"Patch {patch.name} does not apply"
+    msg += f": {where} ({detail})" if where else f": {detail}"
+    return PatchFailed(
+        msg,
+        patch=patch.name,
+        detail=detail,
+        hint="This llama.cpp revision differs from the one the patch was written for: update "
+        "the patch, pick the source it was made for, or build without patches (--no-patches).",
+    )
+
+
+async def apply_patches(
+    src_dir: Path, patches: Sequence[Patch], emit: Callable[[str], None] | None = None
+) -> None:
+    """Apply `patches` in order to `src_dir` (a throw-away copy) with ``git apply -p1``.
+
+    Each patch is checked first (``git apply --check``) so a failure changes nothing and
+    names the patch and the failing hunk. `src_dir` need not be a git repository.
+    """
+    env = dict(os.environ)
+    # Stop git from discovering an enclosing repository (the builds dir may sit inside
+    # one): then it would apply paths relative to that repo and skip ours silently.
+    env["GIT_CEILING_DIRECTORIES"] = str(src_dir.parent)
+    for patch in patches:
+        for check in (True, False):
+            cmd = ["git", "apply", "-p1", "--whitespace=nowarn"]
+            cmd += ["--check", "-"] if check else ["-"]
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *cmd,
+                    cwd=src_dir,
+                    env=env,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                )
+            except FileNotFoundError as e:
+                raise BuildError(
+                    "git is needed to apply patches but is not installed",
+                    hint="Install git, or build with --no-patches.",
+                ) from e
+            out, _ = await proc.communicate(patch.data)
+            text = out.decode("utf-8", "replace")
+            if proc.returncode != 0:
+                raise _patch_failure(patch, text)
+        if emit:
+            emit(f"Applied patch {patch.name} (sha256 {patch.sha256[:12]})")
