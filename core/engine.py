@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -28,12 +29,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core import config as config_mod
-from core.config import Settings
+from core.config import ServerSettings, Settings
 from core.errors import CoreStopped, WarmslotError
 from core.events import Event, Notice
 from core.paths import Paths
 from core.proxy import CachePolicy, Proxy
 from core.server import discover, model
+from core.server.argv import LaunchInputs, build_argv, kv_relevant
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.telemetry import Telemetry
 
@@ -41,6 +43,26 @@ log = logging.getLogger("warmslot.core")
 T = TypeVar("T")
 Subscriber = Callable[[Event], None]
 PolicyFactory = Callable[["Core"], CachePolicy | None]
+
+
+def launch_id(server: ServerSettings, binary: discover.ServerBinary, mdl: model.ModelFile) -> str:
+    """Identity of what a saved slot file depends on at launch: binary, model, KV flags.
+
+    It names the server's slot directory, so a file is only ever offered to a
+    server it can belong to. (The chat template the server reports joins the
+    prefix fingerprints once it runs.)
+    """
+    argv = build_argv(
+        server, LaunchInputs(binary=binary.path, model=mdl.path, port=0, slot_dir=Path())
+    )
+    template = ""
+    if server.chat_template_file:
+        with contextlib.suppress(OSError):
+            template = hashlib.sha256(Path(server.chat_template_file).read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    for part in (binary.identity, mdl.identity, json.dumps(kv_relevant(argv)), template):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
 
 
 class Core:
@@ -189,7 +211,9 @@ class Core:
         # Probing binaries and hashing files is blocking work: keep it off the loop.
         binary = await loop.run_in_executor(None, discover.require, self.paths, s.binary)
         mdl = await loop.run_in_executor(None, model.resolve, self.paths, s.model)
-        return Resolved(binary=binary, model=mdl)
+        return Resolved(
+            binary=binary, model=mdl, slot_dir=self.paths.slot_dir / launch_id(s, binary, mdl)
+        )
 
     async def _housekeeping(self) -> None:
         """Flush telemetry every second; prune old rows hourly."""
@@ -275,9 +299,6 @@ class Core:
         except WarmslotError as e:
             self.emit(Notice(level="error", text=str(e), hint=e.hint))
             raise
-        starter = getattr(self.policy, "on_server_ready", None)
-        if starter is not None:
-            await starter()
 
     def stop_server(self) -> concurrent.futures.Future[None]:
         assert self.supervisor is not None

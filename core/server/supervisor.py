@@ -65,6 +65,7 @@ class Resolved:
     binary: ServerBinary
     model: ModelFile
     plan_args: tuple[str, ...] = ()
+    slot_dir: Path | None = None  # --slot-save-path; default: paths.slot_dir
 
 
 Resolver = Callable[[], Awaitable[Resolved]]
@@ -345,14 +346,15 @@ class Supervisor:
             port = settings.port
         else:
             port = free_port(settings.host)
-        self._paths.slot_dir.mkdir(parents=True, exist_ok=True)
+        slot_dir = resolved.slot_dir or self._paths.slot_dir
+        slot_dir.mkdir(parents=True, exist_ok=True)
         argv = build_argv(
             settings,
             LaunchInputs(
                 binary=resolved.binary.path,
                 model=resolved.model.path,
                 port=port,
-                slot_dir=self._paths.slot_dir,
+                slot_dir=slot_dir,
                 no_repack=no_repack,
                 plan_args=resolved.plan_args,
             ),

@@ -1,0 +1,842 @@
+"""The prefix-cache manager: the proxy's cache policy.
+
+For each chat request it finds the stable prefix (from the server's own
+rendering and tokenizer), fingerprints it, pins the session to a slot, keeps
+side calls off the primary slots, and makes sure the slot holds the prefix —
+already warm, restored from disk and verified, or warmed by the request itself
+and then persisted in the background. After every server (re)start it restores
+the most recently used prefixes (verified) or prewarms them.
+
+Nothing here may break a request: the proxy catches any exception from
+`prepare` and forwards the request untouched (fail-open). A restored state is
+used only after a known-answer probe proves it: same greedy tokens, log-probs
+within tolerance, and the expected reuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from core.cache import prefix as pfx
+from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename, template_hash
+from core.cache.slots import SlotMap
+from core.cache.store import StateRecord, StateStore, file_sha256
+from core.errors import UpstreamError, VerificationFailed
+from core.events import CacheEvent, Event, ServerStateChanged
+from core.proxy import ProxyRequest
+from core.server.argv import kv_relevant
+from core.server.client import LlamaClient, Timings
+
+if TYPE_CHECKING:
+    from core.engine import Core
+
+log = logging.getLogger("warmslot.cache")
+
+PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
+PROBE_TOKENS = 4
+LOGPROB_TOLERANCE = 1e-3  # measured: restored dense states reproduce log-probs exactly
+REUSE_SLACK = 1  # the server re-evaluates the last cached token when nothing is new
+RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
+PATCH_FIELD = "warmslot_patches"
+PATCH_CHECKPOINTS = "slot-checkpoints"  # a patch level that makes SWA/hybrid files valid
+
+
+@dataclass
+class DiskTier:
+    usable: bool
+    reason: str
+
+
+class CacheManager:
+    """Implements `core.proxy.CachePolicy` on top of the core's supervisor and telemetry."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        s = core.settings
+        self.slots = SlotMap(s.server.slots, reserve_aux=s.cache.aux_slot)
+        self.prefixes: dict[str, pfx.PrefixInfo] = {}  # shape key → prefix
+        self.by_fp: dict[str, pfx.PrefixInfo] = {}
+        self.learn: dict[str, list[tuple[str, list[int]]]] = {}  # tools key → first turns
+        self.client_tools: dict[str, bool] = {}
+        self.identity: ServerIdentity | None = None
+        self.disk = DiskTier(False, "server not started yet")
+        self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
+        self._session: aiohttp.ClientSession | None = None
+        self._client: LlamaClient | None = None
+        self._store: StateStore | None = None
+        self._restoring: dict[int, asyncio.Task[None]] = {}
+        self._persisting: set[str] = set()
+        self._jobs: set[asyncio.Task[Any]] = set()
+        self._run_id = ""
+        self._ready_task: asyncio.Task[None] | None = None
+        self._probe_suffix: list[int] | None = None
+        core.subscribe(self._on_event, (ServerStateChanged,))
+
+    # ------------------------------------------------------------ plumbing
+    def _emit(
+        self,
+        kind: str,
+        reason: str = "",
+        *,
+        fp: str = "",
+        slot: int | None = None,
+        tokens: int | None = None,
+        nbytes: int | None = None,
+        **details: Any,
+    ) -> None:
+        self.core.emit(
+            CacheEvent(
+                kind=kind,
+                reason=reason,
+                fingerprint=fp[:16],
+                slot=slot,
+                tokens=tokens,
+                bytes=nbytes,
+                details=details,
+            )
+        )
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._jobs.add(task)
+        task.add_done_callback(self._job_done)
+        return task
+
+    def _job_done(self, task: asyncio.Task[Any]) -> None:
+        self._jobs.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("cache job failed: %r", task.exception(), exc_info=task.exception())
+
+    @property
+    def client(self) -> LlamaClient | None:
+        sup = self.core.supervisor
+        base = sup.base_url if sup is not None else None
+        if base is None:
+            return None
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        if self._client is None or self._client.base_url != base:
+            self._client = LlamaClient(self._session, base)
+        return self._client
+
+    @property
+    def store(self) -> StateStore:
+        if self._store is None:
+            assert self.core.telemetry is not None
+            self._store = StateStore(self.core.telemetry.db, self.core.paths.slot_dir)
+        return self._store
+
+    def _on_event(self, event: Event) -> None:
+        if not isinstance(event, ServerStateChanged):
+            return
+        sup = self.core.supervisor
+        if event.state == "ready" and sup is not None and sup.run_id != self._run_id:
+            self._run_id = sup.run_id
+            self.slots.reset()
+            self._ready_task = asyncio.ensure_future(self._after_ready())
+        elif event.state in ("starting", "stopped", "failed"):
+            self.slots.reset()
+            self.identity = None
+
+    # ------------------------------------------------------------ server start
+    async def _after_ready(self) -> None:
+        """Learn the server identity; restore (verified) or prewarm recent prefixes."""
+        try:
+            await self._learn_identity()
+        except Exception as e:
+            log.exception("could not read the server identity; cache management paused")
+            self._emit("identity_failed", f"could not read server identity: {e!r}")
+            return
+        if not self.core.settings.cache.enabled:
+            return
+        await self._warm_known()
+
+    async def _learn_identity(self) -> None:
+        client = self.client
+        sup = self.core.supervisor
+        assert client is not None and sup is not None and sup.resolved is not None
+        props = await client.props()
+        patches = tuple(str(p) for p in props.get(PATCH_FIELD, []) or [])
+        self.identity = ServerIdentity(
+            model=sup.resolved.model.identity,
+            binary=sup.resolved.binary.identity,
+            kv_flags=kv_relevant(sup.argv),
+            chat_template=template_hash(str(props.get("chat_template", ""))),
+            patches=patches,
+        )
+        n = int(props.get("total_slots", self.core.settings.server.slots))
+        if n != self.slots.n_slots:
+            self.slots = SlotMap(n, reserve_aux=self.core.settings.cache.aux_slot)
+        self.disk = self._disk_tier(sup.resolved.model.path, patches)
+        self._probe_suffix = await client.tokenize(PROBE_SUFFIX)
+        self._load_saved()
+        # Prefixes learned under an older identity are re-fingerprinted for this one.
+        for info in list(self.prefixes.values()):
+            info.fingerprint = fingerprint(self.identity, info.tokens)
+        self.by_fp = {i.fingerprint: i for i in self.prefixes.values()}
+        self._emit(
+            "server_identity",
+            "server ready",
+            identity=self.identity.short,
+            disk_tier=self.disk.usable,
+            disk_reason=self.disk.reason,
+            patches=list(patches),
+        )
+
+    @property
+    def launch_id(self) -> str:
+        """The server's slot directory name: one per binary, model and KV-relevant flags."""
+        return self._server_slot_dir().name
+
+    def _load_saved(self) -> None:
+        """Know the prefixes saved for this server; drop those its identity invalidates."""
+        assert self.identity is not None
+        for rec in self.store.all(self.launch_id):
+            tokens = rec.probe.get("prefix")
+            if not isinstance(tokens, list):
+                tokens = []
+            fp = fingerprint(self.identity, tokens) if tokens else ""
+            if fp != rec.fingerprint:
+                freed = self.store.delete(rec)
+                self._emit(
+                    "invalidated",
+                    "saved for a different server identity (chat "
+                    "template, build or flags changed); it will be rebuilt once",
+                    fp=rec.fingerprint,
+                    tokens=rec.n_tokens,
+                    nbytes=freed,
+                )
+                continue
+            if fp not in self.by_fp:
+                self.by_fp[fp] = pfx.PrefixInfo(
+                    key="",
+                    tokens=tokens,
+                    text="",
+                    source=rec.source,
+                    client=rec.client,
+                    fingerprint=fp,
+                    first_seen=rec.created,
+                )
+
+    def _disk_tier(self, model_path: Path, patches: tuple[str, ...]) -> DiskTier:
+        if not self.core.settings.cache.persist:
+            return DiskTier(False, "persistence is off (cache.persist)")
+        try:
+            from core.server.gguf_facts import read_facts
+
+            facts = read_facts(model_path)
+            swa = any(facts.swa_layers) and facts.n_swa > 0
+            recurrent = any(facts.recurrent_layers)
+        except Exception as e:  # unknown metadata: trust only the verification
+            log.warning("could not read model metadata (%r); relying on verification", e)
+            return DiskTier(True, "model type unknown; every restore is verified")
+        if (swa or recurrent) and not any(p.startswith(PATCH_CHECKPOINTS) for p in patches):
+            kind = "sliding-window" if swa else "recurrent/hybrid"
+            return DiskTier(
+                False,
+                f"{kind} model on a server without Warmslot's checkpoint "
+                "patch: slot files restore no reuse or wrong state "
+                "(reference §0.1–0.2); using RAM cache and re-warming",
+            )
+        return DiskTier(
+            True, "dense model" if not (swa or recurrent) else "patched server persists checkpoints"
+        )
+
+    async def _warm_known(self) -> None:
+        """After a (re)start: restore the most recently used prefixes, or prewarm them."""
+        assert self.identity is not None
+        targets = [s.id for s in self.slots.primary_slots][:RESTORE_AT_START]
+        recs = sorted(
+            (r for r in self.store.all(self.launch_id) if r.fingerprint in self.by_fp),
+            key=lambda r: (not r.pinned, -r.last_used),
+        )[: len(targets)]
+        for slot, rec in zip(targets, recs, strict=False):
+            if self.slots.slots[slot].inflight:
+                continue
+            task = asyncio.ensure_future(self._restore_or_prewarm(rec, slot))
+            self._restoring[slot] = task
+            try:
+                await task
+            finally:
+                self._restoring.pop(slot, None)
+
+    async def _restore_or_prewarm(self, rec: StateRecord, slot: int) -> None:
+        info = self.by_fp.get(rec.fingerprint)
+        if self.disk.usable:
+            try:
+                await self._restore(rec, slot)
+                return
+            except VerificationFailed:
+                pass  # recorded; fall through to a cold prewarm when we know the tokens
+        if info is not None:
+            await self._prewarm(info, slot, reason="after server start")
+
+    # ------------------------------------------------------------ request path
+    async def prepare(self, req: ProxyRequest) -> None:
+        settings = self.core.settings.cache
+        client = self.client
+        if not settings.enabled or client is None or self.identity is None:
+            return
+        if req.endpoint != "chat":
+            return  # raw completions: the server's own LCP reuse applies
+        body = req.body
+        if req.has_tools:
+            self.client_tools[req.client] = True
+        if req.kind != "aux":
+            why = pfx.classify_aux(body, req.has_tools, self.client_tools.get(req.client, False))
+            if why:
+                req.kind = "aux"
+                req.notes["aux_reason"] = why
+        session = req.session or pfx.derived_session(req.client, body)
+        req.notes["session"] = session
+        info = None if req.kind == "aux" else await self._prefix_for(req, client)
+        slot, why_slot = self.slots.pick(session, req.kind)
+        req.slot = slot
+        req.notes["slot_reason"] = why_slot
+        if req.kind == "aux" and slot == self.slots.aux_slot:
+            self._emit(
+                "aux_isolated",
+                req.notes.get("aux_reason", "marked as side call"),
+                slot=slot,
+                client=req.client,
+            )
+        pending = self._restoring.get(slot)
+        if pending is not None:  # a restore into this slot is running: let it finish first
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
+        if info is not None:
+            req.notes["prefix_fp"] = info.fingerprint
+            req.notes["prefix_n"] = info.n_tokens
+            await self._ensure_slot(info, slot)
+        body["id_slot"] = slot
+        body["cache_prompt"] = True
+        self.slots.begin(slot)
+        req.notes["began"] = True
+        req.response_headers["X-Warmslot-Slot"] = str(slot)
+        req.response_headers["X-Warmslot-Kind"] = req.kind
+        if info is not None:
+            req.response_headers["X-Warmslot-Prefix"] = f"{info.fingerprint[:16]}:{info.n_tokens}"
+
+    async def _prefix_for(self, req: ProxyRequest, client: LlamaClient) -> pfx.PrefixInfo | None:
+        """The stable prefix of a chat request, from the server's own rendering.
+
+        A profile gives the head before the first volatile marker; sessions of the
+        same client and tools teach a longer boundary (their longest common rendered
+        prefix, e.g. when the <env> block is the same all day). The longer one wins.
+        Rendering happens once per new session and request shape, not per turn.
+        """
+        body = req.body
+        key = pfx.shape_key(req.client, body)
+        tkey = pfx.tools_key(req.client, body)
+        session = req.notes.get("session", "")
+        known = self.prefixes.get(key)
+        group = self.learn.setdefault(tkey, [])
+        if known is not None and any(s == session for s, _ in group):
+            return known
+        rendered = await client.apply_template(_render_body(body))
+        full = await client.tokenize(rendered, add_special=True)
+        head: list[int] = []
+        source = "none"
+        cut = pfx.profile_cut(req.client, rendered, pfx.system_text(body))
+        if cut is not None:
+            head_tokens = await client.tokenize(rendered[: cut[0]], add_special=True)
+            # Tokenizing at a boundary can differ from tokenizing the whole text: keep
+            # only the tokens both agree on (reference §8).
+            head = full[: pfx.common_prefix_len(head_tokens, full)]
+            source = cut[1]
+        learned: list[int] = []
+        for other_session, other in group:
+            if other_session != session:
+                n = pfx.common_prefix_len(other, full)
+                learned = full[:n] if n > len(learned) else learned
+        if not any(s == session for s, _ in group):
+            group.append((session, full))
+            del group[:-4]
+        tokens = head
+        if len(learned) >= len(head) + pfx.MIN_PREFIX_TOKENS:
+            tokens, source = learned, "learned"
+        if known is not None and known.n_tokens >= len(tokens):
+            return known
+        if len(tokens) < pfx.MIN_PREFIX_TOKENS:
+            self._emit(
+                "no_boundary",
+                "no stable prefix found for this client yet",
+                client=req.client,
+                tokens=len(tokens),
+            )
+            return known
+        assert self.identity is not None
+        info = pfx.PrefixInfo(
+            key=key,
+            tokens=tokens,
+            text=rendered[: cut[0]] if cut else "",
+            source=source,
+            client=req.client,
+            fingerprint=fingerprint(self.identity, tokens),
+            first_seen=time.time(),
+            meta={"rendered_tokens": len(full), "head_n": len(head)},
+        )
+        self.prefixes[key] = info
+        if info.fingerprint not in self.by_fp:
+            self.by_fp[info.fingerprint] = info
+            share = round(len(tokens) / max(1, len(full)), 4)
+            self._emit(
+                "prefix_learned",
+                f"stable prefix of {len(tokens)} of {len(full)} rendered tokens ({source})",
+                fp=info.fingerprint,
+                tokens=len(tokens),
+                client=req.client,
+                source=source,
+                share=share,
+                first_volatile_char=cut[0] if cut else None,
+            )
+        return info
+
+    async def _ensure_slot(self, info: pfx.PrefixInfo, slot: int) -> None:
+        """Make the slot hold the prefix before the request runs, if that can be done cheaply."""
+        st = self.slots.slots[slot]
+        if st.prefix_fp == info.fingerprint:
+            return  # warm
+        if st.inflight or st.tokens_hint:
+            return  # its content may still be needed: never restore over it
+        rec = self.store.for_fingerprint(info.fingerprint) if self.disk.usable else None
+        if rec is None:
+            return  # the request warms it; `completed` persists it
+        with contextlib.suppress(VerificationFailed):
+            await self._restore(rec, slot)
+
+    async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
+        slot = req.slot
+        if slot is None or not req.notes.get("began"):
+            return
+        self.slots.end(slot)
+        st = self.slots.slots[slot]
+        fp = req.notes.get("prefix_fp", "")
+        if status != 200 or timings is None:
+            return
+        previous_body, previous_fp = st.last_body, st.prefix_fp
+        previous_session, previous_prompt = st.session_of_last, st.prompt_n_last
+        st.tokens_hint = timings.cache_n + timings.prompt_n + timings.predicted_n
+        st.last_body, st.last_kind, st.prefix_fp = req.body, req.kind, fp
+        st.session_of_last = req.notes.get("session", "")
+        st.prompt_n_last = timings.cache_n + timings.prompt_n
+        if req.kind == "aux":
+            if previous_fp and slot != self.slots.aux_slot:
+                self._emit(
+                    "displaced",
+                    "a side call ran in the primary slot (one slot only); "
+                    "the server's RAM cache brings the prefix back",
+                    fp=previous_fp,
+                    slot=slot,
+                )
+            return
+        info = self.by_fp.get(fp) if fp else None
+        expected, what = 0, ""
+        if previous_session and previous_session == st.session_of_last and previous_prompt:
+            expected, what = previous_prompt - pfx.MIN_PREFIX_TOKENS, "the conversation so far"
+        elif info is not None and previous_fp == fp:
+            head = int(info.meta.get("head_n") or info.n_tokens)
+            expected, what = head - REUSE_SLACK, "the stable prefix"
+        if expected > 0 and timings.cache_n < expected and previous_body is not None:
+            reason = f"reused {timings.cache_n} tokens; expected ≥ {expected} ({what})"
+            self._spawn(self._diagnose(req, previous_body, reason, timings))
+        if info is not None and self.disk.usable and fp not in self._persisting:
+            rec = self.store.for_fingerprint(fp)
+            if rec is None:
+                self._persisting.add(fp)
+                self._spawn(self._persist(info))
+            else:
+                self.store.touch(rec.filename)
+
+    async def _diagnose(
+        self, req: ProxyRequest, previous: dict[str, Any], reason: str, t: Timings
+    ) -> None:
+        client = self.client
+        if client is None:
+            return
+        old = await client.apply_template(_render_body(previous))
+        new = await client.apply_template(_render_body(req.body))
+        where = pfx.divergence(old, new)
+        if where is not None:
+            where["token_index"] = len(
+                await client.tokenize(old[: where["char_index"]], add_special=True)
+            )
+        self._record_divergence(req, reason, where, t)
+
+    def _record_divergence(
+        self, req: ProxyRequest, reason: str, where: dict[str, Any] | None, t: Timings
+    ) -> None:
+        entry = {
+            "ts": time.time(),
+            "client": req.client,
+            "session": req.notes.get("session"),
+            "slot": req.slot,
+            "cache_n": t.cache_n,
+            "prompt_n": t.prompt_n,
+            "reason": reason,
+            "where": where,
+        }
+        self.divergences.appendleft(entry)
+        text = reason
+        if where:
+            text += (
+                f"; diverged at token {where.get('token_index')} (char "
+                f"{where['char_index']}): …{where['before'][-30:]!r} then "
+                f"{where['old'][:30]!r} → {where['new'][:30]!r}"
+            )
+        self._emit(
+            "divergence",
+            text,
+            fp=req.notes.get("prefix_fp", ""),
+            slot=req.slot,
+            tokens=t.cache_n,
+            client=req.client,
+            where=where,
+        )
+
+    # ------------------------------------------------------------ warm / save / restore
+    def _probe_body(self, info_tokens: list[int], slot: int) -> dict[str, Any]:
+        assert self._probe_suffix is not None
+        return {
+            "prompt": info_tokens + self._probe_suffix,
+            "n_predict": PROBE_TOKENS,
+            "temperature": 0.0,
+            "top_k": 1,
+            "samplers": ["top_k"],
+            "n_probs": 1,
+            "id_slot": slot,
+            "cache_prompt": True,
+            "seed": 0,
+            "response_fields": ["completion_probabilities", "timings", "tokens_cached"],
+        }
+
+    @staticmethod
+    def _probe_answer(resp: dict[str, Any]) -> tuple[list[int], list[float]]:
+        probs = resp.get("completion_probabilities") or []
+        return [int(p["id"]) for p in probs], [float(p["logprob"]) for p in probs]
+
+    async def _prewarm(self, info: pfx.PrefixInfo, slot: int, *, reason: str) -> Timings | None:
+        """Fill `slot` with exactly the prefix (n_predict 0 keeps only the prompt in KV)."""
+        client = self.client
+        if client is None:
+            return None
+        resp = await client.completion(
+            {
+                "prompt": info.tokens,
+                "n_predict": 0,
+                "id_slot": slot,
+                "cache_prompt": True,
+                "response_fields": ["timings", "tokens_cached"],
+            }
+        )
+        t = Timings.parse(resp.get("timings"))
+        st = self.slots.slots[slot]
+        st.prefix_fp = info.fingerprint
+        st.tokens_hint = info.n_tokens
+        hit = t is not None and t.cache_n >= info.n_tokens - REUSE_SLACK - 4
+        self._emit(
+            "prewarm_hit" if hit else "prewarm_cold",
+            reason,
+            fp=info.fingerprint,
+            slot=slot,
+            tokens=info.n_tokens,
+            cache_n=t.cache_n if t else None,
+            prompt_n=t.prompt_n if t else None,
+            prompt_ms=t.prompt_ms if t else None,
+        )
+        return t
+
+    async def _wait_idle(self, exclude: int, timeout: float = 30.0) -> None:
+        """Wait until no other slot is busy: a probe's log-probs depend on the batch it
+        shares with other requests, so reference and check must both run alone."""
+        deadline = time.monotonic() + timeout
+        while any(s.inflight for s in self.slots.slots if s.id != exclude):
+            if time.monotonic() > deadline:
+                log.warning("probing while other requests run: verification may be noisy")
+                return
+            await asyncio.sleep(0.05)
+
+    def _scratch_slot(self) -> int | None:
+        aux = self.slots.aux_slot
+        if aux is not None and self.slots.slots[aux].inflight == 0:
+            return aux
+        idle = [s for s in self.slots.primary_slots if s.inflight == 0 and not s.session]
+        return idle[0].id if idle else None
+
+    async def _persist(self, info: pfx.PrefixInfo) -> None:
+        """Build the exact prefix state in a scratch slot, save it, record its probe answer."""
+        try:
+            slot = self._scratch_slot()
+            client = self.client
+            if slot is None or client is None or self.identity is None:
+                self._emit("persist_skipped", "no idle scratch slot", fp=info.fingerprint)
+                return
+            await self._prewarm(info, slot, reason="building the state to save")
+            name = state_filename(info.fingerprint)
+            saved = await client.slot_action(slot, "save", name)
+            path = self._server_slot_dir() / name
+            if int(saved.get("n_saved", 0)) != info.n_tokens or not path.is_file():
+                path.unlink(missing_ok=True)
+                self._emit(
+                    "save_failed",
+                    f"server saved {saved.get('n_saved')} tokens, expected {info.n_tokens}",
+                    fp=info.fingerprint,
+                    slot=slot,
+                )
+                return
+            await self._wait_idle(exclude=slot)
+            answer = await client.completion(self._probe_body(info.tokens, slot))
+            tokens, logprobs = self._probe_answer(answer)
+            now = time.time()
+            rec = StateRecord(
+                filename=name,
+                identity=self.launch_id,
+                fingerprint=info.fingerprint,
+                client=info.client,
+                source=info.source,
+                prefix_n=info.n_tokens,
+                n_tokens=int(saved["n_saved"]),
+                bytes=path.stat().st_size,
+                sha256=file_sha256(path),
+                ttl_class=self.core.settings.cache.prefix_class,
+                pinned=False,
+                created=now,
+                last_used=now,
+                verified_at=now,
+                verify_result="reference",
+                probe={
+                    "prefix": info.tokens,
+                    "suffix": self._probe_suffix,
+                    "tokens": tokens,
+                    "logprobs": logprobs,
+                },
+            )
+            self.store.add(rec)
+            self._emit(
+                "save",
+                f"saved the {info.n_tokens}-token prefix",
+                fp=info.fingerprint,
+                slot=slot,
+                tokens=info.n_tokens,
+                nbytes=rec.bytes,
+                save_ms=(saved.get("timings") or {}).get("save_ms"),
+            )
+        except UpstreamError as e:
+            self._emit("save_failed", str(e), fp=info.fingerprint)
+        finally:
+            self._persisting.discard(info.fingerprint)
+
+    def _server_slot_dir(self) -> Path:
+        sup = self.core.supervisor
+        if sup is not None and sup.resolved is not None and sup.resolved.slot_dir is not None:
+            return sup.resolved.slot_dir
+        return self.core.paths.slot_dir
+
+    async def _restore(self, rec: StateRecord, slot: int) -> None:
+        """Restore `rec` into an expendable slot and verify it; raise VerificationFailed."""
+        client = self.client
+        assert client is not None
+        t0 = time.perf_counter()
+        problem = self.store.check_file(rec)
+        resp: dict[str, Any] = {}
+        if problem is None:
+            try:
+                resp = await client.slot_action(slot, "restore", rec.filename)
+                if int(resp.get("n_restored", -1)) != rec.n_tokens:
+                    problem = f"restored {resp.get('n_restored')} tokens, expected {rec.n_tokens}"
+            except UpstreamError as e:
+                problem = f"server refused the file: {e}"
+        if problem is None:
+            problem = await self._verify(rec, slot, client)
+        ms = (time.perf_counter() - t0) * 1000
+        if problem is None:
+            st = self.slots.slots[slot]
+            st.prefix_fp = rec.fingerprint
+            st.tokens_hint = rec.n_tokens
+            self.store.mark_verified(rec.filename, "ok")
+            self.store.touch(rec.filename)
+            self._emit(
+                "restore_ok",
+                "restored and verified",
+                fp=rec.fingerprint,
+                slot=slot,
+                tokens=rec.n_tokens,
+                nbytes=rec.bytes,
+                ms=round(ms, 1),
+                restore_ms=(resp.get("timings") or {}).get("restore_ms"),
+            )
+            return
+        with contextlib.suppress(UpstreamError):
+            await client.slot_action(slot, "erase")
+        st = self.slots.slots[slot]
+        st.prefix_fp, st.tokens_hint = "", 0
+        freed = self.store.delete(rec)
+        self._emit(
+            "restore_rejected",
+            problem,
+            fp=rec.fingerprint,
+            slot=slot,
+            tokens=rec.n_tokens,
+            nbytes=freed,
+            ms=round(ms, 1),
+        )
+        info = self.by_fp.get(rec.fingerprint)
+        if info is not None and self.disk.usable and rec.fingerprint not in self._persisting:
+            self._persisting.add(rec.fingerprint)
+            self._spawn(self._persist(info))
+        raise VerificationFailed(problem)
+
+    async def _verify(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
+        probe = rec.probe
+        suffix, prefix_tokens = probe.get("suffix"), probe.get("prefix")
+        if not suffix or not prefix_tokens or "tokens" not in probe:
+            return "no known-answer probe recorded"
+        body = {
+            "n_predict": PROBE_TOKENS,
+            "temperature": 0.0,
+            "top_k": 1,
+            "samplers": ["top_k"],
+            "n_probs": 1,
+            "id_slot": slot,
+            "cache_prompt": True,
+            "seed": 0,
+            "return_tokens": False,
+            "response_fields": ["completion_probabilities", "timings"],
+        }
+        body["prompt"] = list(prefix_tokens) + list(suffix)
+        await self._wait_idle(exclude=slot)
+        resp = await client.completion(body)
+        t = Timings.parse(resp.get("timings"))
+        if t is None or t.cache_n < rec.prefix_n - REUSE_SLACK:
+            return (
+                f"reuse probe: cache_n {t.cache_n if t else None}, expected "
+                f"≥ {rec.prefix_n - REUSE_SLACK}"
+            )
+        got_tokens, got_lp = self._probe_answer(resp)
+        if got_tokens != probe["tokens"]:
+            return f"probe answer changed: tokens {got_tokens} ≠ {probe['tokens']}"
+        worst = max(
+            (abs(a - b) for a, b in zip(got_lp, probe["logprobs"], strict=False)), default=0.0
+        )
+        if worst > LOGPROB_TOLERANCE:
+            return f"probe log-probs moved by {worst:.4g} (> {LOGPROB_TOLERANCE})"
+        return None
+
+    # ------------------------------------------------------------ status / lifecycle
+    async def status(self) -> dict[str, Any]:
+        """Cache inventory: slots, saved states, prefixes, last divergences."""
+        slots_live: dict[int, int] = {}
+        client = self.client
+        if client is not None:
+            with contextlib.suppress(UpstreamError):
+                slots_live = {s.id: s.n_prompt_tokens for s in await client.slots()}
+        ident = self.launch_id if self.identity else None
+        states = self.store.all() if self.core.telemetry is not None else []
+        out: dict[str, Any] = {
+            "enabled": self.core.settings.cache.enabled,
+            "identity": ident,
+            "disk_tier": {"usable": self.disk.usable, "reason": self.disk.reason},
+            "aux_slot": self.slots.aux_slot,
+            "slots": [
+                {
+                    "id": s.id,
+                    "session": s.session,
+                    "prefix": s.prefix_fp[:16],
+                    "tokens": slots_live.get(s.id, s.tokens_hint),
+                    "inflight": s.inflight,
+                    "kind": s.last_kind,
+                }
+                for s in self.slots.slots
+            ],
+            "prefixes": [
+                {
+                    "fingerprint": i.fingerprint[:16],
+                    "client": i.client,
+                    "tokens": i.n_tokens,
+                    "source": i.source,
+                    "share": round(i.n_tokens / max(1, i.meta.get("rendered_tokens", 1)), 4),
+                }
+                for i in self.by_fp.values()
+            ],
+            "saved": [
+                {
+                    "file": r.filename,
+                    "fingerprint": r.fingerprint[:16],
+                    "tokens": r.n_tokens,
+                    "bytes": r.bytes,
+                    "ttl_class": r.ttl_class,
+                    "pinned": r.pinned,
+                    "last_used": r.last_used,
+                    "verified": r.verify_result,
+                    "current": r.identity == ident,
+                }
+                for r in states
+            ],
+            "divergences": list(self.divergences)[:5],
+        }
+        out["text"] = format_inventory(out)
+        return out
+
+    async def close(self) -> None:
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+        for task in list(self._jobs):
+            task.cancel()
+        if self._jobs:
+            await asyncio.wait(set(self._jobs), timeout=5)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _render_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields `/apply-template` needs to render a chat request as the server will."""
+    keep = ("messages", "tools", "tool_choice", "chat_template_kwargs")
+    return {k: v for k, v in body.items() if k in keep}
+
+
+def format_inventory(st: dict[str, Any]) -> str:
+    lines = [
+        f"cache: identity {st['identity']}; disk tier "
+        f"{'on' if st['disk_tier']['usable'] else 'off'} — {st['disk_tier']['reason']}"
+    ]
+    for s in st["slots"]:
+        role = " (side calls)" if s["id"] == st["aux_slot"] else ""
+        lines.append(
+            f"  slot {s['id']}{role}: {s['tokens']} tokens, prefix "
+            f"{s['prefix'] or '—'}, session {s['session'] or '—'}"
+        )
+    for p in st["prefixes"]:
+        lines.append(
+            f"  prefix {p['fingerprint']} {p['client']}: {p['tokens']} tokens "
+            f"({p['share'] * 100:.0f} % of the prompt, {p['source']})"
+        )
+    for r in st["saved"][:10]:
+        lines.append(
+            f"  saved {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
+            f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {r['verified']}"
+        )
+    if st["divergences"]:
+        d = st["divergences"][0]
+        lines.append(f"  last divergence ({d['client']}): {d['reason']}")
+        if d.get("where"):
+            w = d["where"]
+            lines.append(
+                f"    at token {w.get('token_index')}: …{w['before'][-40:]!r} "
+                f"then {w['old'][:40]!r} → {w['new'][:40]!r}"
+            )
+    return "\n".join(lines)
+
+
+def policy_factory(core: Core) -> CacheManager:
+    """Entry point the CLI and the tray use to attach the cache manager to a core."""
+    return CacheManager(core)

@@ -1,0 +1,163 @@
+"""Stable-prefix detection and request classification.
+
+The stable prefix is the part of the *rendered* prompt (as llama-server's own
+template renders it) that does not change between turns and sessions: the tool
+schemas and the fixed head of the system prompt. Known clients have profiles
+that name the first volatile marker; unknown clients get a boundary learned
+from the longest common rendered prefix of different sessions. When no boundary
+can be found, nothing is cached for that client — never a wrong prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Markers that start the volatile tail of a system prompt, per client profile.
+# opencode: the <env> block (cwd, platform, date), "Instructions from:" (AGENTS.md
+# files), MCP instructions (they change every turn) and the skills list.
+PROFILES: dict[str, tuple[str, ...]] = {
+    "opencode": (
+        "<env>",
+        "Instructions from:",
+        "<mcp_instructions>",
+        "<available_skills>",
+        "<skills>",
+    ),
+}
+# Markers that mean "volatile from here" for any client (dates, working directories).
+GENERIC_MARKERS = ("<env>", "<mcp_instructions>")
+MIN_PREFIX_TOKENS = 32
+
+_TITLE_RE = re.compile(
+    r"(generate|write|create)\s+(a\s+)?(short\s+|brief\s+|concise\s+)?(title|summary)|"
+    r"you are a title generator|summari[sz]e (the|this) (conversation|session)|"
+    r"^\s*title\s*:",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+@dataclass
+class PrefixInfo:
+    """A detected stable prefix, as tokens the server will see."""
+
+    key: str  # identifies the request shape it was derived from (client, tools, system)
+    tokens: list[int]
+    text: str  # rendered text of the prefix (for diagnosis and display)
+    source: str  # profile:<name> | learned | generic
+    client: str
+    fingerprint: str = ""
+    first_seen: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def system_text(body: dict[str, Any]) -> str:
+    """The concatenated text of the system (and developer) messages."""
+    parts: list[str] = []
+    for msg in body.get("messages", []):
+        if msg.get("role") in ("system", "developer"):
+            parts.append(content_text(msg.get("content")))
+    return "\n".join(parts)
+
+
+def content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def shape_key(client: str, body: dict[str, Any]) -> str:
+    """Hash of what a stable prefix depends on: client, tools verbatim, system text."""
+    h = hashlib.sha256()
+    h.update(client.encode() + b"\0")
+    h.update(json.dumps(body.get("tools"), sort_keys=True).encode() + b"\0")
+    h.update(system_text(body).encode())
+    return h.hexdigest()
+
+
+def tools_key(client: str, body: dict[str, Any]) -> str:
+    h = hashlib.sha256(client.encode() + b"\0")
+    h.update(json.dumps(body.get("tools"), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def profile_cut(client: str, rendered: str, system: str) -> tuple[int, str] | None:
+    """Where the volatile tail starts in `rendered`, by the client's profile markers.
+
+    Only markers inside the system text count: the same words in a user message
+    say nothing about the prefix. Returns (char index, source) or None.
+    """
+    markers = PROFILES.get(client, GENERIC_MARKERS)
+    source = f"profile:{client}" if client in PROFILES else "generic"
+    cuts = []
+    for marker in markers:
+        pos_sys = system.find(marker)
+        if pos_sys < 0:
+            continue
+        # Find this occurrence in the rendered text: the system text's head before the
+        # marker must appear right before it, so anchor on a stretch of that head.
+        anchor = system[max(0, pos_sys - 64) : pos_sys + len(marker)]
+        pos = rendered.find(anchor)
+        if pos >= 0:
+            cuts.append(pos + len(anchor) - len(marker))
+    if not cuts:
+        return None
+    return min(cuts), source
+
+
+def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in blocks first: prompts share thousands of tokens.
+    step = 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def classify_aux(body: dict[str, Any], has_tools: bool, client_uses_tools: bool) -> str | None:
+    """Why a chat request is an auxiliary (side) call, or None for an agent turn."""
+    if not has_tools and client_uses_tools:
+        return "no tools from a client whose agent turns carry tools"
+    msgs = body.get("messages", [])
+    if not has_tools and msgs:
+        head = " ".join(content_text(m.get("content")) for m in msgs[:2])[:2000]
+        if _TITLE_RE.search(head):
+            return "title/summary request shape"
+    return None
+
+
+def derived_session(client: str, body: dict[str, Any]) -> str:
+    """A session key for clients that send none: the conversation's opening."""
+    msgs = body.get("messages", [])
+    first_user = next((content_text(m.get("content")) for m in msgs if m.get("role") == "user"), "")
+    h = hashlib.sha256(
+        client.encode() + b"\0" + system_text(body).encode() + b"\0" + first_user.encode()
+    )
+    return "derived-" + h.hexdigest()[:16]
+
+
+def divergence(old: str, new: str, context: int = 60) -> dict[str, Any] | None:
+    """Where two rendered prompts first differ, with the text around it."""
+    i = common_prefix_len(old, new)
+    if i == len(old) and i <= len(new):
+        return None  # the new prompt extends the old one: no divergence
+    return {
+        "char_index": i,
+        "before": old[max(0, i - context) : i],
+        "old": old[i : i + context],
+        "new": new[i : i + context],
+    }

@@ -1,0 +1,184 @@
+"""The disk tier: saved slot files and their index.
+
+llama-server writes slot files into its ``--slot-save-path``, which Warmslot
+sets to a directory per server identity (``state/slots/<identity>``), so a file
+can never be offered to a server it does not belong to. Every file we write has
+a row in the ``states`` table (in the telemetry database, owned by the core
+thread) with its fingerprint, size, sha256, TTL class and the known-answer
+probe recorded at save time. A row is only written after the file is complete
+and hashed; a file without a row is not ours and is never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import sqlite_utils
+from sqlite_utils import Migrations
+from sqlite_utils.db import NotFoundError, Table
+
+migrations = Migrations("warmslot.cache")
+_NAME_RE = re.compile(r"^ws-[0-9a-f]{32}\.bin$")
+
+
+@migrations()
+def m001_states(db: sqlite_utils.Database) -> None:
+    cast(Table, db["states"]).create(
+        {
+            "filename": str,
+            "identity": str,
+            "fingerprint": str,
+            "client": str,
+            "source": str,
+            "prefix_n": int,
+            "n_tokens": int,
+            "bytes": int,
+            "sha256": str,
+            "ttl_class": str,
+            "pinned": int,
+            "created": float,
+            "last_used": float,
+            "verified_at": float,
+            "verify_result": str,
+            "probe": str,
+            "kind": str,
+        },
+        pk="filename",
+    )
+    cast(Table, db["states"]).create_index(["fingerprint"])
+
+
+def safe_name(name: str) -> bool:
+    """Only names of the shape Warmslot writes may be read, restored or deleted."""
+    return bool(_NAME_RE.match(name))
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class StateRecord:
+    filename: str
+    identity: str
+    fingerprint: str
+    client: str
+    source: str
+    prefix_n: int
+    n_tokens: int
+    bytes: int
+    sha256: str
+    ttl_class: str
+    pinned: bool
+    created: float
+    last_used: float
+    verified_at: float | None
+    verify_result: str
+    probe: dict[str, Any]
+    kind: str = "prefix"
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> StateRecord:
+        row = dict(row)
+        row["pinned"] = bool(row.get("pinned"))
+        row["probe"] = json.loads(row["probe"]) if row.get("probe") else {}
+        return cls(**row)
+
+    def to_row(self) -> dict[str, Any]:
+        row = dict(self.__dict__)
+        row["pinned"] = int(self.pinned)
+        row["probe"] = json.dumps(self.probe)
+        return row
+
+
+class StateStore:
+    """Index of saved states plus the files, for one state root."""
+
+    def __init__(
+        self, db: sqlite_utils.Database, root: Path, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.db = db
+        self.root = root
+        self.clock = clock
+        migrations.apply(db)
+
+    @property
+    def table(self) -> Table:
+        return cast(Table, self.db["states"])
+
+    def dir_for(self, identity_short: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{16}", identity_short):
+            raise ValueError(f"bad identity {identity_short!r}")
+        return self.root / identity_short
+
+    def path(self, rec: StateRecord) -> Path:
+        if not safe_name(rec.filename):
+            raise ValueError(f"refusing unsafe state file name {rec.filename!r}")
+        return self.dir_for(rec.identity) / rec.filename
+
+    def get(self, filename: str) -> StateRecord | None:
+        try:
+            return StateRecord.from_row(self.table.get(filename))
+        except NotFoundError:
+            return None
+
+    def for_fingerprint(self, fp: str) -> StateRecord | None:
+        rows = list(self.table.rows_where("fingerprint = ?", [fp], limit=1))
+        return StateRecord.from_row(rows[0]) if rows else None
+
+    def all(self, identity: str | None = None) -> list[StateRecord]:
+        if identity is None:
+            rows = self.table.rows_where(order_by="last_used desc")
+        else:
+            rows = self.table.rows_where("identity = ?", [identity], order_by="last_used desc")
+        return [StateRecord.from_row(r) for r in rows]
+
+    def add(self, rec: StateRecord) -> None:
+        """Index a finished file (call only after the save returned and the file is hashed)."""
+        self.table.upsert(rec.to_row(), pk="filename")
+
+    def touch(self, filename: str) -> None:
+        self.table.update(filename, {"last_used": self.clock()})
+
+    def mark_verified(self, filename: str, result: str) -> None:
+        self.table.update(filename, {"verified_at": self.clock(), "verify_result": result})
+
+    def set_pinned(self, filename: str, pinned: bool) -> None:
+        self.table.update(filename, {"pinned": int(pinned)})
+
+    def check_file(self, rec: StateRecord) -> str | None:
+        """Why the file cannot be trusted (missing, truncated, changed), or None."""
+        path = self.path(rec)
+        if not path.is_file():
+            return "file is missing"
+        size = path.stat().st_size
+        if size != rec.bytes:
+            return f"size changed ({size} bytes, expected {rec.bytes}): truncated or replaced"
+        if file_sha256(path) != rec.sha256:
+            return "contents changed (sha256 mismatch): corrupted"
+        return None
+
+    def delete(self, rec: StateRecord) -> int:
+        """Delete the file and its row; returns bytes freed. Only our own files."""
+        path = self.path(rec)
+        freed = 0
+        if path.is_file():
+            freed = path.stat().st_size
+            path.unlink()
+        self.table.delete_where("filename = ?", [rec.filename])
+        return freed
+
+    def total_bytes(self) -> int:
+        row = self.db.execute("SELECT COALESCE(SUM(bytes), 0) FROM states").fetchone()
+        return int(row[0])
