@@ -622,6 +622,11 @@ async def _probe_version(binary: Path, blog: BuildLog) -> str:
     return m.group(1).strip() if m else text.strip().splitlines()[0] if text.strip() else ""
 
 
+def _generator_args() -> list[str]:
+    # Ninja when present: its "[done/total]" status gives an exact, smooth progress bar.
+    return ["-G", "Ninja"] if shutil.which("ninja") else []
+
+
 def _failed_log_path(paths: Paths, build_id: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return paths.log_dir / "builds" / f"{stamp}-{build_id or 'unknown'}-failed.log"
@@ -659,7 +664,7 @@ async def _compile(
             await apply_patches(src, plan.patches, blog.note)
             _check_cancel(cancel)
 
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        generator = _generator_args()
         env = dict(plan.env)
         # Ninja's progress format is what the parser reads; a user's NINJA_STATUS would hide it.
         env["NINJA_STATUS"] = "[%f/%t] "
@@ -767,6 +772,12 @@ async def _compile(
         if rec is None:
             raise BuildFailed(f"Build {build_id} finished but its cache entry is unreadable")
         return rec
+    except BuildCancelled:
+        raise
+    except BuildError:
+        # Save the log before the temp dir (where it lives) goes.
+        blog.keep_at(_failed_log_path(paths, build_id))
+        raise
     finally:
         blog.close()
         # Shielded from cancellation: a half-deleted temp dir would be swept later anyway,
@@ -856,7 +867,8 @@ async def build(
     except BuildError as e:
         error = str(e)
         blog.note(f"FAILED: {e}")
-        log_path = blog.save_copy(_failed_log_path(paths, state["build_id"]))
+        failed = blog.path if blog.path and blog.path.parent == paths.log_dir / "builds" else None
+        log_path = blog.keep_at(failed or _failed_log_path(paths, state["build_id"]))
         if isinstance(e, BuildFailed):
             e.log_path = log_path
             e.tail = e.tail or blog.tail.text(25)

@@ -121,18 +121,31 @@ class LogTail:
     the tail shows where the build stopped.
     """
 
-    _ERROR = re.compile(r"(\berror\b|CMake Error|FAILED:|\*\*\*)", re.IGNORECASE)
+    # A compiler's or cmake's own error line names the cause; make/ninja's "FAILED:" and
+    # "***" lines only say which step failed, so they are the fallback.
+    _ERROR = re.compile(r"(\berror\b|CMake Error)", re.IGNORECASE)
+    _STEP_FAILED = re.compile(r"(^FAILED:|\*\*\*)")
 
     def __init__(self, size: int = 40) -> None:
         self.lines: deque[str] = deque(maxlen=size)
-        self.first_error: str | None = None
+        self._error: str | None = None
+        self._failed_step: str | None = None
+
+    @property
+    def first_error(self) -> str | None:
+        """The first error line seen (compiler/cmake errors before make/ninja's)."""
+        return self._error or self._failed_step
 
     def add(self, line: str) -> None:
         """Remember one line (without its newline)."""
         line = _ANSI.sub("", line.rstrip("\r\n"))
         self.lines.append(line)
-        if self.first_error is None and self._ERROR.search(line) and "warning" not in line:
-            self.first_error = line.strip()
+        if "warning" in line.lower():
+            return
+        if self._error is None and self._ERROR.search(line):
+            self._error = line.strip()
+        elif self._failed_step is None and self._STEP_FAILED.search(line):
+            self._failed_step = line.strip()
 
     def extend(self, lines: Iterable[str]) -> None:
         """Remember several lines."""
@@ -161,6 +174,7 @@ class BuildLog:
         self.tail = LogTail()
 
     def open(self, path: Path) -> None:
+        """Start writing to `path`, beginning with the lines kept so far."""
         with self._lock:
             self._file = path.open("w", encoding="utf-8", errors="replace")
             self.path = path
@@ -169,9 +183,11 @@ class BuildLog:
             self._pending.clear()
 
     def note(self, msg: str) -> None:
+        """Write one of Warmslot's own lines (timestamped, ``==`` marks it apart)."""
         self.write(f"== {time.strftime('%H:%M:%S')} {msg}")
 
     def write(self, line: str) -> None:
+        """Write one line of tool output."""
         line = line.rstrip("\r\n")
         self.tail.add(line)
         with self._lock:
@@ -181,21 +197,31 @@ class BuildLog:
                 self._file.write(line + "\n")
 
     def close(self) -> None:
+        """Close the file; later lines are kept in memory until `open` or `keep_at`."""
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
 
-    def save_copy(self, dest: Path) -> Path | None:
-        self.close()
-        with contextlib.suppress(OSError):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if self.path is not None and self.path.exists():
-                shutil.copyfile(self.path, dest)
-            else:
-                dest.write_text("".join(self._pending), "utf-8")
+    def keep_at(self, dest: Path) -> Path | None:
+        """Move the log to `dest` (out of a temp dir about to be deleted); later lines are
+        appended there. Returns `dest`, or None if it cannot be written."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if self.path is not None and self.path != dest and self.path.exists():
+                    shutil.move(self.path, dest)
+                self.path = dest
+                self._file = dest.open("a", encoding="utf-8", errors="replace")
+                self._file.writelines(self._pending)
+                self._file.flush()
+                self._pending.clear()
+            except OSError:
+                return None
             return dest
-        return None
 
 
 # ---------------------------------------------------------------------------- running steps

@@ -34,6 +34,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -353,24 +354,32 @@ def _git_build_number(repo: Path, commit: str) -> int | None:
 
 def _git_archive_export(repo: Path, commit: str, dest: Path) -> None:
     dest.mkdir(parents=True)
-    proc = subprocess.Popen(
-        ["git", "archive", "--format=tar", commit],
-        cwd=repo,
-        env=_git_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
-            tf.extractall(dest, filter="data")
-    finally:
-        proc.stdout.close()
-        err = proc.stderr.read().decode("utf-8", "replace").strip()
+    # stderr to a file: a pipe nobody reads while the tar streams could fill up and block.
+    with (
+        tempfile.TemporaryFile() as errf,
+        subprocess.Popen(
+            ["git", "archive", "--format=tar", commit],
+            cwd=repo,
+            env=_git_env(),
+            stdout=subprocess.PIPE,
+            stderr=errf,
+            stdin=subprocess.DEVNULL,
+        ) as proc,
+    ):
+        assert proc.stdout is not None
+        try:
+            with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
+                tf.extractall(dest, filter="data")
+        except tarfile.TarError as e:
+            proc.kill()
+            tar_error: str | None = str(e)
+        else:
+            tar_error = None
         rc = proc.wait()
-    if rc != 0:
-        raise BuildError(f"git archive {commit[:12]} failed: {err}")
+        errf.seek(0)
+        err = errf.read().decode("utf-8", "replace").strip()
+    if rc != 0 or tar_error:
+        raise BuildError(f"git archive {commit[:12]} failed: {err or tar_error}")
 
 
 def _dirty_hash(repo: Path) -> str | None:
