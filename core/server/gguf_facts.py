@@ -26,7 +26,6 @@ The layer layout mirrors llama.cpp's loader (`llama_hparams`):
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import re
 import struct
@@ -37,11 +36,11 @@ from typing import Any
 import gguf
 
 from core.errors import ModelNotFound
+from core.server.model import model_identity
 
-__all__ = ["SWA_PATTERNS", "ModelFacts", "model_identity", "read_facts"]
+__all__ = ["SWA_PATTERNS", "ModelFacts", "read_facts"]
 
 GGUF_MAGIC = b"GGUF"
-MIB = 1 << 20
 
 # Period and "dense first" of the sliding-window layout llama.cpp hard-codes per
 # architecture (its src/models/*.cpp `set_swa_pattern` calls) when the file
@@ -69,8 +68,18 @@ INTERVAL_HYBRID_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe"})
 # (vocabularies, merges) are skipped and only their length is kept.
 _MAX_DECODED_ARRAY = 65536
 _SCALAR = {
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
-}  # fmt: skip
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -150,22 +159,6 @@ class ModelFacts:
         return out
 
 
-def model_identity(path: Path) -> str:
-    """sha256 of the size and the first and last MiB: fast, changes with the file.
-
-    The same formula as `core.server.model.model_identity`, so both name a model
-    file identically.
-    """
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with path.open("rb") as f:
-        h.update(f.read(MIB))
-        if size > 2 * MIB:
-            f.seek(-MIB, 2)
-            h.update(f.read(MIB))
-    return h.hexdigest()
-
-
 class _Header:
     """The key/value metadata and tensor sizes of one GGUF file."""
 
@@ -199,18 +192,32 @@ class _Header:
             key, pos = self._string(buf, pos)
             (vtype,) = struct.unpack_from(self.order + "I", buf, pos)
             self.fields[key], pos = self._value(buf, pos + 4, vtype)
+        infos: list[tuple[str, int, int | None]] = []  # name, data offset, size if known
         for _ in range(n_tensors):
             name, pos = self._string(buf, pos)
             (n_dims,) = struct.unpack_from(self.order + "I", buf, pos)
             dims = struct.unpack_from(f"{self.order}{n_dims}Q", buf, pos + 4)
             pos += 4 + 8 * n_dims
-            (ttype,) = struct.unpack_from(self.order + "I", buf, pos)
-            pos += 4 + 8  # type, then the data offset
+            ttype, offset = struct.unpack_from(self.order + "IQ", buf, pos)
+            pos += 12
             n_elem = 1
             for d in dims:
                 n_elem *= d
-            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-            self.tensors[name] = n_elem // block * type_size
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+                infos.append((name, offset, n_elem // block * type_size))
+            except (ValueError, KeyError):
+                infos.append((name, offset, None))  # a type newer than the gguf package
+        # Tensors of unknown types: the distance to the next tensor's data (which
+        # includes at most an alignment's worth of padding).
+        align = int(self.fields.get("general.alignment", 32) or 32)
+        data_start = (pos + align - 1) // align * align
+        ends = sorted({off for _, off, _ in infos} | {len(buf) - data_start})
+        for name, offset, size in infos:
+            if size is None:
+                nxt = next((e for e in ends if e > offset), offset)
+                size = nxt - offset
+            self.tensors[name] = size
 
     def _string(self, buf: mmap.mmap, pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from(self.order + "Q", buf, pos)
@@ -250,7 +257,9 @@ def _split_parts(path: Path, count: int) -> list[Path]:
     m = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", path.name)
     if not m:
         return [path]
-    return [path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    return [
+        path.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)
+    ]
 
 
 def _per_layer(value: Any, n_layer: int, default: int) -> tuple[int, ...]:

@@ -1,0 +1,137 @@
+"""`warmslot fit`: show the plan of llama-server flags before anything launches.
+
+The configured values (slots, context per slot, RAM cache, and any planner flag
+found in ``server.extra_args``) are pinned; ``--auto`` lets the planner choose
+slots, context and RAM cache itself, to show what it would pick.
+Exit status: 0 when the plan fits, 1 when it does not (or on an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from core import config as config_mod
+from core.config import ServerSettings
+from core.paths import Paths
+from core.server.devices import read_gpus, read_host
+from core.server.fit import FitRequest, format_plan, plan
+from core.server.gguf_facts import read_facts
+
+__all__ = ["cmd_fit", "register", "request_from_settings"]
+
+# extra_args flags that pin a planner choice: flag → (FitRequest field, parser).
+_PINNING_FLAGS: dict[str, tuple[str, Any]] = {
+    "-ngl": ("n_gpu_layers", int),
+    "--gpu-layers": ("n_gpu_layers", int),
+    "--n-gpu-layers": ("n_gpu_layers", int),
+    "-ctk": ("cache_type_k", str),
+    "--cache-type-k": ("cache_type_k", str),
+    "-ctv": ("cache_type_v", str),
+    "--cache-type-v": ("cache_type_v", str),
+    "-ub": ("n_ubatch", int),
+    "--ubatch-size": ("n_ubatch", int),
+    "-ctxcp": ("ctx_checkpoints", int),
+    "--ctx-checkpoints": ("ctx_checkpoints", int),
+    "--swa-checkpoints": ("ctx_checkpoints", int),
+    "-cms": ("checkpoint_min_step", int),
+    "--checkpoint-min-step": ("checkpoint_min_step", int),
+    "-fa": ("flash_attn", lambda v: v != "off"),
+    "--flash-attn": ("flash_attn", lambda v: v != "off"),
+}
+_SWITCHES = {
+    "--swa-full": ("swa_full", True),
+    "-kvu": ("kv_unified", True),
+    "--kv-unified": ("kv_unified", True),
+}
+
+
+def request_from_settings(
+    server: ServerSettings, *, auto: bool = False, extra_args: Sequence[str] | None = None
+) -> FitRequest:
+    """The `FitRequest` the settings imply: configured values are pinned.
+
+    With `auto`, slots, context per slot and RAM cache are left to the planner.
+    Flags in ``server.extra_args`` that the planner would choose (``-ngl``,
+    ``-ctk`` …) are pinned too, since llama-server will receive them anyway.
+    ``-ngl all``/``auto`` leave the layer count to the planner.
+    """
+    pins: dict[str, Any] = {}
+    if not auto:
+        pins.update(
+            slots=server.slots, ctx_per_slot=server.ctx_per_slot, cache_ram_mib=server.cache_ram_mib
+        )
+    args = list(server.extra_args if extra_args is None else extra_args)
+    for i, token in enumerate(args):
+        flag, _, inline = token.partition("=")
+        if flag in _SWITCHES:
+            key, value = _SWITCHES[flag]
+            pins[key] = value
+        elif flag in _PINNING_FLAGS:
+            raw = inline or (args[i + 1] if i + 1 < len(args) else "")
+            key, parse = _PINNING_FLAGS[flag]
+            try:
+                pins[key] = parse(raw)
+            except ValueError:
+                continue  # e.g. -ngl all: the planner decides
+    return FitRequest(**pins)
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    """Print the fit plan for the configured (or given) model."""
+    paths = Paths.default(getattr(args, "dev_dir", None))
+    settings = config_mod.load(paths.config_file)
+    if args.model:
+        model_path = Path(args.model)
+    else:
+        from core.server.model import resolve
+
+        model_path = resolve(paths, settings.server.model).path
+    facts = read_facts(model_path)
+    gpus = read_gpus()
+    host = read_host(paths.state_dir)
+    result = plan(facts, gpus, host, request_from_settings(settings.server, auto=args.auto))
+    if args.json:
+        doc = {
+            "model": facts.to_dict(),
+            "gpus": [g.to_dict() for g in gpus],
+            "host": host.to_dict(),
+            "plan": result.to_dict(),
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        layers = f"{facts.n_layer} layers"
+        if facts.is_swa:
+            layers += f" ({facts.n_swa_layers} sliding-window {facts.n_swa}, "
+            layers += f"{facts.n_full_layers} full)"
+        if facts.is_recurrent:
+            layers += f" ({sum(facts.recurrent_layers)} recurrent)"
+        print(
+            f"model: {facts.path}\n  {facts.architecture}, {layers}, "
+            f"{facts.weights_bytes / (1 << 30):.2f} GiB of weights, "
+            f"trained context {facts.n_ctx_train}"
+        )
+        print(
+            f"devices: {len(gpus)} GPU(s); host RAM {host.ram_available / (1 << 30):.1f} GiB "
+            f"available of {host.ram_total / (1 << 30):.1f} GiB\n"
+        )
+        print(format_plan(result))
+    return 0 if result.fits else 1
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `fit` subcommand to the main CLI."""
+    p = subparsers.add_parser(
+        "fit", help="plan llama-server flags so the model, its context and caches fit"
+    )
+    p.add_argument("--model", help="a GGUF file (default: the configured model)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="let the planner choose slots, context and RAM cache instead of the settings",
+    )
+    p.set_defaults(func=cmd_fit)

@@ -1,0 +1,742 @@
+"""The fit planner: which llama-server flags make model + context + caches fit.
+
+`plan(facts, gpus, host, request)` is a pure function. It sizes every buffer the
+way llama.cpp does (reference §1, §4-§6, checked against the server's own log):
+
+- **KV cache**: per layer, cells × (row(K) + row(V)); a row is head_dim × KV
+  heads in the cache type. Full-attention layers get the per-slot context
+  (padded to 256) per stream; sliding-window layers get
+  ``pad256(min(n_ctx, n_swa × (unified ? slots : 1) + n_ubatch))`` cells unless
+  ``--swa-full``. With explicit ``-np`` the cache is not unified: one stream per
+  slot.
+- **Weights**: ``-ngl k`` puts the last k repeating layers (and the output head
+  once k > n_layer) on the GPUs; token embeddings stay on the host.
+- **Compute buffer**: n_ubatch × 4 B × (6·n_embd + 3·n_ff) plus the f16 masks
+  (n_ubatch × cells); without flash attention also the n_head × n_ubatch ×
+  n_kv f32 scores. Calibrated on llama-server's CPU backend within ~10 %.
+- **Checkpoints** (SWA and recurrent models only) hold the window (or the
+  recurrent state) of one sequence and live in host RAM, as does the RAM prompt
+  cache (``--cache-ram``).
+- **Disk per saved prefix** (§6): full-attention bytes × N + SWA bytes ×
+  min(N, n_swa) + recurrent state + 16 B per token.
+
+When the preferred configuration does not fit, the planner steps down a
+ladder — q8_0 KV cache, a shorter context, a partial GPU offload, fewer slots —
+and says in `gave_up` what it reduced; values the user pinned are never changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.errors import ConfigError
+from core.server.devices import GpuInfo, HostInfo
+from core.server.gguf_facts import ModelFacts
+
+__all__ = [
+    "CACHE_TYPES",
+    "Breakdown",
+    "DeviceUse",
+    "FitPlan",
+    "FitRequest",
+    "compute_bytes",
+    "cross_check",
+    "format_plan",
+    "kv_cells",
+    "kv_layer_bytes",
+    "plan",
+    "plan_argv",
+]
+
+MIB = 1 << 20
+GIB = 1 << 30
+# (block size, bytes per block) of the KV cache types llama-server accepts.
+CACHE_TYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
+    "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
+}  # fmt: skip
+SERVER_DEFAULT_CHECKPOINTS = 32
+SERVER_DEFAULT_MIN_STEP = 8192
+SERVER_DEFAULT_CACHE_RAM_MIB = 8192
+SERVER_DEFAULT_UBATCH = 512
+
+
+def _pad(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def _row(cache_type: str, n: int) -> int:
+    block, size = CACHE_TYPES[cache_type]
+    return (n + block - 1) // block * size
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """What the user pinned (None = let the planner choose) and the safety margins."""
+
+    slots: int | None = None
+    ctx_per_slot: int | None = None
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    n_gpu_layers: int | None = None
+    swa_full: bool | None = None
+    cache_ram_mib: int | None = None
+    ctx_checkpoints: int | None = None
+    checkpoint_min_step: int | None = None
+    n_ubatch: int = SERVER_DEFAULT_UBATCH
+    kv_unified: bool = False
+    flash_attn: bool = True
+    vram_margin_mib: int = 1024  # per GPU, like llama-server's --fit-target
+    ram_floor_mib: int = 2048  # host RAM left for the OS and everything else
+    preferred_ctx: int = 32768  # the context per slot the planner aims for
+    preferred_slots: int = 2  # one for the agent, one for side calls
+
+    def validate(self) -> None:
+        """Raise `ConfigError` for values llama-server would reject."""
+        for key in ("cache_type_k", "cache_type_v"):
+            value = getattr(self, key)
+            if value is not None and value not in CACHE_TYPES:
+                raise ConfigError(
+                    "unknown KV cache type", key=key, expected=" | ".join(CACHE_TYPES), got=value
+                )
+        lows = {"slots": 1, "ctx_per_slot": 256, "n_gpu_layers": 0, "cache_ram_mib": 0,
+                "ctx_checkpoints": 0, "checkpoint_min_step": 0, "n_ubatch": 1}  # fmt: skip
+        for key, low in lows.items():
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ConfigError("value too small", key=key, expected=f"≥ {low}", got=value)
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """Planned memory on one device (a GPU, or host RAM), in bytes."""
+
+    name: str
+    kind: str  # "gpu" | "host"
+    layers: int
+    weights_bytes: int
+    kv_bytes: int  # KV cache plus recurrent state of its layers
+    compute_bytes: int
+    other_bytes: int  # host: logits buffer, checkpoints, RAM prompt cache
+    budget_bytes: int  # free minus margin (GPU) or available minus floor (host)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes + self.other_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where the bytes go, for the plan's configuration."""
+
+    weights_gpu_bytes: int
+    weights_host_bytes: int
+    kv_bytes_per_token: int  # full-attention layers, K+V, one sequence
+    kv_swa_bytes_per_token: int  # sliding-window layers, one sequence
+    kv_cells_full: int  # per slot
+    kv_cells_swa: int  # per slot
+    kv_bytes_per_slot: int
+    kv_bytes_total: int
+    recurrent_bytes_per_slot: int
+    compute_bytes_gpu: int
+    compute_bytes_host: int
+    logits_bytes: int
+    checkpoint_bytes: int  # one checkpoint
+    checkpoints_bytes_max: int  # every slot's list full
+    cache_ram_bytes: int
+    disk_per_prefix_bytes: int  # one full slot saved to disk
+    disk_per_1k_tokens_bytes: int
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """The chosen flags, what they cost, and why."""
+
+    model: str
+    n_gpu_layers: int
+    slots: int
+    ctx_per_slot: int
+    cache_type_k: str
+    cache_type_v: str
+    cache_ram_mib: int
+    ctx_checkpoints: int
+    checkpoint_min_step: int
+    swa_full: bool
+    n_ubatch: int
+    kv_unified: bool
+    flash_attn: bool
+    tensor_split: tuple[int, ...]  # layers per GPU; () when at most one GPU is used
+    breakdown: Breakdown
+    devices: tuple[DeviceUse, ...]
+    fits: bool
+    reasons: dict[str, str] = field(default_factory=dict)
+    gave_up: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form, with each device's total and verdict, and the argv."""
+        out = dataclasses.asdict(self)
+        out["devices"] = [
+            {**dataclasses.asdict(d), "total_bytes": d.total_bytes, "fits": d.fits}
+            for d in self.devices
+        ]
+        out["argv"] = plan_argv(self)
+        return out
+
+
+def kv_cells(
+    facts: ModelFacts,
+    ctx_per_slot: int,
+    slots: int,
+    *,
+    n_ubatch: int = SERVER_DEFAULT_UBATCH,
+    unified: bool = False,
+    swa_full: bool = False,
+) -> tuple[int, int, int]:
+    """(full cells, SWA cells, streams) of the KV cache; cells are per stream."""
+    if unified:
+        base, streams = _pad(ctx_per_slot * slots), 1
+    else:
+        base, streams = _pad(ctx_per_slot), slots
+    swa = base
+    if facts.is_swa and not swa_full:
+        swa = min(base, _pad(facts.n_swa * (slots if unified else 1) + n_ubatch))
+    return base, swa, streams
+
+
+def kv_layer_bytes(facts: ModelFacts, layer: int, cache_type_k: str, cache_type_v: str) -> int:
+    """K+V bytes one cell of `layer` takes (0 for layers without a KV cache)."""
+    heads = facts.n_head_kv[layer]
+    if heads == 0:
+        return 0
+    swa = facts.is_swa and facts.swa_layers[layer]
+    dk = facts.head_dim_k_swa if swa else facts.head_dim_k
+    dv = facts.head_dim_v_swa if swa else facts.head_dim_v
+    return _row(cache_type_k, dk * heads) + (_row(cache_type_v, dv * heads) if dv else 0)
+
+
+def compute_bytes(
+    facts: ModelFacts,
+    cells: Sequence[int],
+    *,
+    n_ubatch: int = SERVER_DEFAULT_UBATCH,
+    flash_attn: bool = True,
+) -> int:
+    """Estimated compute buffer of one device; `cells` = KV cells per attention kind."""
+    total = n_ubatch * 4 * (6 * facts.n_embd + 3 * facts.n_ff)
+    total += sum(n_ubatch * c * 2 for c in cells)  # f16 KQ masks
+    if not flash_attn and cells:
+        total += facts.n_head * n_ubatch * max(cells) * 4  # materialized KQ scores
+    return total
+
+
+@dataclass(frozen=True)
+class _Config:
+    slots: int
+    ctx: int
+    type_k: str
+    type_v: str
+    swa_full: bool
+    cache_ram_mib: int
+    checkpoints: int
+
+
+class _Planner:
+    """Evaluates configurations for one model, device set and request."""
+
+    def __init__(
+        self, facts: ModelFacts, gpus: Sequence[GpuInfo], host: HostInfo, req: FitRequest
+    ) -> None:
+        self.f, self.gpus, self.host, self.req = facts, list(gpus), host, req
+        self.margin = req.vram_margin_mib * MIB
+        self.host_budget = host.ram_available - req.ram_floor_mib * MIB
+
+    def checkpoint_bytes(self, cfg: _Config) -> int:
+        """One checkpoint: the window of the SWA layers and/or the recurrent state.
+
+        Dense models (and SWA models with --swa-full) get none: the server can
+        roll their cache back to any cell.
+        """
+        f = self.f
+        size = f.recurrent_state_bytes_per_layer * sum(f.recurrent_layers)
+        if f.is_swa and not cfg.swa_full:
+            size += f.n_swa * (self.per_token(cfg, swa=True) + 16)
+        return size
+
+    def per_token(self, cfg: _Config, *, swa: bool) -> int:
+        """KV bytes per token of one sequence over the full (or the SWA) layers."""
+        f = self.f
+        return sum(
+            kv_layer_bytes(f, i, cfg.type_k, cfg.type_v)
+            for i in range(f.n_layer)
+            if (f.is_swa and f.swa_layers[i]) == swa
+        )
+
+    def evaluate(self, cfg: _Config, ngl: int) -> tuple[tuple[DeviceUse, ...], Breakdown]:
+        """Per-device use and the breakdown of `cfg` with `ngl` units offloaded."""
+        f, req = self.f, self.req
+        full, swa, streams = kv_cells(
+            f,
+            cfg.ctx,
+            cfg.slots,
+            n_ubatch=req.n_ubatch,
+            unified=req.kv_unified,
+            swa_full=cfg.swa_full,
+        )
+        recurrent_layer = f.recurrent_state_bytes_per_layer * cfg.slots
+        layer_kv = [
+            (swa if f.is_swa and f.swa_layers[i] else full)
+            * streams
+            * kv_layer_bytes(f, i, cfg.type_k, cfg.type_v)
+            + (recurrent_layer if f.recurrent_layers[i] else 0)
+            for i in range(f.n_layer)
+        ]
+        mask_cells = [c for c, n in ((full, f.n_full_layers), (swa, f.n_swa_layers)) if n]
+        comp = compute_bytes(f, mask_cells, n_ubatch=req.n_ubatch, flash_attn=req.flash_attn)
+
+        # Units in llama.cpp's offload order: the repeating layers, then the output
+        # head; -ngl k offloads the last k, spread over the GPUs in index order.
+        units = [(f.layer_bytes[i], layer_kv[i]) for i in range(f.n_layer)]
+        units.append((f.output_bytes, 0))
+        ngl = min(ngl, len(units)) if self.gpus else 0
+        first_gpu = len(units) - ngl
+        devices: list[DeviceUse] = []
+        pos = first_gpu
+        for d, gpu in enumerate(self.gpus):
+            budget = gpu.free_bytes - self.margin
+            end, cost = pos, comp
+            while end < len(units):
+                w, kv = units[end]
+                if d < len(self.gpus) - 1 and cost + w + kv > budget:
+                    break  # the rest goes to the next GPU
+                cost += w + kv
+                end += 1
+            span = units[pos:end]
+            devices.append(
+                DeviceUse(
+                    f"GPU{gpu.index} {gpu.name}",
+                    "gpu",
+                    len(span),
+                    sum(u[0] for u in span),
+                    sum(u[1] for u in span),
+                    comp if span else 0,
+                    0,
+                    budget,
+                )
+            )
+            pos = end
+
+        gpu_weights = sum(d.weights_bytes for d in devices)
+        host_layers = min(first_gpu, f.n_layer)
+        ckpt = self.checkpoint_bytes(cfg)
+        ckpt_max = ckpt * cfg.checkpoints * cfg.slots
+        logits = f.n_vocab * 4 * cfg.slots
+        cache_ram = cfg.cache_ram_mib * MIB
+        devices.append(
+            DeviceUse(
+                "host RAM",
+                "host",
+                host_layers,
+                f.weights_bytes - gpu_weights,
+                sum(layer_kv[:host_layers]),
+                comp if first_gpu > 0 else 0,
+                logits + ckpt_max + cache_ram,
+                self.host_budget,
+            )
+        )
+
+        per_tok_full = self.per_token(cfg, swa=False)
+        per_tok_swa = self.per_token(cfg, swa=True)
+        recurrent = f.recurrent_state_bytes_per_layer * sum(f.recurrent_layers)
+        kv_total = sum(layer_kv)
+        per_slot = kv_total // cfg.slots
+        # Saved states keep only the last n_swa positions of SWA layers, even with
+        # --swa-full (reference §0.2, §6).
+        saved_swa = per_tok_swa * min(cfg.ctx, f.n_swa)
+        bd = Breakdown(
+            weights_gpu_bytes=gpu_weights,
+            weights_host_bytes=f.weights_bytes - gpu_weights,
+            kv_bytes_per_token=per_tok_full,
+            kv_swa_bytes_per_token=per_tok_swa,
+            kv_cells_full=full,
+            kv_cells_swa=swa,
+            kv_bytes_per_slot=per_slot,
+            kv_bytes_total=kv_total,
+            recurrent_bytes_per_slot=recurrent,
+            compute_bytes_gpu=sum(d.compute_bytes for d in devices if d.kind == "gpu"),
+            compute_bytes_host=devices[-1].compute_bytes,
+            logits_bytes=logits,
+            checkpoint_bytes=ckpt,
+            checkpoints_bytes_max=ckpt_max,
+            cache_ram_bytes=cache_ram,
+            disk_per_prefix_bytes=(per_tok_full + 16) * cfg.ctx + saved_swa + recurrent,
+            disk_per_1k_tokens_bytes=(per_tok_full + 16) * 1000,
+        )
+        return tuple(devices), bd
+
+    def fits(self, cfg: _Config, ngl: int) -> bool:
+        devices, _ = self.evaluate(cfg, ngl)
+        return all(d.fits for d in devices)
+
+    def best_ngl(self, cfg: _Config) -> int:
+        """The most units whose GPUs all stay within budget (0 without GPUs)."""
+        if not self.gpus:
+            return 0
+        for ngl in range(self.f.n_layer + 1, 0, -1):
+            devices, _ = self.evaluate(cfg, ngl)
+            if all(d.fits for d in devices if d.kind == "gpu"):
+                return ngl
+        return 0
+
+
+_LADDER: tuple[tuple[int | None, bool, bool, int | None], ...] = (
+    # (context cap, quantize the KV cache, allow a partial offload, slots cap).
+    # A shorter context is worth it to keep every layer on the GPU; once layers
+    # must run on the CPU anyway, the preferred context comes back first.
+    (None, False, False, None),
+    (None, True, False, None),
+    (16384, True, False, None),
+    (None, True, True, None),
+    (16384, True, True, None),
+    (8192, True, True, None),
+    (4096, True, True, None),
+    (4096, True, True, 1),
+)
+
+
+_PINNABLE = ("slots", "ctx_per_slot", "cache_type_k", "cache_type_v", "n_gpu_layers",
+             "swa_full", "cache_ram_mib")  # fmt: skip
+_PIN_KEYS = {  # reason key → the request fields that pin it
+    "n_gpu_layers": ("n_gpu_layers",), "slots": ("slots",), "ctx_per_slot": ("ctx_per_slot",),
+    "cache_types": ("cache_type_k", "cache_type_v"), "cache_ram_mib": ("cache_ram_mib",),
+    "ctx_checkpoints": ("ctx_checkpoints",), "checkpoint_min_step": ("checkpoint_min_step",),
+}  # fmt: skip
+
+
+def _mib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def plan(
+    facts: ModelFacts, gpus: Sequence[GpuInfo], host: HostInfo, request: FitRequest | None = None
+) -> FitPlan:
+    """Choose llama-server flags so the model, its KV cache and caches fit.
+
+    Pinned values in `request` are kept as they are; the rest are chosen, stepping
+    down `_LADDER` until every device stays within its budget. `FitPlan.fits` is
+    False when even the last step does not fit; `gave_up` then says by how much.
+    """
+    req = request or FitRequest()
+    req.validate()
+    p = _Planner(facts, gpus, host, req)
+    f = facts
+    n_units = f.n_layer + 1
+    notes = list(f.notes)
+    trained = f.n_ctx_train or req.preferred_ctx
+    pref_ctx = req.ctx_per_slot or max(256, min(req.preferred_ctx, trained) // 256 * 256)
+    pref_slots = req.slots or req.preferred_slots
+    swa_full = bool(req.swa_full) and f.is_swa
+    has_ckpt = f.is_recurrent or (f.is_swa and not swa_full)
+    min_ckpt = req.ctx_checkpoints if req.ctx_checkpoints is not None else (4 if has_ckpt else 0)
+    ram_mib = req.cache_ram_mib if req.cache_ram_mib is not None else 0
+
+    def config(step: tuple[int | None, bool, bool, int | None]) -> tuple[_Config, int]:
+        ctx_cap, quant, partial, slots_cap = step
+        ctx = pref_ctx if req.ctx_per_slot or ctx_cap is None else min(ctx_cap, pref_ctx)
+        slots = pref_slots if req.slots or slots_cap is None else min(slots_cap, pref_slots)
+        tk = req.cache_type_k or ("q8_0" if quant else "f16")
+        # A quantized V cache needs flash attention in llama.cpp.
+        tv = req.cache_type_v or ("q8_0" if quant and req.flash_attn else "f16")
+        cfg = _Config(slots, ctx, tk, tv, swa_full, ram_mib, min_ckpt)
+        if not gpus:
+            ngl = 0
+        elif req.n_gpu_layers is not None:
+            ngl = min(req.n_gpu_layers, n_units)
+        else:
+            ngl = p.best_ngl(cfg) if partial else n_units
+        return cfg, ngl
+
+    tried: list[tuple[_Config, int]] = []
+    chosen: tuple[_Config, int] | None = None
+    for step in _LADDER:
+        cand = config(step)
+        if cand in tried:
+            continue
+        tried.append(cand)
+        if p.fits(*cand):
+            chosen = cand
+            break
+    fits = chosen is not None
+    cfg, ngl = chosen or tried[-1]
+
+    # Share what host RAM is left between checkpoints and the RAM prompt cache.
+    devices, _ = p.evaluate(cfg, ngl)
+    spare = max(devices[-1].budget_bytes - devices[-1].total_bytes, 0)
+    ckpt_bytes = p.checkpoint_bytes(cfg)
+    n_ckpt = cfg.checkpoints
+    if req.ctx_checkpoints is None:
+        if has_ckpt and ckpt_bytes:
+            extra = int(spare * 0.25) // (cfg.slots * ckpt_bytes)
+            n_ckpt = min(SERVER_DEFAULT_CHECKPOINTS, cfg.checkpoints + extra)
+            spare -= (n_ckpt - cfg.checkpoints) * cfg.slots * ckpt_bytes
+        elif not has_ckpt:
+            n_ckpt = SERVER_DEFAULT_CHECKPOINTS
+    cache_ram = cfg.cache_ram_mib
+    if req.cache_ram_mib is None and not swa_full:
+        cache_ram = min(SERVER_DEFAULT_CACHE_RAM_MIB, spare // 2 // MIB // 256 * 256)
+    cfg = dataclasses.replace(cfg, checkpoints=n_ckpt, cache_ram_mib=cache_ram)
+    devices, bd = p.evaluate(cfg, ngl)
+    fits = fits and all(d.fits for d in devices)
+    if req.checkpoint_min_step is not None:
+        min_step = req.checkpoint_min_step
+    elif has_ckpt:
+        min_step = min(SERVER_DEFAULT_MIN_STEP, max(1024, cfg.ctx // 4 // 256 * 256))
+    else:
+        min_step = SERVER_DEFAULT_MIN_STEP
+    gpu_layers = [d.layers for d in devices if d.kind == "gpu"]
+    split = tuple(gpu_layers) if sum(1 for n in gpu_layers if n) > 1 else ()
+
+    # Reasons, one line per choice.
+    pinned = "pinned in the settings"
+    r: dict[str, str] = {}
+    gpu_names = ", ".join(d.name for d in devices if d.kind == "gpu" and d.layers)
+    if not gpus:
+        r["n_gpu_layers"] = "no NVIDIA GPU found: the model runs on the CPU from host RAM"
+        if req.n_gpu_layers:
+            notes.append(f"n_gpu_layers {req.n_gpu_layers} is pinned, but there is no GPU")
+    elif req.n_gpu_layers is not None:
+        r["n_gpu_layers"] = f"{pinned} ({ngl} of {n_units} layers incl. the output head)"
+    elif ngl == n_units:
+        r["n_gpu_layers"] = f"all {f.n_layer} layers and the output head fit on {gpu_names}"
+    else:
+        r["n_gpu_layers"] = (
+            f"{ngl} of {n_units} layers fit in VRAM with the "
+            f"{req.vram_margin_mib} MiB margin; the rest run on the CPU"
+        )
+    r["slots"] = "one slot for the agent, one reserved for side calls"
+    if cfg.slots < 2:
+        r["slots"] = "a single slot: side calls share it with the conversation"
+    r["ctx_per_slot"] = f"-c {cfg.ctx * cfg.slots} in all; the model was trained for {trained}"
+    if req.ctx_per_slot and f.n_ctx_train and cfg.ctx > f.n_ctx_train:
+        notes.append(f"context {cfg.ctx} exceeds the trained {f.n_ctx_train}: quality drops")
+    r["cache_types"] = "full precision, as the server's default"
+    if cfg.type_k != "f16":
+        r["cache_types"] = "q8_0 halves the KV cache at a small quality cost"
+    if not f.is_swa:
+        r["swa_full"] = "off: the model has no sliding-window layers"
+    elif swa_full:
+        r["swa_full"] = (
+            f"{pinned}: SWA layers get {bd.kv_cells_swa} cells; restored or "
+            "RAM-cached states then silently miss SWA keys (reference §0.2)"
+        )
+    else:
+        r["swa_full"] = (
+            f"off: SWA layers keep {bd.kv_cells_swa} cells, not {bd.kv_cells_full};"
+            " keeps restore and the RAM cache correct (reference §0.2)"
+        )
+    if swa_full:
+        r["cache_ram_mib"] = "0: with --swa-full a RAM-cache reload reuses incomplete SWA state"
+    elif cache_ram:
+        r["cache_ram_mib"] = f"{cache_ram} MiB: half of the host RAM left after everything else"
+    else:
+        r["cache_ram_mib"] = "0: no host RAM to spare for the prompt cache"
+    if has_ckpt:
+        r["ctx_checkpoints"] = (
+            f"{n_ckpt} per slot of {_mib(ckpt_bytes)} each: they let "
+            "an edited or shortened prompt reuse its cache"
+        )
+    else:
+        r["ctx_checkpoints"] = "server default; a dense model needs no checkpoints"
+    r["checkpoint_min_step"] = "server default; unused by a dense model"
+    if has_ckpt:
+        r["checkpoint_min_step"] = f"user-turn checkpoints ≥ {min_step} tokens apart (¼ slot)"
+    for key, fields in _PIN_KEYS.items():
+        if any(getattr(req, k) is not None for k in fields):
+            r[key] = "pinned in the settings"
+    if split:
+        r["tensor_split"] = "layers per GPU: " + ",".join(map(str, split))
+
+    # What was reduced or abandoned.
+    gave: list[str] = []
+    if cfg.ctx < pref_ctx:
+        gave.append(f"context per slot {pref_ctx} → {cfg.ctx} tokens")
+    if (cfg.type_k, cfg.type_v) != (req.cache_type_k or "f16", req.cache_type_v or "f16"):
+        gave.append(f"KV cache f16 → {cfg.type_k}/{cfg.type_v}")
+    if gpus and ngl < n_units and req.n_gpu_layers is None:
+        gave.append(
+            f"GPU offload {ngl} of {n_units} layers: {n_units - ngl} run on the CPU, much slower"
+        )
+    if cfg.slots < pref_slots:
+        gave.append(f"slots {pref_slots} → {cfg.slots}: no reserved slot for side calls")
+    if has_ckpt and req.ctx_checkpoints is None and n_ckpt < SERVER_DEFAULT_CHECKPOINTS:
+        gave.append(
+            f"context checkpoints {SERVER_DEFAULT_CHECKPOINTS} → {n_ckpt} per slot (host RAM)"
+        )
+    if req.cache_ram_mib is None and not swa_full and cache_ram < SERVER_DEFAULT_CACHE_RAM_MIB:
+        gave.append(f"RAM prompt cache {SERVER_DEFAULT_CACHE_RAM_MIB} → {cache_ram} MiB (host RAM)")
+    if not fits:
+        for d in devices:
+            if not d.fits:
+                kept = (
+                    f"keeping {req.ram_floor_mib} MiB free"
+                    if d.kind == "host"
+                    else f"the {req.vram_margin_mib} MiB margin"
+                )
+                gave.append(
+                    f"does not fit: {d.name} needs {_mib(d.total_bytes)} but has "
+                    f"{_mib(d.budget_bytes)} after {kept}"
+                )
+        pins = [k for k in _PINNABLE if getattr(req, k) is not None]
+        if pins:
+            gave.append("pinned values kept as they are: " + ", ".join(pins))
+    if host.disk_free_state < 10 * bd.disk_per_prefix_bytes:
+        notes.append(
+            f"little disk space for saved prefixes ({_mib(host.disk_free_state)} free, "
+            f"{_mib(bd.disk_per_prefix_bytes)} per full slot)"
+        )
+    if f.is_swa and not swa_full:
+        notes.append(
+            "slot files of sliding-window models restore no prefix (reference §0.1): "
+            "keep slots warm in process"
+        )
+
+    return FitPlan(
+        model=f.name,
+        n_gpu_layers=ngl,
+        slots=cfg.slots,
+        ctx_per_slot=cfg.ctx,
+        cache_type_k=cfg.type_k,
+        cache_type_v=cfg.type_v,
+        cache_ram_mib=cache_ram,
+        ctx_checkpoints=n_ckpt,
+        checkpoint_min_step=min_step,
+        swa_full=swa_full,
+        n_ubatch=req.n_ubatch,
+        kv_unified=req.kv_unified,
+        flash_attn=req.flash_attn,
+        tensor_split=split,
+        breakdown=bd,
+        devices=devices,
+        fits=fits,
+        reasons=r,
+        gave_up=tuple(gave),
+        notes=tuple(notes),
+    )
+
+
+def plan_argv(plan: FitPlan) -> list[str]:
+    """The llama-server flags the plan implies (-c is the total: per slot × slots)."""
+    argv = [
+        "-ngl",
+        str(plan.n_gpu_layers),
+        "-np",
+        str(plan.slots),
+        "-c",
+        str(plan.ctx_per_slot * plan.slots),
+        "-ctk",
+        plan.cache_type_k,
+        "-ctv",
+        plan.cache_type_v,
+        "--cache-ram",
+        str(plan.cache_ram_mib),
+        "--ctx-checkpoints",
+        str(plan.ctx_checkpoints),
+        "--checkpoint-min-step",
+        str(plan.checkpoint_min_step),
+    ]
+    if plan.swa_full:
+        argv.append("--swa-full")
+    if plan.kv_unified:
+        argv.append("-kvu")
+    if plan.n_ubatch != SERVER_DEFAULT_UBATCH:
+        argv += ["-ub", str(plan.n_ubatch)]
+    if not plan.flash_attn:
+        argv += ["-fa", "off"]
+    if plan.tensor_split:
+        argv += ["-ts", ",".join(map(str, plan.tensor_split))]
+    return argv
+
+
+def format_plan(plan: FitPlan) -> str:
+    """A human-readable table of the plan, its memory use and its reasons."""
+    b = plan.breakdown
+    lines = [f"Fit plan for {plan.model}: {'fits' if plan.fits else 'DOES NOT FIT'}", ""]
+    lines.append(
+        f"  {'device':<28} {'weights':>10} {'KV+state':>10} {'compute':>10} "
+        f"{'other':>10} {'total':>10} {'budget':>10}"
+    )
+    for d in plan.devices:
+        mark = "" if d.fits else "  ← over"
+        lines.append(
+            f"  {d.name[:28]:<28} {_mib(d.weights_bytes):>10} {_mib(d.kv_bytes):>10} "
+            f"{_mib(d.compute_bytes):>10} {_mib(d.other_bytes):>10} "
+            f"{_mib(d.total_bytes):>10} {_mib(d.budget_bytes):>10}{mark}"
+        )
+    lines += [
+        "",
+        f"  KV per token: {b.kv_bytes_per_token} B full-attention"
+        + (f" + {b.kv_swa_bytes_per_token} B sliding-window" if b.kv_swa_bytes_per_token else ""),
+        f"  KV per slot: {_mib(b.kv_bytes_per_slot)} ({b.kv_cells_full} cells"
+        + (f", SWA {b.kv_cells_swa} cells" if b.kv_swa_bytes_per_token else "")
+        + f"); all slots {_mib(b.kv_bytes_total)}",
+        f"  checkpoints: {_mib(b.checkpoint_bytes)} each, up to {_mib(b.checkpoints_bytes_max)}"
+        f"; RAM prompt cache up to {_mib(b.cache_ram_bytes)}",
+        f"  disk per saved prefix: {_mib(b.disk_per_prefix_bytes)} for a full slot, "
+        f"{_mib(b.disk_per_1k_tokens_bytes)} per 1k tokens",
+        "",
+        "  choices:",
+    ]
+    values = {
+        "n_gpu_layers": f"-ngl {plan.n_gpu_layers}",
+        "slots": f"-np {plan.slots}",
+        "ctx_per_slot": f"{plan.ctx_per_slot}/slot",
+        "cache_types": f"{plan.cache_type_k}/{plan.cache_type_v}",
+        "swa_full": "on" if plan.swa_full else "off",
+        "cache_ram_mib": f"{plan.cache_ram_mib} MiB",
+        "ctx_checkpoints": str(plan.ctx_checkpoints),
+        "checkpoint_min_step": str(plan.checkpoint_min_step),
+        "tensor_split": ",".join(map(str, plan.tensor_split)),
+    }
+    for key, why in plan.reasons.items():
+        lines.append(f"    {key:<20} {values.get(key, ''):<14} {why}")
+    if plan.gave_up:
+        lines += ["", "  gave up:"] + [f"    - {g}" for g in plan.gave_up]
+    if plan.notes:
+        lines += ["", "  notes:"] + [f"    - {n}" for n in plan.notes]
+    lines += ["", "  llama-server " + " ".join(plan_argv(plan))]
+    return "\n".join(lines)
+
+
+_KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers")
+_COMPUTE_LINE = re.compile(r"(\S+) compute buffer size = +([\d.]+) MiB")
+
+
+def cross_check(plan: FitPlan, log_text: str, *, tolerance: float = 0.05) -> list[str]:
+    """Compare the plan with the buffers llama-server logged (needs ``-lv 4``).
+
+    Returns one line per disagreement beyond `tolerance` (KV) or 50 % (compute,
+    a rougher estimate); an empty list means they agree or the log has no sizes.
+    """
+    kv = sum(float(m.group(1)) for m in _KV_LINE.finditer(log_text)) * MIB
+    compute = sum(float(m.group(2)) for m in _COMPUTE_LINE.finditer(log_text)) * MIB
+    out = []
+    planned_kv = (
+        plan.breakdown.kv_bytes_total - plan.breakdown.recurrent_bytes_per_slot * plan.slots
+    )
+    if kv and abs(planned_kv - kv) > tolerance * kv:
+        out.append(f"KV cache: planned {_mib(planned_kv)}, llama-server allocated {_mib(int(kv))}")
+    planned_c = plan.breakdown.compute_bytes_gpu + plan.breakdown.compute_bytes_host
+    if compute and abs(planned_c - compute) > 0.5 * compute:
+        out.append(
+            f"compute buffers: planned {_mib(planned_c)}, llama-server reserved "
+            f"{_mib(int(compute))}"
+        )
+    return out
