@@ -73,7 +73,9 @@ class CacheManager:
         self._session: aiohttp.ClientSession | None = None
         self._client: LlamaClient | None = None
         self._store: StateStore | None = None
-        self._restoring: dict[int, asyncio.Task[None]] = {}
+        # Held while Warmslot itself uses a slot (restore + verify, build + save + probe):
+        # a request for that slot waits, so nothing slips in between our steps.
+        self._locks: dict[int, asyncio.Lock] = {}
         self._persisting: set[str] = set()
         self._jobs: set[asyncio.Task[Any]] = set()
         self._run_id = ""
@@ -104,6 +106,9 @@ class CacheManager:
                 details=details,
             )
         )
+
+    def _lock(self, slot: int) -> asyncio.Lock:
+        return self._locks.setdefault(slot, asyncio.Lock())
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
@@ -178,11 +183,11 @@ class CacheManager:
             self.slots = SlotMap(n, reserve_aux=self.core.settings.cache.aux_slot)
         self.disk = self._disk_tier(sup.resolved.model.path, patches)
         self._probe_suffix = await client.tokenize(PROBE_SUFFIX)
-        self._load_saved()
         # Prefixes learned under an older identity are re-fingerprinted for this one.
         for info in list(self.prefixes.values()):
             info.fingerprint = fingerprint(self.identity, info.tokens)
         self.by_fp = {i.fingerprint: i for i in self.prefixes.values()}
+        self._load_saved()
         self._emit(
             "server_identity",
             "server ready",
@@ -262,12 +267,8 @@ class CacheManager:
         for slot, rec in zip(targets, recs, strict=False):
             if self.slots.slots[slot].inflight:
                 continue
-            task = asyncio.ensure_future(self._restore_or_prewarm(rec, slot))
-            self._restoring[slot] = task
-            try:
-                await task
-            finally:
-                self._restoring.pop(slot, None)
+            async with self._lock(slot):
+                await self._restore_or_prewarm(rec, slot)
 
     async def _restore_or_prewarm(self, rec: StateRecord, slot: int) -> None:
         info = self.by_fp.get(rec.fingerprint)
@@ -309,10 +310,8 @@ class CacheManager:
                 slot=slot,
                 client=req.client,
             )
-        pending = self._restoring.get(slot)
-        if pending is not None:  # a restore into this slot is running: let it finish first
-            with contextlib.suppress(Exception):
-                await asyncio.shield(pending)
+        async with self._lock(slot):  # wait for Warmslot's own work on this slot
+            pass
         if info is not None:
             req.notes["prefix_fp"] = info.fingerprint
             req.notes["prefix_n"] = info.n_tokens
@@ -411,8 +410,9 @@ class CacheManager:
         rec = self.store.for_fingerprint(info.fingerprint) if self.disk.usable else None
         if rec is None:
             return  # the request warms it; `completed` persists it
-        with contextlib.suppress(VerificationFailed):
-            await self._restore(rec, slot)
+        async with self._lock(slot):
+            with contextlib.suppress(VerificationFailed):
+                await self._restore(rec, slot)
 
     async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
         slot = req.slot
@@ -580,60 +580,64 @@ class CacheManager:
             if slot is None or client is None or self.identity is None:
                 self._emit("persist_skipped", "no idle scratch slot", fp=info.fingerprint)
                 return
-            await self._prewarm(info, slot, reason="building the state to save")
-            name = state_filename(info.fingerprint)
-            saved = await client.slot_action(slot, "save", name)
-            path = self._server_slot_dir() / name
-            if int(saved.get("n_saved", 0)) != info.n_tokens or not path.is_file():
-                path.unlink(missing_ok=True)
-                self._emit(
-                    "save_failed",
-                    f"server saved {saved.get('n_saved')} tokens, expected {info.n_tokens}",
-                    fp=info.fingerprint,
-                    slot=slot,
-                )
-                return
-            await self._wait_idle(exclude=slot)
-            answer = await client.completion(self._probe_body(info.tokens, slot))
-            tokens, logprobs = self._probe_answer(answer)
-            now = time.time()
-            rec = StateRecord(
-                filename=name,
-                identity=self.launch_id,
-                fingerprint=info.fingerprint,
-                client=info.client,
-                source=info.source,
-                prefix_n=info.n_tokens,
-                n_tokens=int(saved["n_saved"]),
-                bytes=path.stat().st_size,
-                sha256=file_sha256(path),
-                ttl_class=self.core.settings.cache.prefix_class,
-                pinned=False,
-                created=now,
-                last_used=now,
-                verified_at=now,
-                verify_result="reference",
-                probe={
-                    "prefix": info.tokens,
-                    "suffix": self._probe_suffix,
-                    "tokens": tokens,
-                    "logprobs": logprobs,
-                },
-            )
-            self.store.add(rec)
-            self._emit(
-                "save",
-                f"saved the {info.n_tokens}-token prefix",
-                fp=info.fingerprint,
-                slot=slot,
-                tokens=info.n_tokens,
-                nbytes=rec.bytes,
-                save_ms=(saved.get("timings") or {}).get("save_ms"),
-            )
+            async with self._lock(slot):
+                await self._persist_in(info, slot, client)
         except UpstreamError as e:
             self._emit("save_failed", str(e), fp=info.fingerprint)
         finally:
             self._persisting.discard(info.fingerprint)
+
+    async def _persist_in(self, info: pfx.PrefixInfo, slot: int, client: LlamaClient) -> None:
+        await self._prewarm(info, slot, reason="building the state to save")
+        name = state_filename(info.fingerprint)
+        saved = await client.slot_action(slot, "save", name)
+        path = self._server_slot_dir() / name
+        if int(saved.get("n_saved", 0)) != info.n_tokens or not path.is_file():
+            path.unlink(missing_ok=True)
+            self._emit(
+                "save_failed",
+                f"server saved {saved.get('n_saved')} tokens, expected {info.n_tokens}",
+                fp=info.fingerprint,
+                slot=slot,
+            )
+            return
+        await self._wait_idle(exclude=slot)
+        answer = await client.completion(self._probe_body(info.tokens, slot))
+        tokens, logprobs = self._probe_answer(answer)
+        now = time.time()
+        rec = StateRecord(
+            filename=name,
+            identity=self.launch_id,
+            fingerprint=info.fingerprint,
+            client=info.client,
+            source=info.source,
+            prefix_n=info.n_tokens,
+            n_tokens=int(saved["n_saved"]),
+            bytes=path.stat().st_size,
+            sha256=file_sha256(path),
+            ttl_class=self.core.settings.cache.prefix_class,
+            pinned=False,
+            created=now,
+            last_used=now,
+            verified_at=now,
+            verify_result="reference",
+            probe={
+                "prefix": info.tokens,
+                "suffix": self._probe_suffix,
+                "tokens": tokens,
+                "logprobs": logprobs,
+            },
+        )
+        self.store.add(rec)
+        self._emit(
+            "save",
+            f"saved the {info.n_tokens}-token prefix",
+            fp=info.fingerprint,
+            slot=slot,
+            tokens=info.n_tokens,
+            nbytes=rec.bytes,
+            save_ms=(saved.get("timings") or {}).get("save_ms"),
+        )
 
     def _server_slot_dir(self) -> Path:
         sup = self.core.supervisor
@@ -732,6 +736,11 @@ class CacheManager:
         return None
 
     # ------------------------------------------------------------ status / lifecycle
+    def idle(self) -> bool:
+        """True when no background cache work (warm-up after start, persist, restore) runs."""
+        ready = self._ready_task is None or self._ready_task.done()
+        return ready and not self._jobs and not any(lk.locked() for lk in self._locks.values())
+
     async def status(self) -> dict[str, Any]:
         """Cache inventory: slots, saved states, prefixes, last divergences."""
         slots_live: dict[int, int] = {}

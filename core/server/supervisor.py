@@ -208,6 +208,9 @@ class Supervisor:
 
     async def close(self) -> None:
         await self.stop("shutdown")
+        if self._logfile is not None:
+            self._logfile.close()
+            self._logfile = None
         if self._http is not None:
             await self._http.close()
             self._http = None

@@ -1,0 +1,260 @@
+"""`warmslot bench trace`: an opencode-shaped trace, bare llama-server vs Warmslot.
+
+Both runs use the same binary, model and launch flags, in one invocation. The
+bare run sends the trace straight to llama-server (what a client does without
+Warmslot); the Warmslot run sends it through the proxy with the cache manager.
+Both restart the server before session 3. Reported per run: prompt tokens the
+client waited for, tokens reused from cache, prefill seconds, hit rates (all
+agent turns, turns 2..N, the first agent turn after the restart) — and the
+server's own totals from `/metrics`, which include Warmslot's background work
+(prewarm, probes), so the comparison is honest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.bench.trace import TraceRequest, make_trace
+from core.config import Settings
+from core.engine import Core
+from core.paths import Paths
+
+
+@dataclass
+class RunResult:
+    name: str
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    server_prompt_tokens: float = 0.0
+    server_prompt_seconds: float = 0.0
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        agent = [r for r in self.requests if r["kind"] == "agent"]
+        later = [r for r in agent if r["turn"] >= 2]
+        after = [r for r in agent if r["turn"] == 1 and r["after_restart"]]
+
+        def hit(rows: list[dict[str, Any]]) -> float | None:
+            cached = sum(r["cache_n"] for r in rows)
+            total = cached + sum(r["prompt_n"] for r in rows)
+            return cached / total if total else None
+
+        return {
+            "run": self.name,
+            "prompt_tokens": sum(r["prompt_n"] for r in self.requests),
+            "cached_tokens": sum(r["cache_n"] for r in self.requests),
+            "prefill_s": round(sum(r["prompt_ms"] for r in self.requests) / 1000, 3),
+            "hit_all_agent": hit(agent),
+            "hit_turns_2_plus": hit(later),
+            "hit_first_after_restart": hit(after),
+            "hit_titles": hit([r for r in self.requests if r["kind"] == "title"]),
+            "server_prompt_tokens": int(self.server_prompt_tokens),
+            "server_prefill_s": round(self.server_prompt_seconds, 3),
+            "wall_s": round(self.wall_s, 2),
+        }
+
+
+def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers}
+    )
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        data: dict[str, Any] = json.loads(resp.read())
+        return data
+
+
+def _server_metrics(core: Core) -> tuple[float, float]:
+    sup = core.supervisor
+    if sup is None or sup.base_url is None:
+        return 0.0, 0.0
+    with urllib.request.urlopen(f"{sup.base_url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return (
+        values.get("llamacpp:prompt_tokens_total", 0.0),
+        values.get("llamacpp:prompt_seconds_total", 0.0),
+    )
+
+
+def _wait(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _settle(core: Core) -> None:
+    """Wait until Warmslot's background cache work (persist, restore) is done."""
+    idle = getattr(core.policy, "idle", None)
+    if idle is not None:
+        _wait(idle, 600, "background cache work")
+
+
+def replay(
+    core: Core, trace: list[TraceRequest], name: str, *, through_proxy: bool, log: Any = None
+) -> RunResult:
+    result = RunResult(name)
+    t0 = time.perf_counter()
+    restarted = False
+    for r in trace:
+        if r.restart_before:
+            _settle(core)
+            tok, sec = _server_metrics(core)
+            result.server_prompt_tokens += tok
+            result.server_prompt_seconds += sec
+            core.restart_server().result(600)
+            _settle(core)
+            restarted = True
+        sup = core.supervisor
+        assert sup is not None and core.proxy is not None
+        base = f"http://127.0.0.1:{core.proxy.port}" if through_proxy else sup.base_url
+        data = _post(f"{base}/v1/chat/completions", r.body, r.headers)
+        t = data.get("timings") or {}
+        row = {
+            "session": r.session,
+            "kind": r.kind,
+            "turn": r.turn,
+            "after_restart": restarted,
+            "cache_n": int(t.get("cache_n", 0)),
+            "prompt_n": int(t.get("prompt_n", 0)),
+            "prompt_ms": float(t.get("prompt_ms", 0)),
+        }
+        result.requests.append(row)
+        if log is not None:
+            log(
+                f"  {name:<8} {r.session[:8]} {r.kind:<5} turn {r.turn}: cache_n "
+                f"{row['cache_n']:>6} prompt_n {row['prompt_n']:>6} {row['prompt_ms']:>8.0f} ms"
+            )
+    _settle(core)
+    tok, sec = _server_metrics(core)
+    result.server_prompt_tokens += tok
+    result.server_prompt_seconds += sec
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def run(
+    model: str,
+    *,
+    scale: float,
+    sessions: int,
+    turns: int,
+    slots: int,
+    ctx: int,
+    workdir: Path | None = None,
+    log: Any = None,
+) -> list[dict[str, Any]]:
+    """Run both arms and return their summaries (bare first)."""
+    from core.cache.manager import policy_factory
+
+    trace = make_trace(sessions=sessions, turns=turns, scale=scale)
+    base = workdir or Path(tempfile.mkdtemp(prefix="warmslot-bench-"))
+    summaries = []
+    try:
+        for name, factory, proxy in (("bare", None, False), ("warmslot", policy_factory, True)):
+            home = base / name
+            shutil.rmtree(home, ignore_errors=True)
+            s = Settings().replace("server.model", model).replace("proxy.port", 0)
+            s = s.replace("server.slots", slots).replace("server.ctx_per_slot", ctx)
+            core = Core(Paths.under(home), s, policy_factory=factory)
+            core.start(wait_ready=True)
+            try:
+                summaries.append(replay(core, trace, name, through_proxy=proxy, log=log))
+            finally:
+                core.stop()
+    finally:
+        if workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return [r.summary() | {"requests": r.requests} for r in summaries]
+
+
+def format_table(summaries: list[dict[str, Any]]) -> str:
+    def pct(v: float | None) -> str:
+        return "—" if v is None else f"{v * 100:.1f} %"
+
+    rows = [
+        ("", *[s["run"] for s in summaries]),
+        (
+            "prompt tokens evaluated (client requests)",
+            *[str(s["prompt_tokens"]) for s in summaries],
+        ),
+        ("prompt tokens reused", *[str(s["cached_tokens"]) for s in summaries]),
+        ("prefill seconds (client requests)", *[f"{s['prefill_s']:.2f}" for s in summaries]),
+        ("hit rate, all agent turns", *[pct(s["hit_all_agent"]) for s in summaries]),
+        ("hit rate, agent turns 2..N", *[pct(s["hit_turns_2_plus"]) for s in summaries]),
+        (
+            "hit rate, first turn after restart",
+            *[pct(s["hit_first_after_restart"]) for s in summaries],
+        ),
+        (
+            "server prefill tokens (incl. background)",
+            *[str(s["server_prompt_tokens"]) for s in summaries],
+        ),
+        (
+            "server prefill seconds (incl. background)",
+            *[f"{s['server_prefill_s']:.2f}" for s in summaries],
+        ),
+        ("wall seconds", *[f"{s['wall_s']:.1f}" for s in summaries]),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{r[0]:<{width}}  " + "  ".join(f"{c:>10}" for c in r[1:]) for r in rows)
+
+
+def add_parser(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("trace", help="opencode-shaped trace: bare llama-server vs Warmslot")
+    p.add_argument("--model", help="GGUF to use (default: the configured or demo model)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="size of tools/system prompt (1.0 = opencode's ~20.8k + 9.7k characters)",
+    )
+    p.add_argument("--sessions", type=int, default=3)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--ctx", type=int, default=32768, help="context per slot")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    import sys
+
+    from core import config as config_mod
+    from core.server import model as model_mod
+
+    paths = Paths.default(getattr(args, "dev_dir", None))
+    model = args.model
+    if not model:
+        settings = config_mod.load(paths.config_file)
+        model = str(model_mod.resolve(paths, settings.server.model).path)
+    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    summaries = run(
+        model,
+        scale=args.scale,
+        sessions=args.sessions,
+        turns=args.turns,
+        slots=args.slots,
+        ctx=args.ctx,
+        log=log,
+    )
+    if args.json:
+        print(json.dumps(summaries, indent=2))
+    else:
+        print(f"model: {model}\n" + format_table(summaries))
+    return 0
+
+
+__all__ = ["RunResult", "add_parser", "format_table", "run"]

@@ -1,0 +1,139 @@
+"""Pure parts of the prefix cache: boundaries, fingerprints, slot choice, file names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.bench.trace import make_system, make_tools, make_trace
+from core.cache import prefix as pfx
+from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
+from core.cache.slots import SlotMap
+from core.cache.store import StateStore, safe_name
+from core.server.client import valid_slot_filename
+from core.telemetry import Telemetry
+
+
+def test_profile_cut_finds_first_volatile_marker_inside_system_text() -> None:
+    system = make_system(0.2, cwd="/a/b")
+    rendered = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<env> hi<|im_end|>"
+    cut = pfx.profile_cut("opencode", rendered, system)
+    assert cut is not None
+    index, source = cut
+    assert source == "profile:opencode"
+    assert rendered[index:].startswith("<env>")
+    assert "<env>" not in rendered[:index]
+    # The user's own "<env>" (later in the prompt) is not taken as the boundary.
+    assert index < rendered.index("<|im_start|>user")
+
+
+def test_profile_cut_is_none_without_markers() -> None:
+    assert pfx.profile_cut("somebot", "<s>system: plain prompt", "plain prompt") is None
+
+
+def test_common_prefix_len_across_block_boundaries() -> None:
+    a = list(range(1000))
+    b = [*list(range(700)), -1, *list(range(701, 1000))]
+    assert pfx.common_prefix_len(a, b) == 700
+    assert pfx.common_prefix_len(a, a[:300]) == 300
+    assert pfx.common_prefix_len("abcdef", "abcxef") == 3
+
+
+def test_side_calls_are_classified() -> None:
+    title = make_trace(sessions=1, turns=1, scale=0.1)[0].body
+    assert pfx.classify_aux(title, has_tools=False, client_uses_tools=False) is not None
+    agent = make_trace(sessions=1, turns=1, scale=0.1)[1].body
+    assert pfx.classify_aux(agent, has_tools=True, client_uses_tools=True) is None
+    plain = {"messages": [{"role": "user", "content": "what is 2+2"}]}
+    assert pfx.classify_aux(plain, has_tools=False, client_uses_tools=False) is None
+    assert pfx.classify_aux(plain, has_tools=False, client_uses_tools=True) is not None
+
+
+def test_divergence_reports_position_and_context() -> None:
+    old = "system prompt. Today is Monday. tools..."
+    new = "system prompt. Today is Tuesday. tools..."
+    where = pfx.divergence(old, new)
+    assert where is not None
+    assert where["char_index"] == old.index("Monday")
+    assert where["old"].startswith("Monday") and where["new"].startswith("Tuesday")
+    assert pfx.divergence("abc", "abcdef") is None  # an extension is not a divergence
+
+
+def test_shape_key_depends_on_tools_and_system_text() -> None:
+    body = {"messages": [{"role": "system", "content": "S"}], "tools": make_tools(0.05)}
+    k = pfx.shape_key("opencode", body)
+    assert k == pfx.shape_key("opencode", dict(body))
+    assert k != pfx.shape_key("other", body)
+    assert k != pfx.shape_key("opencode", {**body, "tools": make_tools(0.05, seed=1)})
+    assert k != pfx.shape_key("opencode", {**body, "messages": [{"role": "system",
+                                                                 "content": "T"}]})
+
+
+IDENT = ServerIdentity(model="m", binary="b", kv_flags=("-np", "2"), chat_template="t")
+
+
+@pytest.mark.parametrize("field,value", [("model", "m2"), ("binary", "b2"),
+                                         ("kv_flags", ("-np", "3")), ("chat_template", "t2"),
+                                         ("patches", ("slot-checkpoints-v1",))])
+def test_fingerprint_changes_with_every_input(field: str, value: object) -> None:
+    tokens = [1, 2, 3]
+    other = ServerIdentity(**{**IDENT.__dict__, field: value})
+    assert fingerprint(IDENT, tokens) != fingerprint(other, tokens)
+
+
+def test_fingerprint_changes_with_tokens_and_names_are_valid() -> None:
+    a, b = fingerprint(IDENT, [1, 2, 3]), fingerprint(IDENT, [1, 2, 4])
+    assert a != b and a == fingerprint(IDENT, [1, 2, 3])
+    name = state_filename(a)
+    assert safe_name(name) and valid_slot_filename(name)
+    with pytest.raises(ValueError):
+        state_filename("../../etc/passwd")
+
+
+@pytest.mark.parametrize("name", ["../evil.bin", "a/b.bin", "", "ok.", " lead", "x..y",
+                                  "C:bad", "ws-../x.bin"])
+def test_unsafe_names_are_refused(name: str) -> None:
+    assert not safe_name(name)
+    assert not valid_slot_filename(name) or not safe_name(name)
+
+
+def test_slot_map_pins_sessions_and_reserves_aux() -> None:
+    m = SlotMap(3, reserve_aux=True)
+    assert m.aux_slot == 2
+    a, _ = m.pick("A", "agent")
+    assert m.pick("A", "agent")[0] == a  # pinned
+    m.begin(a)
+    b, _ = m.pick("B", "agent")
+    assert b != a and b != 2  # never the slot an in-flight session holds, never aux
+    assert m.pick("t", "aux")[0] == 2
+    single = SlotMap(1, reserve_aux=True)
+    assert single.aux_slot is None and single.pick("t", "aux")[0] == 0
+
+
+def test_store_refuses_foreign_names_and_detects_changed_files(tmp_path: Path) -> None:
+    tel = Telemetry(tmp_path / "t.sqlite3")
+    store = StateStore(tel.db, tmp_path / "slots")
+    from core.cache.store import StateRecord, file_sha256
+
+    d = store.dir_for("0123456789abcdef")
+    d.mkdir(parents=True)
+    name = state_filename(fingerprint(IDENT, [1]))
+    (d / name).write_bytes(b"x" * 100)
+    rec = StateRecord(filename=name, identity="0123456789abcdef", fingerprint="f", client="c",
+                      source="s", prefix_n=1, n_tokens=1, bytes=100,
+                      sha256=file_sha256(d / name), ttl_class="extended", pinned=False,
+                      created=0, last_used=0, verified_at=None, verify_result="", probe={})
+    store.add(rec)
+    assert store.check_file(rec) is None
+    (d / name).write_bytes(b"y" * 100)
+    assert "sha256" in (store.check_file(rec) or "")
+    (d / name).write_bytes(b"y" * 50)
+    assert "size" in (store.check_file(rec) or "")
+    with pytest.raises(ValueError):
+        store.dir_for("../x")
+    bad = StateRecord(**{**rec.__dict__, "filename": "../../evil"})
+    with pytest.raises(ValueError):
+        store.path(bad)
+    assert store.delete(rec) == 50 and not (d / name).exists() and store.get(name) is None
+    tel.close()

@@ -1,0 +1,216 @@
+"""The prefix cache against a real llama-server and a real (tiny, dense) model."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.bench import tracebench
+from core.bench.trace import make_trace
+from core.cache.manager import CacheManager, policy_factory
+from core.cache.store import StateStore
+from core.engine import Core
+from core.paths import Paths
+from tests.conftest import settings_for, test_cache
+from tests.fixtures.tinymodel import make_tiny_model
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tiny32k() -> Path:
+    """The tiny dense model with a 32k trained context (opencode-sized prompts fit)."""
+    return make_tiny_model(test_cache() / "tiny-32k.gguf", n_ctx=32768)
+
+
+def _settings(model: Path) -> Any:
+    return settings_for(model, server__ctx_per_slot=24576, server__cache_ram_mib=512)
+
+
+def _chat(core: Core, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any],
+                                                                               dict[str, str]]:
+    assert core.proxy is not None
+    req = urllib.request.Request(f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read()), dict(resp.headers)
+
+
+def _manager(core: Core) -> CacheManager:
+    assert isinstance(core.policy, CacheManager)
+    return core.policy
+
+
+def _events(core: Core, kind: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = core.query("recent_events", limit=500, category="cache",
+                                            kind=kind).result(10)
+    return rows
+
+
+def test_opencode_trace_against_bare_server(tiny32k: Path, tmp_path: Path) -> None:
+    """3 sessions × 3 turns, title calls, a restart before session 3; bare server beside it."""
+    bare, warm = tracebench.run(str(tiny32k), scale=1.0, sessions=3, turns=3, slots=2,
+                                ctx=24576, workdir=tmp_path)
+    print("\n" + tracebench.format_table([bare, warm]))
+    assert warm["hit_turns_2_plus"] >= 0.95
+    assert warm["hit_first_after_restart"] >= 0.90
+    assert bare["hit_first_after_restart"] < 0.10  # a restart loses everything upstream
+    assert warm["server_prompt_tokens"] < bare["server_prompt_tokens"]
+    # Title calls never reduce the primary's reuse: each agent turn after a title call
+    # reuses at least what the previous agent turn of the same session cached.
+    rows = warm["requests"]
+    for i, r in enumerate(rows):
+        if r["kind"] == "agent" and r["turn"] >= 2:
+            prev = rows[i - 1]
+            assert r["cache_n"] >= prev["cache_n"] + prev["prompt_n"] - 64
+
+
+@pytest.fixture
+def learned_core(tiny32k: Path, tmp_path: Path) -> Iterator[tuple[Core, list[Any]]]:
+    """A Core that has learned and saved one opencode prefix, then was stopped."""
+    home = tmp_path / "home"
+    trace = make_trace(sessions=2, turns=1, scale=0.3, restart_before_session=None)
+    core = Core(Paths.under(home), _settings(tiny32k), policy_factory=policy_factory)
+    core.start(wait_ready=True, timeout=120)
+    for r in trace:
+        _chat(core, r.body, r.headers)
+    wait_until(lambda: core.submit(_async_idle(core)).result(5), 120, message="persist")
+    assert _events(core, "save"), "the learned prefix was saved"
+    core.stop()
+    again = Core(Paths.under(home), _settings(tiny32k), policy_factory=policy_factory)
+    try:
+        yield again, trace
+    finally:
+        again.stop()
+
+
+async def _async_idle(core: Core) -> bool:
+    return _manager(core).idle()
+
+
+def _saved_file(core: Core) -> tuple[StateStore, Any]:
+    mgr = _manager(core)
+    recs = mgr.store.all()
+    assert recs
+    return mgr.store, recs[0]
+
+
+def _restart_and_wait(core: Core) -> CacheManager:
+    core.start(wait_ready=True, timeout=120)
+    mgr = _manager(core)
+    wait_until(lambda: core.submit(_async_idle(core)).result(5), 120, message="warm-up")
+    return mgr
+
+
+def test_good_file_is_restored_and_serves_the_next_session(
+        learned_core: tuple[Core, list[Any]]) -> None:
+    core, trace = learned_core
+    _restart_and_wait(core)
+    events = core.query("recent_events", limit=50, category="cache").result(10)
+    assert _events(core, "restore_ok"), [(e["kind"], e["reason"]) for e in events]
+    agent = trace[-1]
+    data, headers = _chat(core, agent.body, {**agent.headers, "x-session-id": "new"})
+    prefix_n = int(headers["X-Warmslot-Prefix"].split(":")[1])
+    assert data["timings"]["cache_n"] >= prefix_n - 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt", "probe", "foreign"])
+def test_damaged_state_is_never_used(learned_core: tuple[Core, list[Any]], damage: str,
+                                     tmp_path: Path) -> None:
+    core, _ = learned_core
+    # Damage the saved state while Warmslot is stopped, through a throwaway store view.
+    from core.telemetry import Telemetry
+
+    tel = Telemetry(core.paths.telemetry_db)
+    store = StateStore(tel.db, core.paths.slot_dir)
+    rec = store.all()[0]
+    path = store.path(rec)
+    probe: dict[str, Any] = {}
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[: rec.bytes // 2])
+    elif damage == "corrupt":
+        data = bytearray(path.read_bytes())
+        for i in range(len(data) // 2, len(data) // 2 + 64):
+            data[i] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif damage == "probe":
+        # The file is intact, but its recorded answer differs: as if the restored
+        # state silently computed something else (reference §5).
+        probe = dict(rec.probe)
+        probe["logprobs"] = [lp - 0.5 for lp in probe["logprobs"]]
+        store.table.update(rec.filename, {"probe": json.dumps(probe)})
+    else:
+        # A file of another configuration (different cell layout: 4 slots, not 2)
+        # dressed up as ours, hash and all.
+        from core.cache.store import file_sha256
+
+        foreign = tmp_path / "foreign"
+        other = Core(Paths.under(foreign), settings_for(Path(core.settings.server.model),
+                                                      server__slots=1,
+                                                      server__ctx_per_slot=24576),
+                     policy_factory=None)
+        other.start(wait_ready=True, timeout=120)
+        sup = other.supervisor
+        assert sup is not None and sup.base_url is not None
+        body = {"prompt": rec.probe["prefix"][:200], "n_predict": 0, "id_slot": 0}
+        urllib.request.urlopen(urllib.request.Request(
+            f"{sup.base_url}/completion", data=json.dumps(body).encode()), timeout=60).read()
+        save = {"filename": rec.filename}
+        urllib.request.urlopen(urllib.request.Request(
+            f"{sup.base_url}/slots/0?action=save", data=json.dumps(save).encode()),
+            timeout=60).read()
+        assert sup.resolved is not None and sup.resolved.slot_dir is not None
+        src = sup.resolved.slot_dir / rec.filename
+        other.stop()
+        path.write_bytes(src.read_bytes())
+        store.table.update(rec.filename, {"bytes": path.stat().st_size,
+                                          "sha256": file_sha256(path)})
+    tel.close()
+    mgr = _restart_and_wait(core)
+    rejected = _events(core, "restore_rejected")
+    assert rejected, f"{damage}: the damaged state was not rejected"
+    assert not _events(core, "restore_ok")
+    reason = rejected[0]["reason"]
+    expected = {"truncate": "size", "corrupt": "sha256", "probe": "log-probs",
+                "foreign": ""}[damage]
+    assert expected in reason
+    # The bad file was deleted; the prefix was rebuilt cold (a fresh file may replace it).
+    assert _events(core, "prewarm_cold")
+    fresh = core.call(lambda: mgr.store.get(rec.filename)).result(10)
+    assert fresh is None or fresh.sha256 != rec.sha256 or damage == "probe"
+    if fresh is not None and damage == "probe":
+        assert fresh.probe["logprobs"] != probe["logprobs"]
+
+
+def test_divergence_is_diagnosed_and_shown_in_status(tiny32k: Path, tmp_path: Path) -> None:
+    core = Core(Paths.under(tmp_path / "h"), _settings(tiny32k), policy_factory=policy_factory)
+    core.start(wait_ready=True, timeout=120)
+    try:
+        trace = make_trace(sessions=1, turns=2, scale=0.3, restart_before_session=None)
+        first, second = trace[1], trace[2]
+        _chat(core, first.body, first.headers)
+        # The second turn's system prompt gained a timestamp near its start: the
+        # conversation can only be reused up to there.
+        body = json.loads(json.dumps(second.body))
+        sys_msg = body["messages"][0]
+        sys_msg["content"] = sys_msg["content"][:200] + " [12:34:56] " + sys_msg["content"][200:]
+        data, _ = _chat(core, body, second.headers)
+        assert data["timings"]["cache_n"] < 200
+        wait_until(lambda: _events(core, "divergence"), 30, message="divergence event")
+        ev = _events(core, "divergence")[0]
+        where = ev["details"]["where"]
+        assert where is not None and where["new"].lstrip().startswith("[12:34:56]")
+        assert where["token_index"] > 0
+        status = core.status().result(10)
+        text = status["cache"]["text"]
+        assert "last divergence" in text and "12:34:56" in text
+        assert status["clients"][0]["client"] == "opencode"
+    finally:
+        core.stop()
