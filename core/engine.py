@@ -32,7 +32,7 @@ from core import config as config_mod
 from core.config import ServerSettings, Settings
 from core.errors import CoreStopped, WarmslotError
 from core.events import Event, Notice
-from core.paths import Paths
+from core.paths import Paths, resources_dir
 from core.proxy import CachePolicy, Proxy
 from core.server import discover, model
 from core.server.argv import LaunchInputs, build_argv, kv_relevant
@@ -45,22 +45,41 @@ Subscriber = Callable[[Event], None]
 PolicyFactory = Callable[["Core"], CachePolicy | None]
 
 
-def launch_id(server: ServerSettings, binary: discover.ServerBinary, mdl: model.ModelFile) -> str:
-    """Identity of what a saved slot file depends on at launch: binary, model, KV flags.
+DEMO_TEMPLATE = "templates/gemma3-tools.jinja"
+
+
+def chat_template_for(server: ServerSettings, mdl: model.ModelFile) -> Path | None:
+    """The chat template file to launch with: the configured one, or for the demo
+    model (whose GGUF has none, so the server's fallback drops every tool) ours."""
+    if server.chat_template_file:
+        return Path(server.chat_template_file).expanduser()
+    if mdl.source == "demo":
+        return resources_dir() / DEMO_TEMPLATE
+    return None
+
+
+def launch_id(
+    server: ServerSettings,
+    binary: discover.ServerBinary,
+    mdl: model.ModelFile,
+    template: Path | None = None,
+) -> str:
+    """Identity of what a saved slot file depends on at launch: binary, model, KV
+    flags and the chat template's content.
 
     It names the server's slot directory, so a file is only ever offered to a
-    server it can belong to. (The chat template the server reports joins the
-    prefix fingerprints once it runs.)
+    server it can belong to. (The template the server reports also joins every
+    prefix fingerprint once it runs.)
     """
     argv = build_argv(
         server, LaunchInputs(binary=binary.path, model=mdl.path, port=0, slot_dir=Path())
     )
-    template = ""
-    if server.chat_template_file:
+    template_hash = ""
+    if template is not None:
         with contextlib.suppress(OSError):
-            template = hashlib.sha256(Path(server.chat_template_file).read_bytes()).hexdigest()
+            template_hash = hashlib.sha256(template.read_bytes()).hexdigest()
     h = hashlib.sha256()
-    for part in (binary.identity, mdl.identity, json.dumps(kv_relevant(argv)), template):
+    for part in (binary.identity, mdl.identity, json.dumps(kv_relevant(argv)), template_hash):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -211,8 +230,15 @@ class Core:
         # Probing binaries and hashing files is blocking work: keep it off the loop.
         binary = await loop.run_in_executor(None, discover.require, self.paths, s.binary)
         mdl = await loop.run_in_executor(None, model.resolve, self.paths, s.model)
+        template = chat_template_for(s, mdl)
+        plan: tuple[str, ...] = ()
+        if template is not None and not s.chat_template_file:
+            plan = ("--jinja", "--chat-template-file", str(template))
         return Resolved(
-            binary=binary, model=mdl, slot_dir=self.paths.slot_dir / launch_id(s, binary, mdl)
+            binary=binary,
+            model=mdl,
+            plan_args=plan,
+            slot_dir=self.paths.slot_dir / launch_id(s, binary, mdl, template),
         )
 
     async def _housekeeping(self) -> None:

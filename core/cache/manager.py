@@ -31,7 +31,7 @@ from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename, 
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore, file_sha256
 from core.errors import UpstreamError, VerificationFailed
-from core.events import CacheEvent, Event, ServerStateChanged
+from core.events import CacheEvent, Event, Notice, ServerStateChanged
 from core.proxy import ProxyRequest
 from core.server.argv import kv_relevant
 from core.server.client import LlamaClient, Timings
@@ -70,6 +70,7 @@ class CacheManager:
         self.identity: ServerIdentity | None = None
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
+        self.template_warning: str | None = None  # set when the template drops tools
         self._session: aiohttp.ClientSession | None = None
         self._client: LlamaClient | None = None
         self._store: StateStore | None = None
@@ -151,6 +152,7 @@ class CacheManager:
         elif event.state in ("starting", "stopped", "failed"):
             self.slots.reset()
             self.identity = None
+            self.template_warning = None
 
     # ------------------------------------------------------------ server start
     async def _after_ready(self) -> None:
@@ -322,6 +324,8 @@ class CacheManager:
         req.notes["began"] = True
         req.response_headers["X-Warmslot-Slot"] = str(slot)
         req.response_headers["X-Warmslot-Kind"] = req.kind
+        if self.template_warning and (req.has_tools or req.kind == "agent"):
+            req.response_headers["X-Warmslot-Warning"] = self.template_warning[:200]
         if info is not None:
             req.response_headers["X-Warmslot-Prefix"] = f"{info.fingerprint[:16]}:{info.n_tokens}"
 
@@ -342,6 +346,7 @@ class CacheManager:
         if known is not None and any(s == session for s, _ in group):
             return known
         rendered = await client.apply_template(_render_body(body))
+        self._check_template(req, rendered)
         full = await client.tokenize(rendered, add_special=True)
         head: list[int] = []
         source = "none"
@@ -399,6 +404,29 @@ class CacheManager:
                 first_volatile_char=cut[0] if cut else None,
             )
         return info
+
+    def _check_template(self, req: ProxyRequest, rendered: str) -> None:
+        """Say loudly when the server's chat template drops tools or system text."""
+        lost = pfx.dropped_parts(req.body, rendered)
+        if not lost:
+            return
+        text = (
+            f"the server's chat template dropped {', '.join(lost[:5])}"
+            f"{' …' if len(lost) > 5 else ''} from the prompt: the model never sees them"
+        )
+        if self.template_warning is None:
+            self.template_warning = text
+            self._emit("template_drops_tools", text, client=req.client, lost=lost)
+            self.core.emit(
+                Notice(
+                    level="warning",
+                    text=text,
+                    hint=(
+                        "set server.chat_template_file to a tool-capable template (see "
+                        "resources/templates/) — `warmslot doctor` suggests one"
+                    ),
+                )
+            )
 
     async def _ensure_slot(self, info: pfx.PrefixInfo, slot: int) -> None:
         """Make the slot hold the prefix before the request runs, if that can be done cheaply."""
@@ -791,6 +819,7 @@ class CacheManager:
                 for r in states
             ],
             "divergences": list(self.divergences)[:5],
+            "template_warning": self.template_warning,
         }
         out["text"] = format_inventory(out)
         return out
@@ -814,7 +843,8 @@ def _render_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_inventory(st: dict[str, Any]) -> str:
-    lines = [
+    lines = [f"WARNING: {st['template_warning']}"] if st.get("template_warning") else []
+    lines += [
         f"cache: identity {st['identity']}; disk tier "
         f"{'on' if st['disk_tier']['usable'] else 'off'} — {st['disk_tier']['reason']}"
     ]
@@ -849,3 +879,18 @@ def format_inventory(st: dict[str, Any]) -> str:
 def policy_factory(core: Core) -> CacheManager:
     """Entry point the CLI and the tray use to attach the cache manager to a core."""
     return CacheManager(core)
+
+
+def doctor_lines(paths: Any, settings: Any, status: dict[str, Any] | None) -> list[str]:
+    """Lines for `warmslot doctor`: the chat template check of the running server."""
+    cache = (status or {}).get("cache") or {}
+    warning = cache.get("template_warning")
+    if warning:
+        return [
+            f"template:    ✘ {warning}",
+            "             → set server.chat_template_file (for Gemma 3: "
+            "resources/templates/gemma3-tools.jinja)",
+        ]
+    if status is None:
+        return ["template:    (checked once a request with tools runs through a running server)"]
+    return ["template:    ✔ no dropped tools seen"]

@@ -161,3 +161,25 @@ def divergence(old: str, new: str, context: int = 60) -> dict[str, Any] | None:
         "old": old[i : i + context],
         "new": new[i : i + context],
     }
+
+
+def dropped_parts(body: dict[str, Any], rendered: str) -> list[str]:
+    """What of the request the rendered prompt lost: tool names, the system text.
+
+    A chat template without tool support (llama-server's generic fallback) renders
+    the messages but silently leaves the tools out.
+    """
+    missing = []
+    for tool in body.get("tools") or []:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        # Names are short words that may appear anywhere; the description is the
+        # tool's own text, so look for both (templates may escape quotes, so a slice).
+        desc = str(fn.get("description") or "")[:48]
+        if fn["name"] not in rendered or (desc and desc not in rendered):
+            missing.append(f"tool {fn['name']}")
+    system = system_text(body).strip()
+    if system and system[:64] not in rendered:
+        missing.append("system message")
+    return missing
