@@ -7,10 +7,12 @@ registered by their own modules.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
 import logging.handlers
+import os
 import signal
 import sys
 import threading
@@ -313,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `warmslot … | head`: the reader went away; exit quietly like other tools.
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - replaces the closed pipe
+        return 0
 
 
 if __name__ == "__main__":
