@@ -82,6 +82,9 @@ _PROJECT = re.compile(r"project\s*\(\s*\"?llama\.cpp\"?", re.IGNORECASE)
 _REQ = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*([A-Za-z0-9._+!-]+))?$")
 # Directories that are never part of the source: VCS data, build trees, caches.
 _SKIP_ANYWHERE = frozenset({".git", "__pycache__", "node_modules", ".cache", ".venv", ".ccache"})
+# Model files people keep in a llama.cpp folder (models/, anywhere): often gigabytes, never
+# needed to build the server, so not hashed or copied.
+_SKIP_FILE_SUFFIXES = (".gguf",)
 _CHUNK = 1 << 20
 _HTTP_TIMEOUT = 60.0
 
@@ -263,7 +266,7 @@ def _walk_tree(root: Path) -> Iterator[Path]:
             if e.is_dir(follow_symlinks=False):
                 if not _skip_dir(p.relative_to(root).parts):
                     dirs.append(p)
-            else:
+            elif not e.name.endswith(_SKIP_FILE_SUFFIXES):
                 yield p
         stack.extend(reversed(dirs))
 
@@ -285,7 +288,11 @@ def tree_hash(root: Path) -> str:
 def _copy_tree(root: Path, dest: Path) -> None:
     def ignore(d: str, names: list[str]) -> set[str]:
         rel = Path(d).relative_to(root).parts
-        return {n for n in names if (Path(d) / n).is_dir() and _skip_dir((*rel, n))}
+        return {
+            n
+            for n in names
+            if n.endswith(_SKIP_FILE_SUFFIXES) or ((Path(d) / n).is_dir() and _skip_dir((*rel, n)))
+        }
 
     shutil.copytree(root, dest, symlinks=True, ignore=ignore)
 

@@ -273,7 +273,12 @@ def test_tree_identity_follows_content_not_location(tmp_path: Path, fake_src: Pa
     shutil.copytree(fake_src, other)
     (other / "build").mkdir()  # build outputs inside a checkout do not count
     (other / "build" / "junk.o").write_bytes(b"\0")
+    (other / "models").mkdir()
+    (other / "models" / "big.gguf").write_bytes(b"GGUF")  # models are never source
     assert s.tree_hash(fake_src) == s.tree_hash(other)
+    s._copy_tree(other, tmp_path / "copied")
+    assert not (tmp_path / "copied" / "build").exists()
+    assert not (tmp_path / "copied" / "models" / "big.gguf").exists()
     (other / "src" / "llama.c").write_text("int fake_llama_answer(void) { return 1; }\n")
     assert s.tree_hash(fake_src) != s.tree_hash(other)
 
