@@ -148,6 +148,7 @@ def replay(
 def run(
     model: str,
     *,
+    template: str = "",
     scale: float,
     sessions: int,
     turns: int,
@@ -168,6 +169,7 @@ def run(
             shutil.rmtree(home, ignore_errors=True)
             s = Settings().replace("server.model", model).replace("proxy.port", 0)
             s = s.replace("server.slots", slots).replace("server.ctx_per_slot", ctx)
+            s = s.replace("server.chat_template_file", template)
             core = Core(Paths.under(home), s, policy_factory=factory)
             core.start(wait_ready=True)
             try:
@@ -225,6 +227,12 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--ctx", type=int, default=32768, help="context per slot")
+    p.add_argument(
+        "--chat-template",
+        default="",
+        help="template file (default: the "
+        "configured one, or Warmslot's tool-capable template for the demo model)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd)
 
@@ -236,13 +244,16 @@ def _cmd(args: argparse.Namespace) -> int:
     from core.server import model as model_mod
 
     paths = Paths.default(getattr(args, "dev_dir", None))
-    model = args.model
-    if not model:
-        settings = config_mod.load(paths.config_file)
-        model = str(model_mod.resolve(paths, settings.server.model).path)
+    from core.engine import chat_template_for
+
+    settings = config_mod.load(paths.config_file)
+    resolved = model_mod.resolve(paths, args.model or settings.server.model)
+    model = str(resolved.path)
+    template = args.chat_template or str(chat_template_for(settings.server, resolved) or "")
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     summaries = run(
         model,
+        template=template,
         scale=args.scale,
         sessions=args.sessions,
         turns=args.turns,
