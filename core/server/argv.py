@@ -63,12 +63,23 @@ def build_argv(server: ServerSettings, inputs: LaunchInputs) -> list[str]:
     return argv
 
 
+def _is_flag(token: str) -> bool:
+    """``-ngl`` is a flag; ``-1`` (a negative number, e.g. ``--cache-ram -1``) is a value."""
+    if not token.startswith("-"):
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return True
+    return False
+
+
 def _without_overridden(extra: list[str], base: list[str]) -> list[str]:
     """Plan flags replace earlier flags of the same name instead of repeating them."""
     for i, token in enumerate(extra):
-        if token.startswith("-") and token in base:
+        if _is_flag(token) and token in base:
             j = base.index(token)
-            if j + 1 < len(base) and i + 1 < len(extra) and not extra[i + 1].startswith("-"):
+            if j + 1 < len(base) and i + 1 < len(extra) and not _is_flag(extra[i + 1]):
                 base[j + 1] = extra[i + 1]
                 extra[i] = extra[i + 1] = ""
     return [t for t in extra if t]
