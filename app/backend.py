@@ -1,0 +1,212 @@
+"""What the views need from the core, as futures: status, telemetry queries, commands.
+
+`CoreBackend` wraps a live `core.engine.Core`: every call is submitted to the
+core thread and returns a future. `TelemetryBackend` reads a telemetry database
+file on its own thread (a sqlite connection belongs to its thread) and answers
+``status()`` from a fixed snapshot: the screenshot script, the chart benchmark
+and the tests use it to draw real query results without a running server.
+
+Commands the GUI knows about but the core may not provide yet (pin/evict/re-warm
+a saved state, build/cancel a build) are looked up by name: `supports(name)`
+says whether the core has them, so the views can disable their buttons.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from app.tasks import done_future, failed_future
+from core import config as config_mod
+from core.config import Settings
+from core.errors import CoreStopped
+from core.telemetry import Telemetry
+
+QUERIES = (
+    "hit_rate",
+    "totals",
+    "per_client",
+    "recent_requests",
+    "recent_events",
+    "server_runs",
+    "pressure_series",
+    "ttfb",
+)
+
+# Core methods the GUI calls when they exist (see docs/gui.md, "Core API the GUI expects").
+CACHE_COMMANDS = ("pin_state", "evict_state", "rewarm_state")
+BUILD_COMMANDS = ("build_server", "cancel_build")
+
+
+class Backend(Protocol):
+    """The GUI's view of the core."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    def status(self) -> concurrent.futures.Future[dict[str, Any]]: ...
+
+    def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]: ...
+
+    def supports(self, command: str) -> bool: ...
+
+    def command(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]: ...
+
+    def update_settings(self, settings: Settings) -> concurrent.futures.Future[list[str]]: ...
+
+
+class CoreBackend:
+    """A `Backend` over a live Core (commands run on the core thread)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    @property
+    def settings(self) -> Settings:
+        s: Settings = self.core.settings
+        return s
+
+    @property
+    def running(self) -> bool:
+        return bool(self.core.running)
+
+    def _guard(self, make: Callable[[], concurrent.futures.Future[Any]]) -> Any:
+        if not self.core.running:
+            return failed_future(CoreStopped("the Warmslot core is not running"))
+        try:
+            return make()
+        except Exception as e:  # CoreStopped raced with shutdown, or an assertion
+            return failed_future(e)
+
+    def status(self) -> concurrent.futures.Future[dict[str, Any]]:
+        fut: concurrent.futures.Future[dict[str, Any]] = self._guard(self.core.status)
+        return fut
+
+    def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = self._guard(lambda: self.core.query(name, **kwargs))
+        return fut
+
+    def supports(self, command: str) -> bool:
+        return callable(getattr(self.core, command, None))
+
+    def command(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fn = getattr(self.core, name, None)
+        if not callable(fn):
+            return failed_future(NotImplementedError(f"this core has no {name}()"))
+        fut: concurrent.futures.Future[Any] = self._guard(lambda: fn(*args, **kwargs))
+        return fut
+
+    def update_settings(self, settings: Settings) -> concurrent.futures.Future[list[str]]:
+        """Apply through the core when it runs; otherwise just write the file."""
+        if self.core.running:
+            try:
+                fut: concurrent.futures.Future[list[str]] = self.core.update_settings(settings)
+                return fut
+            except CoreStopped:
+                pass
+        try:
+            config_mod.save(self.core.paths.config_file, settings)
+        except Exception as e:
+            return failed_future(e)
+        self.core.settings = settings
+        return done_future([])
+
+
+def status_from_telemetry(tel: Telemetry, now: float) -> dict[str, Any]:
+    """The telemetry part of `Core.status()` (totals, last hour, clients, recent)."""
+    return {
+        "totals": tel.totals(),
+        "last_hour": tel.totals(now - 3600),
+        "clients": tel.per_client(),
+        "recent_requests": tel.recent_requests(10),
+    }
+
+
+class TelemetryBackend:
+    """A `Backend` over a telemetry database file, for offline views and tests.
+
+    Queries run on one private thread that owns the connection. ``status()``
+    returns `snapshot` (server and cache parts as `Core.status()` has them)
+    merged with the telemetry part computed from the file.
+    """
+
+    def __init__(
+        self,
+        db_path: Path,
+        *,
+        snapshot: dict[str, Any] | None = None,
+        settings: Settings | None = None,
+        clock: Callable[[], float] = time.time,
+        commands: dict[str, Callable[..., Any]] | None = None,
+    ) -> None:
+        self.db_path = db_path
+        self.snapshot = snapshot or {}
+        self._settings = settings or Settings()
+        self.clock = clock
+        self.commands = dict(commands or {})
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="warmslot-telemetry-reader"
+        )
+        self._local = threading.local()
+        self._closed = False
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @property
+    def running(self) -> bool:
+        return not self._closed
+
+    def _tel(self) -> Telemetry:
+        tel: Telemetry | None = getattr(self._local, "tel", None)
+        if tel is None:
+            tel = Telemetry(self.db_path, clock=self.clock)
+            self._local.tel = tel
+        return tel
+
+    def status(self) -> concurrent.futures.Future[dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            return {**self.snapshot, **status_from_telemetry(self._tel(), self.clock())}
+
+        return self._pool.submit(run)
+
+    def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        if name not in QUERIES:
+            return failed_future(ValueError(f"unknown query {name!r}"))
+        return self._pool.submit(lambda: getattr(self._tel(), name)(**kwargs))
+
+    def supports(self, command: str) -> bool:
+        return command in self.commands
+
+    def command(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fn = self.commands.get(name)
+        if fn is None:
+            return failed_future(NotImplementedError(f"no {name}() here"))
+        return self._pool.submit(lambda: fn(*args, **kwargs))
+
+    def update_settings(self, settings: Settings) -> concurrent.futures.Future[list[str]]:
+        self._settings = settings
+        return done_future([])
+
+    def close(self) -> None:
+        """Close the reader connection and stop its thread (waits for running queries)."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def shut() -> None:
+            tel: Telemetry | None = getattr(self._local, "tel", None)
+            if tel is not None:
+                tel.close()
+                self._local.tel = None
+
+        self._pool.submit(shut).result(30)
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,334 @@
+"""The GUI's controller: one-click start, stop, status, notifications.
+
+It owns no core state: it sends commands (futures, delivered back by `Tasks`),
+listens to the `Bridge`, and keeps an `AppState` derived from the latest
+``Core.status()`` for the tray and the dashboard. Starting or stopping the core
+thread itself blocks for a moment, so that runs on a worker thread too.
+
+One click, "Start model + cache": start the core (proxy) if needed → the core
+finds the binary and model and launches llama-server (building it first when no
+binary is found and the core can build) → the cache manager restores (verified)
+or prewarms the most recent prefixes → warm. Each step moves the progress shown
+in the tray tooltip, its menu and the Overview tab.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from app.backend import Backend
+from app.bridge import Bridge
+from app.qt import QObject, QTimer, Signal
+from app.state import AppState, TrayState, derive_state
+from app.tasks import Tasks
+from core.errors import BinaryNotFound, WarmslotError
+from core.events import BuildProgress, CacheEvent, Notice, ServerExited, ServerStateChanged
+
+log = logging.getLogger("warmslot.gui")
+
+STATUS_POLL_MS = 3000
+STATUS_SOON_MS = 150
+CACHE_ALERTS = {
+    "invalidated": "Saved cache invalidated",
+    "restore_rejected": "Cache state rejected",
+}
+WARMING_KINDS = ("restore_ok", "restore_rejected", "prewarm_hit", "prewarm_cold")
+
+
+def error_text(exc: BaseException) -> str:
+    return exc.user_message() if isinstance(exc, WarmslotError) else f"{type(exc).__name__}: {exc}"
+
+
+class Controller(QObject):
+    """Commands and derived state for the tray and the dashboard."""
+
+    stateChanged = Signal(object)  # AppState
+    statusChanged = Signal(object)  # the latest Core.status() dict
+    notify = Signal(str, str, str)  # title, text, level (info/warning/error)
+    dashboardRequested = Signal()
+    settingsRequested = Signal()
+
+    def __init__(
+        self,
+        core: Any,
+        backend: Backend,
+        bridge: Bridge,
+        tasks: Tasks,
+        parent: QObject | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.core = core
+        self.backend = backend
+        self.bridge = bridge
+        self.tasks = tasks
+        self.status: dict[str, Any] | None = None
+        self.core_error = ""
+        self.state = AppState()
+        self._progress: tuple[float, str] | None = None
+        self._start_after_build = False
+        self._status_inflight = False
+        self._status_again = False
+        self._closing = False
+        self._warm_seen = 0
+        self._poll = QTimer(self)
+        self._poll.setInterval(STATUS_POLL_MS)
+        self._poll.timeout.connect(self.refresh_status)
+        self._soon = QTimer(self)
+        self._soon.setSingleShot(True)
+        self._soon.setInterval(STATUS_SOON_MS)
+        self._soon.timeout.connect(self.refresh_status)
+        bridge.serverState.connect(self._on_server_state)
+        bridge.serverLaunched.connect(lambda _ev: self._step(35, "Loading the model"))
+        bridge.serverExited.connect(self._on_exit)
+        bridge.cache.connect(self._on_cache)
+        bridge.build.connect(self._on_build)
+        bridge.notice.connect(self._on_notice)
+        bridge.pressure.connect(lambda _ev: self._recompute())
+
+    # ------------------------------------------------------------ state
+    @property
+    def starting(self) -> bool:
+        return self._progress is not None
+
+    def _recompute(self) -> None:
+        pressure = self.bridge.last_pressure.level if self.bridge.last_pressure else ""
+        build = self.bridge.build_state
+        state = derive_state(
+            self.status if self.core.running else None,
+            core_running=bool(self.core.running),
+            core_error=self.core_error,
+            pressure=pressure,
+            build=build,
+            configured_model=self.backend.settings.server.model,
+            progress=self._progress,
+            can_cancel_build=self.backend.supports("cancel_build"),
+        )
+        if self._progress is not None and state.tray in (
+            TrayState.WARM,
+            TrayState.COLD,
+            TrayState.DEGRADED,
+        ):
+            if state.tray is TrayState.COLD and "identity" in state.detail:
+                # still learning the server identity right after ready: keep going
+                state = _with(state, tray=TrayState.STARTING)
+            else:
+                self._finish_start(state)
+                state = _with(state, progress=None)
+        if state != self.state:
+            self.state = state
+            self.stateChanged.emit(state)
+
+    def _finish_start(self, state: AppState) -> None:
+        self._progress = None
+        url = state.proxy_url
+        self.notify.emit(
+            "Model ready",
+            f"{state.label}. Point your client at {url}/v1" if url else state.label,
+            "info",
+        )
+
+    def _step(self, percent: float, text: str) -> None:
+        if self._progress is None:
+            return
+        self._progress = (max(percent, self._progress[0]), text)
+        self._recompute()
+
+    def schedule_status(self) -> None:
+        if not self._closing:
+            self._soon.start()
+
+    def refresh_status(self) -> None:
+        """Ask the core for its status (no-op while one is in flight)."""
+        if self._closing:
+            return
+        if not self.core.running:
+            self.status = None
+            self._recompute()
+            return
+        if self._status_inflight:
+            self._status_again = True
+            return
+        self._status_inflight = True
+        self.tasks.watch(self.backend.status(), self._got_status, self._status_failed, owner=self)
+
+    def _got_status(self, st: dict[str, Any]) -> None:
+        self._status_inflight = False
+        self.status = st
+        self.statusChanged.emit(st)
+        self._recompute()
+        if self._status_again:
+            self._status_again = False
+            self.refresh_status()
+
+    def _status_failed(self, exc: BaseException) -> None:
+        self._status_inflight = False
+        log.debug("status failed: %r", exc)
+        self._recompute()
+
+    # ------------------------------------------------------------ core lifecycle
+    def start_core(self, then: Callable[[], None] | None = None) -> None:
+        """Start the core thread and proxy (on a worker thread); then call `then`."""
+        if self.core.running:
+            if then is not None:
+                then()
+            return
+
+        def ok(_: Any) -> None:
+            self.core_error = ""
+            self._poll.start()
+            self.refresh_status()
+            if then is not None:
+                then()
+
+        def failed(exc: BaseException) -> None:
+            self.core_error = error_text(exc)
+            self._progress = None
+            self._recompute()
+            self.notify.emit("Warmslot could not start", self.core_error, "error")
+
+        self.core_error = ""
+        self.tasks.run(lambda: self.core.start(start_server=False), ok, failed, owner=self)
+
+    def start_all(self) -> None:
+        """One click: proxy → find/build server → launch → restore or prewarm → warm."""
+        if self.state.running or self.state.tray is TrayState.BUILDING:
+            return
+        self._progress = (3.0, "Starting the proxy")
+        self._warm_seen = 0
+        self._recompute()
+        self.start_core(then=self._start_server)
+
+    def _start_server(self) -> None:
+        self._step(10, "Finding llama-server and the model")
+        self.tasks.watch(
+            self.backend.command("start_server"),
+            lambda _r: self._step(80, "Restoring or prewarming saved prefixes"),
+            self._start_failed,
+            owner=self,
+        )
+
+    def _start_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, BinaryNotFound) and self.backend.supports("build_server"):
+            self._start_after_build = True
+            self._step(12, "No llama-server found: building one")
+            self.build()
+            return
+        self._progress = None
+        if not isinstance(exc, WarmslotError):  # the core already announced its own errors
+            self.notify.emit("llama-server did not start", error_text(exc), "error")
+        self.refresh_status()
+
+    def stop(self) -> None:
+        self._progress = None
+        self._start_after_build = False
+        self.tasks.watch(
+            self.backend.command("stop_server"),
+            lambda _r: self.refresh_status(),
+            lambda e: self.notify.emit("Stop failed", error_text(e), "error"),
+            owner=self,
+        )
+
+    def restart(self) -> None:
+        self.tasks.watch(
+            self.backend.command("restart_server"),
+            lambda _r: self.refresh_status(),
+            lambda e: self.notify.emit("Restart failed", error_text(e), "error"),
+            owner=self,
+        )
+
+    def build(self) -> None:
+        """Build llama-server from source (needs `Core.build_server`)."""
+        if not self.backend.supports("build_server"):
+            self.notify.emit(
+                "Cannot build here",
+                "This core has no build command; run `warmslot build` in a terminal.",
+                "warning",
+            )
+            return
+        self.tasks.watch(self.backend.command("build_server"), None, self._build_failed, owner=self)
+
+    def _build_failed(self, exc: BaseException) -> None:
+        self._start_after_build = False
+        self._progress = None
+        self.notify.emit("Build failed", error_text(exc), "error")
+        self._recompute()
+
+    def cancel_build(self) -> None:
+        self._start_after_build = False
+        self.tasks.watch(self.backend.command("cancel_build"), owner=self)
+
+    def shutdown(self, on_done: Callable[[], None]) -> None:
+        """Stop polling, stop the core (on a worker thread), then call `on_done`."""
+        if self._closing:
+            return
+        self._closing = True
+        self._poll.stop()
+        self._soon.stop()
+
+        def stop_core() -> None:
+            self.core.stop()
+
+        def done(_: Any = None) -> None:
+            self.bridge.detach()
+            on_done()
+
+        if self.core.running:
+            self.tasks.run(stop_core, done, lambda e: done(), owner=self)
+        else:
+            done()
+
+    # ------------------------------------------------------------ events
+    def _on_server_state(self, ev: ServerStateChanged) -> None:
+        if ev.state == "starting":
+            self._step(15, "Finding llama-server and the model")
+        elif ev.state == "ready":
+            self._step(80, "Restoring or prewarming saved prefixes")
+        elif ev.state == "failed" and self._progress is not None:
+            self._progress = None
+        self.schedule_status()
+
+    def _on_exit(self, ev: ServerExited) -> None:
+        if ev.outcome == "crashed":
+            sig = f"signal {ev.signal}" if ev.signal else f"exit code {ev.returncode}"
+            last = ev.last_lines[-1] if ev.last_lines else ""
+            self.notify.emit(
+                "llama-server crashed", f"It stopped with {sig}; restarting. {last}", "error"
+            )
+        self.schedule_status()
+
+    def _on_cache(self, ev: CacheEvent) -> None:
+        title = CACHE_ALERTS.get(ev.kind)
+        if title:
+            self.notify.emit(title, ev.reason, "warning")
+        if ev.kind in WARMING_KINDS:
+            self._warm_seen += 1
+            self._step(min(95, 80 + 5 * self._warm_seen), f"Warming prefixes ({self._warm_seen})")
+        self.schedule_status()
+
+    def _on_build(self, ev: BuildProgress) -> None:
+        if ev.done:
+            if ev.ok:
+                self.notify.emit("llama-server build finished", ev.step, "info")
+                if self._start_after_build:
+                    self._start_after_build = False
+                    self._start_server()
+            else:
+                self._start_after_build = False
+                self._progress = None
+                self.notify.emit("llama-server build failed", ev.step, "error")
+        elif self._progress is not None:
+            self._progress = (self._progress[0], f"Building llama-server: {ev.step}")
+        self._recompute()
+
+    def _on_notice(self, ev: Notice) -> None:
+        if ev.level == "error":
+            text = f"{ev.text}\n→ {ev.hint}" if ev.hint else ev.text
+            self.notify.emit("Warmslot", text, "error")
+
+
+def _with(state: AppState, **changes: Any) -> AppState:
+    import dataclasses
+
+    return dataclasses.replace(state, **changes)

@@ -1,0 +1,237 @@
+"""Cache: what each slot holds, the saved states (size, TTL class, time to expiry,
+pinned, verified) and the known prefixes, with pin/unpin, evict and re-warm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app import fmt
+from app.controller import error_text
+from app.dashboard.base import Request, Tab, ViewContext, fill, table
+from app.qt import Qt, QtWidgets
+
+NEEDS = {
+    "pin_state": "Core.pin_state(filename, pinned) → Future",
+    "evict_state": "Core.evict_state(filename) → Future",
+    "rewarm_state": "Core.rewarm_state(filename) → Future",
+}
+
+
+def ttl_seconds(settings: Any, ttl_class: str) -> float | None:
+    value = getattr(settings.cache, f"ttl_{ttl_class}_s", None)
+    return float(value) if value is not None else None
+
+
+def expiry_text(state: dict[str, Any], settings: Any, now: float) -> str:
+    if state.get("pinned"):
+        return "never (pinned)"
+    ttl = ttl_seconds(settings, str(state.get("ttl_class", "")))
+    if ttl is None or not state.get("last_used"):
+        return "—"
+    left = state["last_used"] + ttl - now
+    return "due now" if left <= 0 else f"in {fmt.duration(left)}"
+
+
+class CacheTab(Tab):
+    title = "Cache"
+
+    def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(ctx, parent)
+        self.summary = QtWidgets.QLabel("—")
+        self.summary.setWordWrap(True)
+        self.outer.addWidget(self.summary)
+
+        self.outer.addWidget(QtWidgets.QLabel("<b>Slots</b>"))
+        self.slots = table(
+            ["slot", "role", "session", "prefix", "tokens", "in flight", "last request"], stretch=2
+        )
+        self.slots.setMaximumHeight(140)
+        self.outer.addWidget(self.slots)
+
+        head = QtWidgets.QHBoxLayout()
+        head.addWidget(QtWidgets.QLabel("<b>Saved states</b> (disk tier)"))
+        head.addStretch(1)
+        self.pin_button = QtWidgets.QPushButton("Pin")
+        self.evict_button = QtWidgets.QPushButton("Evict")
+        self.rewarm_button = QtWidgets.QPushButton("Re-warm")
+        self.pin_button.setObjectName("pin")
+        self.evict_button.setObjectName("evict")
+        self.rewarm_button.setObjectName("rewarm")
+        self.pin_button.clicked.connect(self._toggle_pin)
+        self.evict_button.clicked.connect(lambda: self._run("evict_state", self.selected_file()))
+        self.rewarm_button.clicked.connect(lambda: self._run("rewarm_state", self.selected_file()))
+        for b in (self.pin_button, self.evict_button, self.rewarm_button):
+            head.addWidget(b)
+        self.outer.addLayout(head)
+        self.saved = table(
+            [
+                "file",
+                "fingerprint",
+                "tokens",
+                "size",
+                "TTL class",
+                "expires",
+                "pinned",
+                "verified",
+                "last used",
+                "this server",
+            ],
+            stretch=0,
+        )
+        self.saved.itemSelectionChanged.connect(self._update_buttons)
+        self.outer.addWidget(self.saved, 2)
+
+        self.outer.addWidget(QtWidgets.QLabel("<b>Known prefixes</b>"))
+        self.prefixes = table(
+            ["fingerprint", "client", "tokens", "share of prompt", "found by", "warm in slot"],
+            stretch=1,
+        )
+        self.outer.addWidget(self.prefixes, 1)
+        self.action_label = QtWidgets.QLabel("")
+        self.action_label.setStyleSheet("color: #555;")
+        self.outer.addWidget(self.action_label)
+        self._saved_rows: list[dict[str, Any]] = []
+        self._update_buttons()
+
+    def requests(self) -> dict[str, Request]:
+        return {"status": ("status", {})}
+
+    # ------------------------------------------------------------ drawing
+    def apply(self, results: dict[str, Any]) -> None:
+        st = results.get("status")
+        if st is None:
+            return
+        cache = st.get("cache")
+        if not isinstance(cache, dict) or "slots" not in cache:
+            why = cache.get("error") if isinstance(cache, dict) else None
+            self.summary.setText(
+                f"Cache status failed: {why}"
+                if why
+                else "No cache inventory: the cache manager is not attached (plain proxy) "
+                "or the core is not running."
+            )
+            for t in (self.slots, self.saved, self.prefixes):
+                t.setRowCount(0)
+            self._saved_rows = []
+            self._update_buttons()
+            return
+        now = self.ctx.clock()
+        settings = self.ctx.backend.settings
+        disk = cache.get("disk_tier") or {}
+        used = sum(int(s.get("bytes") or 0) for s in cache.get("saved") or [])
+        self.summary.setText(
+            f"Cache {'on' if cache.get('enabled', True) else 'off'} · server identity "
+            f"{cache.get('identity') or '—'} · disk tier "
+            f"{'on' if disk.get('usable') else 'off'}: {disk.get('reason', '—')} · "
+            f"{len(cache.get('saved') or [])} saved states, {fmt.size(used)}"
+        )
+        aux = cache.get("aux_slot")
+        fill(
+            self.slots,
+            [
+                [
+                    s["id"],
+                    "side calls" if s["id"] == aux else "primary",
+                    s.get("session") or "—",
+                    s.get("prefix") or "—",
+                    s.get("tokens", 0),
+                    s.get("inflight", 0),
+                    s.get("kind") or "—",
+                ]
+                for s in cache["slots"]
+            ],
+        )
+        keep = self.selected_file()
+        self._saved_rows = list(cache.get("saved") or [])
+        fill(
+            self.saved,
+            [
+                [
+                    s["file"],
+                    s.get("fingerprint", ""),
+                    s.get("tokens"),
+                    fmt.size(s.get("bytes")),
+                    s.get("ttl_class", ""),
+                    expiry_text(s, settings, now),
+                    "yes" if s.get("pinned") else "no",
+                    s.get("verified") or "—",
+                    fmt.ago(s.get("last_used"), now),
+                    "yes" if s.get("current") else "no",
+                ]
+                for s in self._saved_rows
+            ],
+            keys=[s["file"] for s in self._saved_rows],
+        )
+        if keep:
+            for r, s in enumerate(self._saved_rows):
+                if s["file"] == keep:
+                    self.saved.selectRow(r)
+        held = {s.get("prefix"): s["id"] for s in cache["slots"] if s.get("prefix")}
+        fill(
+            self.prefixes,
+            [
+                [
+                    p.get("fingerprint", ""),
+                    p.get("client", ""),
+                    p.get("tokens"),
+                    fmt.pct(p.get("share"), 0),
+                    p.get("source", ""),
+                    held.get(p.get("fingerprint"), "—"),
+                ]
+                for p in cache.get("prefixes") or []
+            ],
+        )
+        self._update_buttons()
+
+    # ------------------------------------------------------------ actions
+    def selected_file(self) -> str | None:
+        rows = self.saved.selectionModel().selectedRows()
+        if not rows:
+            return None
+        item = self.saved.item(rows[0].row(), 0)
+        return str(item.data(Qt.ItemDataRole.UserRole)) if item is not None else None
+
+    def _selected_state(self) -> dict[str, Any] | None:
+        name = self.selected_file()
+        return next((s for s in self._saved_rows if s["file"] == name), None)
+
+    def _update_buttons(self) -> None:
+        sel = self._selected_state()
+        backend = self.ctx.backend
+        self.pin_button.setText("Unpin" if sel and sel.get("pinned") else "Pin")
+        for button, cmd in (
+            (self.pin_button, "pin_state"),
+            (self.evict_button, "evict_state"),
+            (self.rewarm_button, "rewarm_state"),
+        ):
+            if not backend.supports(cmd):
+                button.setEnabled(False)
+                button.setToolTip(f"Not available: this core has no {NEEDS[cmd]}")
+            elif sel is None:
+                button.setEnabled(False)
+                button.setToolTip("Select a saved state first")
+            else:
+                button.setEnabled(True)
+                button.setToolTip("")
+        if sel is not None and not sel.get("current"):
+            self.rewarm_button.setEnabled(False)
+            self.rewarm_button.setToolTip("Saved for another server build, model or flags")
+
+    def _toggle_pin(self) -> None:
+        sel = self._selected_state()
+        if sel is not None:
+            self._run("pin_state", sel["file"], not sel.get("pinned"))
+
+    def _run(self, cmd: str, *args: Any) -> None:
+        if not args or args[0] is None:
+            return
+        self.action_label.setText(f"{cmd.replace('_', ' ')} {args[0]} …")
+
+        def ok(_: Any) -> None:
+            self.action_label.setText(f"{cmd.replace('_', ' ')} {args[0]}: done")
+            self.refresh()
+
+        def failed(exc: BaseException) -> None:
+            self.action_label.setText(f"{cmd.replace('_', ' ')} failed: {error_text(exc)}")
+
+        self.ctx.tasks.watch(self.ctx.backend.command(cmd, *args), ok, failed, owner=self)

@@ -1,0 +1,149 @@
+"""Events: the cache and server history (evictions, saves, restores, divergences,
+state changes), filterable by category, kind, time and text, with reasons."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app import fmt
+from app.dashboard.base import Request, Tab, ViewContext, fill, table
+from app.qt import QtGui, QtWidgets
+
+CATEGORIES = ["all", "cache", "server", "notice", "build"]
+KNOWN_KINDS = [
+    "evict",
+    "expired",
+    "invalidated",
+    "save",
+    "save_failed",
+    "restore_ok",
+    "restore_rejected",
+    "prewarm_hit",
+    "prewarm_cold",
+    "divergence",
+    "displaced",
+    "prefix_learned",
+    "ready",
+    "failed",
+    "error",
+    "warning",
+]
+SINCE = {
+    "last 15 minutes": 900,
+    "last hour": 3600,
+    "last 24 hours": 86400,
+    "last 7 days": 7 * 86400,
+    "everything": 0,
+}
+LIMIT = 500
+BAD = {"invalidated", "restore_rejected", "save_failed", "failed", "error", "evict", "expired"}
+
+
+class EventsTab(Tab):
+    title = "Events"
+
+    def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(ctx, parent)
+        row = QtWidgets.QHBoxLayout()
+        self.category = QtWidgets.QComboBox()
+        self.category.addItems(CATEGORIES)
+        self.kind = QtWidgets.QComboBox()
+        self.kind.setEditable(True)
+        self.kind.addItems(["all", *KNOWN_KINDS])
+        self.kind.setMinimumContentsLength(14)
+        self.since = QtWidgets.QComboBox()
+        for label, secs in SINCE.items():
+            self.since.addItem(label, secs)
+        self.since.setCurrentIndex(2)
+        self.search = QtWidgets.QLineEdit()
+        self.search.setPlaceholderText("filter reasons…")
+        self.search.setClearButtonEnabled(True)
+        for label, w in (
+            ("Category:", self.category),
+            ("Kind:", self.kind),
+            ("Time:", self.since),
+        ):
+            row.addWidget(QtWidgets.QLabel(label))
+            row.addWidget(w)
+        row.addWidget(self.search, 1)
+        self.outer.addLayout(row)
+        self.category.currentIndexChanged.connect(lambda _i: self.refresh())
+        self.kind.currentTextChanged.connect(lambda _t: self.refresh())
+        self.since.currentIndexChanged.connect(lambda _i: self.refresh())
+        self.search.textChanged.connect(lambda _t: self._draw())
+        self.table = table(
+            ["time", "category", "kind", "reason", "slot", "tokens", "size", "fingerprint"],
+            stretch=3,
+        )
+        self.table.setWordWrap(False)
+        self.table.itemSelectionChanged.connect(self._show_details)
+        self.outer.addWidget(self.table, 1)
+        self.details = QtWidgets.QPlainTextEdit()
+        self.details.setReadOnly(True)
+        self.details.setMaximumHeight(110)
+        self.details.setPlaceholderText("Select an event to see its details.")
+        self.outer.addWidget(self.details)
+        self.count_label = QtWidgets.QLabel("")
+        self.outer.addWidget(self.count_label)
+        self.rows: list[dict[str, Any]] = []
+        self.shown: list[dict[str, Any]] = []
+
+    def requests(self) -> dict[str, Request]:
+        kw: dict[str, Any] = {"limit": LIMIT}
+        cat = self.category.currentText()
+        if cat != "all":
+            kw["category"] = cat
+        kind = self.kind.currentText().strip()
+        if kind and kind != "all":
+            kw["kind"] = kind
+        secs = int(self.since.currentData())
+        if secs:
+            kw["since"] = self.ctx.clock() - secs
+        return {"events": ("recent_events", kw)}
+
+    def apply(self, results: dict[str, Any]) -> None:
+        if "events" in results:
+            self.rows = results["events"]
+            self._draw()
+
+    def _draw(self) -> None:
+        needle = self.search.text().strip().lower()
+        self.shown = [
+            r
+            for r in self.rows
+            if not needle or needle in (r.get("reason") or "").lower() or needle in r["kind"]
+        ]
+        fill(
+            self.table,
+            [
+                [
+                    fmt.clock(r["ts"], with_date=True),
+                    r["category"],
+                    r["kind"],
+                    r.get("reason") or "",
+                    r.get("slot"),
+                    r.get("tokens"),
+                    fmt.size(r["bytes"]) if r.get("bytes") is not None else "",
+                    r.get("fingerprint") or "",
+                ]
+                for r in self.shown
+            ],
+        )
+        bad = QtGui.QColor("#c92a2a")
+        for i, r in enumerate(self.shown):
+            if r["kind"] in BAD:
+                self.table.item(i, 2).setForeground(bad)
+        more = " (newest first; narrow the filters to see older)" if len(self.rows) >= LIMIT else ""
+        self.count_label.setText(f"{len(self.shown)} of {len(self.rows)} events{more}")
+
+    def _show_details(self) -> None:
+        rows = self.table.selectionModel().selectedRows()
+        if not rows or rows[0].row() >= len(self.shown):
+            self.details.clear()
+            return
+        r = self.shown[rows[0].row()]
+        self.details.setPlainText(
+            f"{r['category']}/{r['kind']}: {r.get('reason') or ''}\n"
+            + json.dumps(r.get("details") or {}, indent=1, default=str)
+        )

@@ -1,0 +1,244 @@
+"""Overview: state, model, server build, slots, hit rate, tokens and seconds saved today."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app import fmt
+from app.charts import TimeChart
+from app.dashboard.base import Request, Tab, ViewContext
+from app.dashboard.reuse import window
+from app.icons import state_icon
+from app.qt import Qt, QtWidgets
+from app.state import AppState, TrayState, derive_state
+
+
+class Card(QtWidgets.QFrame):
+    """A big number with a caption."""
+
+    def __init__(self, caption: str, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setFrameShape(QtWidgets.QFrame.Shape.StyledPanel)
+        self.setStyleSheet(
+            "Card { background: palette(base); border: 1px solid #dee2e6; border-radius: 6px; }"
+        )
+        lay = QtWidgets.QVBoxLayout(self)
+        lay.setContentsMargins(12, 8, 12, 8)
+        self.value = QtWidgets.QLabel("—")
+        f = self.value.font()
+        f.setPointSizeF(f.pointSizeF() * 1.9)
+        f.setBold(True)
+        self.value.setFont(f)
+        self.caption = QtWidgets.QLabel(caption)
+        self.caption.setStyleSheet("color: #666;")
+        self.sub = QtWidgets.QLabel("")
+        self.sub.setStyleSheet("color: #888;")
+        lay.addWidget(self.value)
+        lay.addWidget(self.caption)
+        lay.addWidget(self.sub)
+
+    def set(self, value: str, sub: str = "") -> None:
+        self.value.setText(value)
+        self.sub.setText(sub)
+
+
+class OverviewTab(Tab):
+    title = "Overview"
+
+    def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(ctx, parent)
+        self.app_state: AppState | None = None
+        # State row: icon, words, buttons.
+        top = QtWidgets.QHBoxLayout()
+        self.icon = QtWidgets.QLabel()
+        self.icon.setFixedSize(48, 48)
+        self.state_label = QtWidgets.QLabel("—")
+        f = self.state_label.font()
+        f.setPointSizeF(f.pointSizeF() * 1.6)
+        f.setBold(True)
+        self.state_label.setFont(f)
+        self.detail_label = QtWidgets.QLabel("")
+        self.detail_label.setWordWrap(True)
+        self.detail_label.setStyleSheet("color: #555;")
+        words = QtWidgets.QVBoxLayout()
+        words.addWidget(self.state_label)
+        words.addWidget(self.detail_label)
+        top.addWidget(self.icon)
+        top.addLayout(words, 1)
+        self.start_button = QtWidgets.QPushButton("Start model + cache")
+        self.start_button.setObjectName("start")
+        self.stop_button = QtWidgets.QPushButton("Stop")
+        self.restart_button = QtWidgets.QPushButton("Restart server")
+        for b in (self.start_button, self.restart_button, self.stop_button):
+            top.addWidget(b)
+        self.outer.addLayout(top)
+        self.progress = QtWidgets.QProgressBar()
+        self.progress.setRange(0, 100)
+        self.progress.setTextVisible(True)
+        self.progress.hide()
+        self.outer.addWidget(self.progress)
+
+        # Cards.
+        grid = QtWidgets.QGridLayout()
+        self.cards = {
+            "hit_hour": Card("hit rate, last hour"),
+            "hit_today": Card("hit rate, today"),
+            "cached_today": Card("prompt tokens served from cache today"),
+            "saved_today": Card("prefill time saved today"),
+            "requests_today": Card("requests today"),
+            "errors_today": Card("failed requests today"),
+        }
+        for i, card in enumerate(self.cards.values()):
+            grid.addWidget(card, i // 3, i % 3)
+        self.outer.addLayout(grid)
+
+        # Facts.
+        box = QtWidgets.QGroupBox("Server")
+        form = QtWidgets.QGridLayout(box)
+        form.setColumnStretch(1, 1)
+        self.facts: dict[str, QtWidgets.QLabel] = {}
+        for i, (key, label) in enumerate(
+            (
+                ("model", "Model"),
+                ("build", "Server build"),
+                ("proxy", "Client base URL"),
+                ("slots", "Slots"),
+                ("server", "llama-server"),
+                ("disk", "Disk tier"),
+            )
+        ):
+            w = QtWidgets.QLabel("—")
+            w.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            w.setSizePolicy(
+                QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred
+            )
+            self.facts[key] = w
+            name = QtWidgets.QLabel(label + ":")
+            name.setStyleSheet("color: #555;")
+            form.addWidget(name, i, 0, Qt.AlignmentFlag.AlignTop)
+            form.addWidget(w, i, 1)
+        self.outer.addWidget(box)
+        self.day = TimeChart("Last 24 hours: hit rate per hour", "% cached", y_range=(0, 100))
+        self.day.add_line("hit rate", "green", points=True)
+        self.day.chart.legend().setVisible(False)
+        self.outer.addWidget(self.day, 1)
+
+        c = ctx.controller
+        if c is not None:
+            self.start_button.clicked.connect(c.start_all)
+            self.stop_button.clicked.connect(c.stop)
+            self.restart_button.clicked.connect(c.restart)
+            c.stateChanged.connect(self.show_state)
+            self.show_state(c.state)
+        else:
+            for b in (self.start_button, self.stop_button, self.restart_button):
+                b.setEnabled(False)
+                b.setToolTip("Not connected to a running Warmslot")
+
+    def requests(self) -> dict[str, Request]:
+        now = self.ctx.clock()
+        since, until, _ = window("hour", now)
+        return {
+            "status": ("status", {}),
+            "today": ("totals", {"since": fmt.start_of_day(now)}),
+            "day": ("hit_rate", {"bucket": "hour", "since": since, "until": until}),
+        }
+
+    def show_state(self, st: AppState) -> None:
+        self.app_state = st
+        self.icon.setPixmap(state_icon(st.tray).pixmap(48, 48))
+        self.state_label.setText(st.label)
+        self.detail_label.setText(st.detail)
+        if self.ctx.controller is None:  # an offline view: nothing to command
+            return
+        running = st.running or st.tray is TrayState.BUILDING
+        self.start_button.setEnabled(not running)
+        self.stop_button.setEnabled(st.running and st.server_state != "stopping")
+        self.restart_button.setEnabled(
+            st.tray in (TrayState.WARM, TrayState.COLD, TrayState.DEGRADED)
+        )
+        if st.progress is not None:
+            self.progress.setValue(int(st.progress[0]))
+            self.progress.setFormat(f"{st.progress[1]} — %p%")
+            self.progress.show()
+        elif st.tray is TrayState.BUILDING and st.build_percent is not None:
+            self.progress.setValue(int(st.build_percent))
+            self.progress.setFormat(f"Building: {st.build_step} — %p%")
+            self.progress.show()
+        else:
+            self.progress.hide()
+
+    def apply(self, results: dict[str, Any]) -> None:
+        st = results.get("status")
+        if st is not None:
+            self._facts(st)
+            if self.ctx.controller is None:
+                self.show_state(derive_state(st))
+            hour = st.get("last_hour") or {}
+            self.cards["hit_hour"].set(
+                fmt.pct(hour.get("hit_ratio")), f"{hour.get('requests', 0)} requests"
+            )
+        day = results.get("day")
+        if day is not None:
+            kw = self.last_requests["day"][1]
+            self.day.set_x_range(kw["since"], kw["until"])
+            pts = [(r["bucket"], r["hit_ratio"] * 100) for r in day if r["hit_ratio"] is not None]
+            if pts:
+                self.day.show_chart()
+                self.day.set_line("hit rate", pts)
+            else:
+                self.day.show_message("No requests in the last 24 hours.")
+        today = results.get("today")
+        if today is not None:
+            self.cards["hit_today"].set(
+                fmt.pct(today.get("hit_ratio")),
+                f"{fmt.count(today['cached_tokens'])} of "
+                f"{fmt.count(today['cached_tokens'] + today['prompt_tokens'])} prompt tokens",
+            )
+            self.cards["cached_today"].set(
+                fmt.count(today["cached_tokens"]), f"{today['cached_tokens']:,} tokens"
+            )
+            self.cards["saved_today"].set(
+                fmt.duration(today.get("seconds_saved") or 0.0), "at the observed prefill speed"
+            )
+            self.cards["requests_today"].set(f"{today['requests']:,}")
+            self.cards["errors_today"].set(f"{today['errors']:,}")
+
+    def _facts(self, st: dict[str, Any]) -> None:
+        srv = st.get("server") or {}
+        mdl = srv.get("model") or {}
+        b = srv.get("binary") or {}
+        self.facts["model"].setText(
+            f"{mdl['path']}  ({fmt.size(mdl.get('size'))}, {mdl.get('source', '?')})"
+            if mdl
+            else "not resolved yet"
+        )
+        self.facts["build"].setText(
+            f"{b.get('version', '?')} · commit {b.get('commit') or '?'} · {b.get('source', '?')}"
+            f"\n{b.get('path', '')}"
+            if b
+            else "not resolved yet"
+        )
+        proxy = (st.get("warmslot") or {}).get("proxy", "")
+        self.facts["proxy"].setText(f"{proxy}/v1" if proxy else "—")
+        cache = st.get("cache") if isinstance(st.get("cache"), dict) else {}
+        slots = cache.get("slots") or []
+        if slots:
+            warm = sum(1 for s in slots if s.get("prefix"))
+            aux = cache.get("aux_slot")
+            self.facts["slots"].setText(
+                f"{len(slots)} slots, {warm} holding a known prefix"
+                + (f"; slot {aux} reserved for side calls" if aux is not None else "")
+            )
+        else:
+            self.facts["slots"].setText("—")
+        state = srv.get("state", "stopped")
+        extra = f", pid {srv['pid']}, port {srv['port']}" if srv.get("pid") else ""
+        self.facts["server"].setText(
+            f"{state}{extra}; restarts {srv.get('restarts', 0)}"
+            + (f" — {srv['reason']}" if srv.get("reason") else "")
+        )
+        disk = cache.get("disk_tier") or {}
+        self.facts["disk"].setText(
+            ("on — " if disk.get("usable") else "off — ") + disk.get("reason", "") if disk else "—"
+        )

@@ -1,0 +1,180 @@
+"""Reuse: hit rate over time, cached vs new prompt tokens, TTFB warm vs cold,
+per-client hit rates and the last divergences (where a prompt stopped matching)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from app import fmt
+from app.charts import BarChart, TimeChart
+from app.dashboard.base import Request, Tab, ViewContext, fill, table
+from app.qt import QtWidgets
+from core.telemetry import BUCKETS
+
+# bucket → (label, window in seconds)
+WINDOWS: dict[str, tuple[str, int]] = {
+    "minute": ("Minute buckets — last hour", 3600),
+    "hour": ("Hour buckets — last 24 hours", 86400),
+    "day": ("Day buckets — last 30 days", 30 * 86400),
+}
+TOP_CLIENTS = 8
+
+
+def window(bucket: str, now: float) -> tuple[float, float, int]:
+    """(since, until, bucket size): `since` on a bucket boundary so every bucket is whole."""
+    size = BUCKETS[bucket]
+    span = WINDOWS[bucket][1]
+    since = math.floor((now - span) / size) * size + size
+    return float(since), now, size
+
+
+class ReuseTab(Tab):
+    title = "Reuse"
+
+    def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(ctx, parent)
+        row = QtWidgets.QHBoxLayout()
+        row.addWidget(QtWidgets.QLabel("Show:"))
+        self.bucket = QtWidgets.QComboBox()
+        for key, (label, _) in WINDOWS.items():
+            self.bucket.addItem(label, key)
+        self.bucket.currentIndexChanged.connect(lambda _i: self.refresh())
+        row.addWidget(self.bucket)
+        row.addStretch(1)
+        self.summary = QtWidgets.QLabel("")
+        row.addWidget(self.summary)
+        self.outer.addLayout(row)
+
+        self.hit = TimeChart("Hit rate", "% of prompt tokens from cache", y_range=(0, 100))
+        self.hit.add_line("hit rate", "green", points=True)
+        self.hit.chart.legend().setVisible(False)
+        self.tokens = TimeChart("Prompt tokens: cached vs new", "tokens")
+        self.tokens.add_stacked_area("cached", "blue")
+        self.tokens.add_stacked_area("new", "orange")
+        self.ttfb = BarChart(
+            "Time to first byte (median)", "ms", color_name="violet", label_format="@value ms"
+        )
+        self.clients = BarChart(
+            "Hit rate per client",
+            "% cached",
+            color_name="teal",
+            label_format="@value %",
+            value_range=(0, 100),
+        )
+        grid = QtWidgets.QGridLayout()
+        grid.addWidget(self.hit, 0, 0)
+        grid.addWidget(self.tokens, 0, 1)
+        grid.addWidget(self.ttfb, 1, 0)
+        grid.addWidget(self.clients, 1, 1)
+        grid.setRowStretch(0, 3)
+        grid.setRowStretch(1, 2)
+        self.outer.addLayout(grid, 1)
+        self.outer.addWidget(QtWidgets.QLabel("<b>Last divergences</b> — why a prompt reused less"))
+        self.divergences = table(["time", "client", "slot", "reused", "reason"], stretch=4)
+        self.divergences.setMaximumHeight(150)
+        self.outer.addWidget(self.divergences)
+
+    @property
+    def current_bucket(self) -> str:
+        return str(self.bucket.currentData())
+
+    def requests(self) -> dict[str, Request]:
+        since, until, _ = window(self.current_bucket, self.ctx.clock())
+        return {
+            "hit": ("hit_rate", {"bucket": self.current_bucket, "since": since, "until": until}),
+            "ttfb": ("ttfb", {"since": since}),
+            "clients": ("per_client", {"since": since}),
+            "divergences": (
+                "recent_events",
+                {"category": "cache", "kind": "divergence", "limit": 10},
+            ),
+        }
+
+    def apply(self, results: dict[str, Any]) -> None:
+        bucket = self.current_bucket
+        kw = self.last_requests["hit"][1]
+        since, until, size = kw["since"], kw["until"], BUCKETS[bucket]
+        if "hit" in results:
+            self.apply_hit(results["hit"], since, until, size)
+        if "ttfb" in results:
+            self.apply_ttfb(results["ttfb"])
+        if "clients" in results:
+            self.apply_clients(results["clients"])
+        if "divergences" in results:
+            self.apply_divergences(results["divergences"])
+
+    def apply_hit(self, rows: list[dict[str, Any]], since: float, until: float, size: int) -> None:
+        for chart in (self.hit, self.tokens):
+            chart.set_x_range(since, max(until, since + size))
+        if not rows:
+            msg = "No requests in this window yet. Point a client at the proxy to see reuse here."
+            self.hit.show_message(msg)
+            self.tokens.show_message(msg)
+            self.summary.setText("")
+            return
+        self.hit.show_chart()
+        self.tokens.show_chart()
+        self.hit.set_line(
+            "hit rate",
+            [(r["bucket"], r["hit_ratio"] * 100) for r in rows if r["hit_ratio"] is not None],
+        )
+        by_bucket = {r["bucket"]: r for r in rows}
+        cached: list[tuple[float, float]] = []
+        new: list[tuple[float, float]] = []
+        b = since
+        while b < until:
+            r = by_bucket.get(b)
+            for x in (b, b + size):
+                cached.append((x, float(r["cached"]) if r else 0.0))
+                new.append((x, float(r["new"]) if r else 0.0))
+            b += size
+        self.tokens.set_stacked({"cached": cached, "new": new})
+        self.tokens.fit_y()
+        total_c = sum(r["cached"] for r in rows)
+        total = sum(r["total"] for r in rows)
+        n = sum(r["requests"] for r in rows)
+        self.summary.setText(
+            f"{n:,} requests · {fmt.count(total_c)} of {fmt.count(total)} prompt tokens cached "
+            f"({fmt.pct(total_c / total if total else None)})"
+        )
+
+    def apply_ttfb(self, t: dict[str, Any]) -> None:
+        if not t.get("warm_n") and not t.get("cold_n"):
+            self.ttfb.show_message("No requests with timings in this window yet.")
+            return
+        self.ttfb.show_chart()
+        self.ttfb.set_bars(
+            [
+                (f"warm (n={t['warm_n']:,})", round(t["warm"] or 0.0, 1)),
+                (f"cold (n={t['cold_n']:,})", round(t["cold"] or 0.0, 1)),
+            ]
+        )
+
+    def apply_clients(self, rows: list[dict[str, Any]]) -> None:
+        rows = [r for r in rows if r["hit_ratio"] is not None][:TOP_CLIENTS]
+        if not rows:
+            self.clients.show_message("No client has sent a request in this window yet.")
+            return
+        self.clients.show_chart()
+        self.clients.set_bars(
+            [
+                (f"{r['client'] or '?'} ({r['requests']:,})", round(r["hit_ratio"] * 100, 1))
+                for r in rows
+            ]
+        )
+
+    def apply_divergences(self, rows: list[dict[str, Any]]) -> None:
+        fill(
+            self.divergences,
+            [
+                [
+                    fmt.clock(r["ts"], with_date=True),
+                    (r.get("details") or {}).get("client", ""),
+                    r.get("slot"),
+                    r.get("tokens"),
+                    r.get("reason", ""),
+                ]
+                for r in rows
+            ],
+        )

@@ -1,0 +1,223 @@
+"""Server: state, argv, fit plan, build info, runs and restarts, the live log tail,
+and a llama-server build's progress with cancel."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from app import fmt
+from app.dashboard.base import Request, Tab, ViewContext, fill, table
+from app.qt import Qt, QtGui, QtWidgets
+from core.events import BuildProgress, LogLine
+
+LOG_BLOCKS = 2000
+LEVEL_COLORS = {"error": "#c92a2a", "warn": "#e67700", "warning": "#e67700"}
+
+
+class ServerTab(Tab):
+    title = "Server"
+
+    def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(ctx, parent)
+        split = QtWidgets.QSplitter(Qt.Orientation.Horizontal)
+        left = QtWidgets.QWidget()
+        lcol = QtWidgets.QVBoxLayout(left)
+        lcol.setContentsMargins(0, 0, 4, 0)
+
+        box = QtWidgets.QGroupBox("llama-server")
+        form = QtWidgets.QFormLayout(box)
+        self.facts: dict[str, QtWidgets.QLabel] = {}
+        for key, label in (
+            ("state", "State"),
+            ("process", "Process"),
+            ("binary", "Binary"),
+            ("version", "Build"),
+            ("model", "Model"),
+            ("restarts", "Restarts"),
+        ):
+            w = QtWidgets.QLabel("—")
+            w.setWordWrap(True)
+            w.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            self.facts[key] = w
+            form.addRow(label + ":", w)
+        lcol.addWidget(box)
+
+        lcol.addWidget(QtWidgets.QLabel("<b>Command line</b> (exactly as launched)"))
+        self.argv = QtWidgets.QPlainTextEdit()
+        self.argv.setReadOnly(True)
+        self.argv.setMaximumHeight(80)
+        self.argv.setFont(QtGui.QFontDatabase.systemFont(QtGui.QFontDatabase.SystemFont.FixedFont))
+        lcol.addWidget(self.argv)
+
+        lcol.addWidget(QtWidgets.QLabel("<b>Fit plan</b>"))
+        self.fit = QtWidgets.QLabel("—")
+        self.fit.setWordWrap(True)
+        self.fit.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        lcol.addWidget(self.fit)
+
+        build = QtWidgets.QGroupBox("Build from source")
+        brow = QtWidgets.QGridLayout(build)
+        self.build_bar = QtWidgets.QProgressBar()
+        self.build_bar.setRange(0, 100)
+        self.build_step = QtWidgets.QLabel("No build running.")
+        self.build_step.setWordWrap(True)
+        self.build_button = QtWidgets.QPushButton("Build llama-server")
+        self.cancel_button = QtWidgets.QPushButton("Cancel")
+        self.cancel_button.setObjectName("cancel_build")
+        brow.addWidget(self.build_bar, 0, 0, 1, 3)
+        brow.addWidget(self.build_step, 1, 0)
+        brow.addWidget(self.build_button, 1, 1)
+        brow.addWidget(self.cancel_button, 1, 2)
+        lcol.addWidget(build)
+
+        lcol.addWidget(QtWidgets.QLabel("<b>Runs</b> (newest first)"))
+        self.runs = table(
+            ["started", "ran for", "attempt", "outcome", "exit", "by", "pid", "port"], stretch=3
+        )
+        lcol.addWidget(self.runs, 1)
+        split.addWidget(left)
+
+        right = QtWidgets.QWidget()
+        rcol = QtWidgets.QVBoxLayout(right)
+        rcol.setContentsMargins(4, 0, 0, 0)
+        head = QtWidgets.QHBoxLayout()
+        head.addWidget(QtWidgets.QLabel("<b>Log</b> (llama-server output, live)"))
+        head.addStretch(1)
+        self.follow = QtWidgets.QCheckBox("Follow")
+        self.follow.setChecked(True)
+        head.addWidget(self.follow)
+        rcol.addLayout(head)
+        self.log = QtWidgets.QPlainTextEdit()
+        self.log.setReadOnly(True)
+        self.log.setMaximumBlockCount(LOG_BLOCKS)
+        self.log.setLineWrapMode(QtWidgets.QPlainTextEdit.LineWrapMode.NoWrap)
+        self.log.setFont(QtGui.QFontDatabase.systemFont(QtGui.QFontDatabase.SystemFont.FixedFont))
+        self.log.setPlaceholderText("llama-server's output appears here once it runs.")
+        rcol.addWidget(self.log, 1)
+        split.addWidget(right)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 4)
+        self.outer.addWidget(split, 1)
+
+        backend = ctx.backend
+        c = ctx.controller
+        can_build = backend.supports("build_server") and c is not None
+        self.build_button.setEnabled(can_build)
+        if not can_build:
+            self.build_button.setToolTip(
+                "Needs Core.build_server() → Future; meanwhile run `warmslot build` in a terminal"
+            )
+        self.cancel_button.setEnabled(False)
+        if not backend.supports("cancel_build"):
+            self.cancel_button.setToolTip("Needs Core.cancel_build() → Future")
+        if c is not None:
+            self.build_button.clicked.connect(c.build)
+            self.cancel_button.clicked.connect(c.cancel_build)
+        bridge = ctx.bridge
+        if bridge is not None:
+            for line in bridge.log_lines():
+                self.append_log(line)
+            if bridge.build_state is not None:
+                self.show_build(bridge.build_state)
+            bridge.log.connect(self.append_log)
+            bridge.build.connect(self.show_build)
+
+    def requests(self) -> dict[str, Request]:
+        return {"status": ("status", {}), "runs": ("server_runs", {"limit": 20})}
+
+    def apply(self, results: dict[str, Any]) -> None:
+        if "status" in results:
+            self.apply_status(results["status"].get("server") or {})
+        if "runs" in results:
+            self.apply_runs(results["runs"])
+
+    def apply_status(self, srv: dict[str, Any]) -> None:
+        state = srv.get("state", "stopped")
+        self.facts["state"].setText(
+            f"<b>{state}</b>" + (f" — {srv['reason']}" if srv.get("reason") else "")
+        )
+        self.facts["process"].setText(
+            f"pid {srv['pid']}, port {srv['port']}, run {srv.get('run_id', '')}"
+            if srv.get("pid")
+            else "not running"
+        )
+        b = srv.get("binary") or {}
+        self.facts["binary"].setText(f"{b['path']} ({b.get('source', '?')})" if b else "—")
+        self.facts["version"].setText(
+            f"{b.get('version', '?')}, commit {b.get('commit') or '?'}"
+            + (", --no-repack active" if srv.get("no_repack") else "")
+            if b
+            else "—"
+        )
+        m = srv.get("model") or {}
+        self.facts["model"].setText(f"{m['path']} ({fmt.size(m.get('size'))})" if m else "—")
+        exits = srv.get("exits") or []
+        crashes = sum(1 for e in exits if e.get("outcome") == "crashed")
+        self.facts["restarts"].setText(
+            f"{srv.get('restarts', 0)} in a row now; {crashes} crashes of {len(exits)} exits "
+            "since Warmslot started"
+        )
+        argv = srv.get("argv") or []
+        self.argv.setPlainText(shlex.join(argv) if argv else "")
+        fit = srv.get("fit") or srv.get("plan")
+        if isinstance(fit, dict) and fit:
+            self.fit.setText(
+                "<br>".join(f"<b>{k}</b>: {_short(v)}" for k, v in fit.items() if k != "text")
+                if "text" not in fit
+                else str(fit["text"]).replace("\n", "<br>")
+            )
+        else:
+            self.fit.setText(
+                "<i>Not reported by this core</i> (expects Core.status()['server']['fit']: the "
+                "planner's VRAM/RAM/disk breakdown). Flags in the command line above."
+            )
+
+    def apply_runs(self, runs: list[dict[str, Any]]) -> None:
+        fill(
+            self.runs,
+            [
+                [
+                    fmt.clock(r.get("started"), with_date=True),
+                    fmt.duration(r["ended"] - r["started"]) if r.get("ended") else "running",
+                    r.get("attempt") or "",
+                    r.get("outcome") or ("running" if not r.get("ended") else "?"),
+                    f"signal {r['signal']}" if r.get("signal") else r.get("returncode"),
+                    r.get("requested_by") or "",
+                    r.get("pid"),
+                    r.get("port"),
+                ]
+                for r in runs
+            ],
+        )
+
+    def append_log(self, line: LogLine) -> None:
+        bar = self.log.verticalScrollBar()
+        at_end = bar.value() >= bar.maximum() - 2
+        doc = self.log.document()
+        cursor = QtGui.QTextCursor(doc)
+        cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
+        if doc.characterCount() > 1:
+            cursor.insertBlock()
+        style = QtGui.QTextCharFormat()
+        color = LEVEL_COLORS.get(line.level)
+        if color:
+            style.setForeground(QtGui.QColor(color))
+        cursor.insertText(line.raw, style)
+        if self.follow.isChecked() and at_end:
+            bar.setValue(bar.maximum())
+
+    def show_build(self, ev: BuildProgress) -> None:
+        self.build_bar.setValue(int(ev.percent))
+        if ev.done:
+            self.build_step.setText(f"{'Finished' if ev.ok else 'Failed'}: {ev.step}")
+            self.cancel_button.setEnabled(False)
+        else:
+            self.build_step.setText(ev.step)
+            self.cancel_button.setEnabled(self.ctx.backend.supports("cancel_build"))
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, int | float) and abs(v) >= 2**20:
+        return fmt.size(v)
+    return str(v)

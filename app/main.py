@@ -1,0 +1,237 @@
+"""`warmslot-tray`: the tray app (or, without a system tray, the dashboard window).
+
+Startup: QApplication → single instance (a second launch asks the first to open
+its dashboard and exits) → settings → Core with the prefix-cache manager →
+bridge, controller, tray or dashboard → the core thread starts in the
+background. Quitting stops the core on a worker thread, then leaves the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from app.backend import CoreBackend
+from app.bridge import Bridge
+from app.controller import Controller
+from app.dashboard import Dashboard, ViewContext
+from app.menu import CANCEL_BUILD, DASHBOARD, LOGS, QUIT, RESTART, SETTINGS, START, STOP
+from app.qt import QObject, QtCore, QtGui, QTimer, QtWidgets
+from app.settings_dialog import SettingsDialog
+from app.single import SingleInstance, server_name
+from app.tasks import Tasks
+from app.tray import Tray
+from core import config as config_mod
+from core.errors import ConfigError
+from core.paths import Paths
+
+log = logging.getLogger("warmslot.gui")
+APP_NAME = "Warmslot"
+
+
+def policy_factory() -> Any:
+    """The prefix-cache manager, when this core has one."""
+    try:
+        from core.cache.manager import policy_factory as factory
+    except ImportError:  # pragma: no cover - a core without the cache manager
+        return None
+    return factory
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="warmslot-tray", description="Warmslot's tray app.")
+    p.add_argument(
+        "--dev-dir",
+        help="keep config, data, cache and state under this folder (also: $WARMSLOT_HOME)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument(
+        "--dashboard", action="store_true", help="open the dashboard at start even with a tray"
+    )
+    return p
+
+
+class App(QObject):
+    """One running tray app: the core, its bridge and controller, tray and windows."""
+
+    def __init__(
+        self,
+        qapp: QtWidgets.QApplication,
+        paths: Paths,
+        single: SingleInstance,
+        *,
+        tray_available: bool,
+        open_dashboard: bool = False,
+        core_factory: Callable[..., Any] | None = None,
+    ) -> None:
+        super().__init__()
+        from core.engine import Core
+
+        self.qapp = qapp
+        self.paths = paths
+        self.single = single
+        self.finished = False
+        paths.ensure()
+        config_mod.ensure_file(paths.config_file)
+        self.config_error = ""
+        try:
+            settings = config_mod.load(paths.config_file)
+        except ConfigError as e:
+            self.config_error = e.user_message()
+            settings = config_mod.Settings()
+        make = core_factory or Core
+        self.core = make(paths, settings, policy_factory=policy_factory())
+        self.tasks = Tasks(self)
+        self.backend = CoreBackend(self.core)
+        self.bridge = Bridge(self.core, self)
+        self.controller = Controller(self.core, self.backend, self.bridge, self.tasks, self)
+        self.gui_settings = QtCore.QSettings(
+            str(paths.config_dir / "tray-gui.ini"), QtCore.QSettings.Format.IniFormat
+        )
+        self.dashboard: Dashboard | None = None
+        self.settings_dialog: SettingsDialog | None = None
+        self.handlers: dict[str, Callable[[], None]] = {
+            START: self.controller.start_all,
+            STOP: self.controller.stop,
+            RESTART: self.controller.restart,
+            CANCEL_BUILD: self.controller.cancel_build,
+            DASHBOARD: self.open_dashboard,
+            SETTINGS: self.open_settings,
+            LOGS: self.open_logs,
+            QUIT: self.quit,
+        }
+        self.tray: Tray | None = None
+        if tray_available:
+            qapp.setQuitOnLastWindowClosed(False)
+            self.tray = Tray(self.controller, self.handlers, self)
+        single.messageReceived.connect(self._message)
+        if self.tray is None or open_dashboard:
+            self.open_dashboard()
+        if self.config_error:
+            self.controller.core_error = f"Settings file is invalid: {self.config_error}"
+            self.controller.notify.emit("Settings file is invalid", self.config_error, "error")
+            self.controller.refresh_status()
+        else:
+            self.controller.start_core()
+
+    # ------------------------------------------------------------ windows
+    def open_dashboard(self) -> Dashboard:
+        if self.dashboard is None:
+            ctx = ViewContext(
+                backend=self.backend,
+                tasks=self.tasks,
+                bridge=self.bridge,
+                controller=self.controller,
+            )
+            self.dashboard = Dashboard(ctx, self.gui_settings)
+            self.dashboard.settingsRequested.connect(self.open_settings)
+            if self.tray is None:  # the window is the app: closing it quits
+                self.dashboard.closed.connect(self.quit)
+        self.dashboard.bring_to_front()
+        return self.dashboard
+
+    def open_settings(self) -> SettingsDialog:
+        if self.settings_dialog is None:
+            dlg = SettingsDialog(
+                self.backend,
+                self.tasks,
+                restart=self.controller.restart,
+                server_running=lambda: self.controller.state.running,
+                parent=self.dashboard,
+            )
+            dlg.finished.connect(lambda _r: self._settings_closed())
+            self.settings_dialog = dlg
+        self.settings_dialog.show()
+        self.settings_dialog.raise_()
+        self.settings_dialog.activateWindow()
+        return self.settings_dialog
+
+    def _settings_closed(self) -> None:
+        dlg, self.settings_dialog = self.settings_dialog, None
+        if dlg is not None:
+            dlg.deleteLater()
+        if self.controller.core_error.startswith("Settings file is invalid"):
+            self.controller.core_error = ""
+            self.controller.start_core()
+
+    def open_logs(self) -> None:
+        QtGui.QDesktopServices.openUrl(QtCore.QUrl.fromLocalFile(str(self.paths.log_dir)))
+
+    def _message(self, text: str) -> None:
+        if text.strip() == "open-dashboard":
+            self.open_dashboard()
+
+    # ------------------------------------------------------------ quitting
+    def quit(self) -> None:
+        """Stop the core off the GUI thread, then leave the event loop."""
+        if self.dashboard is not None:
+            self.dashboard.save_geometry()
+        self.controller.shutdown(self._finish)
+
+    def _finish(self) -> None:
+        self.finished = True
+        if self.tray is not None:
+            self.tray.hide()
+        self.single.release()
+        self.tasks.shutdown()
+        if self.dashboard is not None:
+            self.dashboard.hide()
+        self.qapp.quit()
+
+
+def launch(
+    argv: list[str] | None = None,
+    *,
+    qapp: QtWidgets.QApplication | None = None,
+    tray_available: bool | None = None,
+    core_factory: Callable[..., Any] | None = None,
+) -> App | None:
+    """Build the app (no event loop yet). None when another instance took over."""
+    args = build_parser().parse_args(argv)
+    app = qapp or QtWidgets.QApplication.instance() or QtWidgets.QApplication([APP_NAME])
+    assert isinstance(app, QtWidgets.QApplication)
+    paths = Paths.default(args.dev_dir)
+    single = SingleInstance(server_name(paths.config_dir))
+    if not single.claim():
+        return None
+    if tray_available is None:
+        tray_available = QtWidgets.QSystemTrayIcon.isSystemTrayAvailable()
+    return App(
+        app,
+        paths,
+        single,
+        tray_available=tray_available,
+        open_dashboard=args.dashboard,
+        core_factory=core_factory,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    qapp = QtWidgets.QApplication([sys.argv[0]])
+    qapp.setApplicationName(APP_NAME)
+    qapp.setOrganizationName(APP_NAME)
+    qapp.setDesktopFileName("warmslot")
+    paths = Paths.default(args.dev_dir)
+    from core.cli import setup_logging
+
+    setup_logging(paths, args.verbose)
+    app = launch(argv, qapp=qapp)
+    if app is None:
+        return 0
+    # Let Ctrl-C reach Python while Qt's loop runs: quit cleanly, like the menu's Quit.
+    signal.signal(signal.SIGINT, lambda *_: app.quit())
+    signal.signal(signal.SIGTERM, lambda *_: app.quit())
+    tick = QTimer()
+    tick.start(300)
+    tick.timeout.connect(lambda: None)
+    return int(qapp.exec())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

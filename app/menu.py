@@ -1,0 +1,127 @@
+"""The tray menu, built by a plain function from an `AppState`.
+
+`menu_entries(state)` is pure (no Qt): tests build it for every state. `populate`
+turns the entries into QActions on a QMenu and connects them to handlers by id
+(the pattern of Vorta's ``tray_menu.py``, without its god object).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from app.qt import QtGui, QtWidgets
+from app.state import RUNNING, AppState, TrayState
+
+START = "start"
+STOP = "stop"
+RESTART = "restart"
+CANCEL_BUILD = "cancel_build"
+DASHBOARD = "dashboard"
+SETTINGS = "settings"
+LOGS = "logs"
+QUIT = "quit"
+
+
+@dataclass(frozen=True)
+class MenuEntry:
+    """One menu row: an action, a disabled label, or a separator."""
+
+    id: str
+    text: str = ""
+    enabled: bool = True
+    tooltip: str = ""
+    kind: str = "action"  # action | label | separator
+
+
+def _sep(n: int) -> MenuEntry:
+    return MenuEntry(id=f"sep{n}", kind="separator")
+
+
+def menu_entries(state: AppState) -> list[MenuEntry]:
+    """The tray menu for `state`, top to bottom."""
+    t = state.tray
+    head = f"Warmslot — {state.label}"
+    if state.hit_rate_hour is not None and t in RUNNING:
+        head += f" · hit {state.hit_rate_hour * 100:.0f} % (1 h)"
+    entries = [MenuEntry(id="status", text=head, enabled=False, kind="label")]
+    if state.progress is not None and t in (TrayState.STARTING, TrayState.BUILDING):
+        entries.append(
+            MenuEntry(
+                id="progress",
+                text=f"{state.progress[1]} ({state.progress[0]:.0f} %)",
+                enabled=False,
+                kind="label",
+            )
+        )
+    elif state.detail and t in (TrayState.ERROR, TrayState.DEGRADED, TrayState.COLD):
+        entries.append(MenuEntry(id="detail", text=state.detail[:80], enabled=False, kind="label"))
+    entries.append(_sep(1))
+    can_start = t in (TrayState.STOPPED, TrayState.ERROR)
+    entries.append(
+        MenuEntry(
+            id=START,
+            text="Start model + cache",
+            enabled=can_start,
+            tooltip="Find or build llama-server, fit, launch, restore or prewarm prefixes"
+            if can_start
+            else "Already running",
+        )
+    )
+    if t is TrayState.BUILDING:
+        entries.append(
+            MenuEntry(
+                id=CANCEL_BUILD,
+                text="Cancel build",
+                enabled=state.can_cancel_build,
+                tooltip="" if state.can_cancel_build else "This core cannot cancel builds",
+            )
+        )
+    entries.append(
+        MenuEntry(
+            id=RESTART,
+            text="Restart server",
+            enabled=t in (TrayState.WARM, TrayState.COLD, TrayState.DEGRADED),
+        )
+    )
+    entries.append(
+        MenuEntry(
+            id=STOP,
+            text="Stop",
+            enabled=t in RUNNING and state.server_state != "stopping",
+        )
+    )
+    entries += [
+        _sep(2),
+        MenuEntry(id=DASHBOARD, text="Open dashboard"),
+        MenuEntry(id=SETTINGS, text="Settings…"),
+        MenuEntry(id=LOGS, text="Open logs"),
+        _sep(3),
+        MenuEntry(id=QUIT, text="Quit"),
+    ]
+    return entries
+
+
+def populate(
+    menu: QtWidgets.QMenu,
+    entries: list[MenuEntry],
+    handlers: Mapping[str, Callable[[], None]],
+) -> dict[str, QtGui.QAction]:
+    """Replace `menu`'s contents with `entries`; returns the actions by id."""
+    menu.clear()
+    actions: dict[str, QtGui.QAction] = {}
+    for e in entries:
+        if e.kind == "separator":
+            menu.addSeparator()
+            continue
+        action = menu.addAction(e.text)
+        action.setObjectName(e.id)
+        action.setEnabled(e.enabled)
+        if e.tooltip:
+            action.setToolTip(e.tooltip)
+        handler = handlers.get(e.id)
+        if e.kind == "action" and handler is not None:
+            action.triggered.connect(lambda _checked=False, h=handler: h())
+        actions[e.id] = action
+    menu.setToolTipsVisible(True)
+    return actions

@@ -1,0 +1,181 @@
+"""What the tray shows, derived by plain functions from the core's status.
+
+`derive_state` turns a `Core.status()` dict (plus what the bridge knows: the last
+pressure level and a running build) into an `AppState`: one of seven tray
+states, the words for it and the numbers for the tooltip. No Qt here, so every
+state can be built and tested without a tray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+
+class TrayState(StrEnum):
+    STOPPED = "stopped"
+    BUILDING = "building"
+    STARTING = "starting"
+    WARM = "warm"
+    COLD = "cold"  # ready, but the cache is cold or only partly warm
+    DEGRADED = "degraded"
+    ERROR = "error"
+
+
+LABELS = {
+    TrayState.STOPPED: "Stopped",
+    TrayState.BUILDING: "Building llama-server",
+    TrayState.STARTING: "Starting",
+    TrayState.WARM: "Warm",
+    TrayState.COLD: "Ready — cache cold or partly warm",
+    TrayState.DEGRADED: "Degraded",
+    TrayState.ERROR: "Error",
+}
+
+RUNNING = (TrayState.STARTING, TrayState.WARM, TrayState.COLD, TrayState.DEGRADED)
+RESTORE_AT_START = 3  # the cache manager restores this many recent prefixes after a start
+
+
+@dataclass(frozen=True)
+class AppState:
+    """Everything the tray icon, tooltip and menu depend on."""
+
+    tray: TrayState = TrayState.STOPPED
+    detail: str = ""
+    server_state: str = "stopped"
+    model: str = ""
+    hit_rate_hour: float | None = None
+    requests_hour: int = 0
+    pressure: str = ""  # ok / low / critical; "" = no samples yet
+    build_percent: float | None = None
+    build_step: str = ""
+    core_running: bool = False
+    proxy_url: str = ""
+    progress: tuple[float, str] | None = None  # one-click start: (0..100, step)
+    can_cancel_build: bool = False
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.tray]
+
+    @property
+    def running(self) -> bool:
+        return self.tray in RUNNING
+
+    def tooltip(self) -> str:
+        lines = [f"Warmslot — {self.label}"]
+        if self.progress is not None and self.tray in (TrayState.STARTING, TrayState.BUILDING):
+            lines.append(f"{self.progress[1]} ({self.progress[0]:.0f} %)")
+        elif self.detail and self.tray in (TrayState.ERROR, TrayState.DEGRADED):
+            lines.append(self.detail)
+        lines.append(f"Model: {self.model or '—'}")
+        if self.hit_rate_hour is None:
+            lines.append("Hit rate (last hour): — (no requests)")
+        else:
+            lines.append(
+                f"Hit rate (last hour): {self.hit_rate_hour * 100:.0f} % "
+                f"of {self.requests_hour} requests"
+            )
+        lines.append(f"Memory pressure: {self.pressure or '— (no samples yet)'}")
+        return "\n".join(lines)
+
+
+def model_name(status: dict[str, Any] | None, configured: str = "") -> str:
+    srv = (status or {}).get("server") or {}
+    mdl = srv.get("model") or {}
+    path = mdl.get("path") or configured
+    return Path(path).name if path else ""
+
+
+def expected_warm(cache: dict[str, Any]) -> list[str]:
+    """Fingerprints the cache manager brings back after a start (pinned first, then recent)."""
+    slots = cache.get("slots") or []
+    aux = cache.get("aux_slot")
+    primary = [s for s in slots if s.get("id") != aux] or slots
+    saved = [s for s in cache.get("saved") or [] if s.get("current")]
+    saved.sort(key=lambda s: (not s.get("pinned"), -(s.get("last_used") or 0)))
+    n = min(len(primary), RESTORE_AT_START)
+    return [s["fingerprint"] for s in saved[:n] if s.get("fingerprint")]
+
+
+def cache_warmth(cache: dict[str, Any] | None) -> tuple[bool, str]:
+    """(warm?, why) for a ready server, from the cache inventory."""
+    if not cache:
+        return True, "no cache manager attached: plain proxy"
+    if "error" in cache:
+        return False, f"cache status failed: {cache['error']}"
+    if not cache.get("enabled", True):
+        return False, "cache management is off (cache.enabled)"
+    if cache.get("warming"):
+        return False, "restoring or prewarming prefixes"
+    if cache.get("identity") is None:
+        return False, "learning the server's identity"
+    want = expected_warm(cache)
+    held = {s.get("prefix") for s in cache.get("slots") or [] if s.get("prefix")}
+    missing = [fp for fp in want if fp not in held]
+    if missing:
+        return False, f"{len(want) - len(missing)} of {len(want)} saved prefixes warm"
+    if want:
+        return True, f"{len(want)} saved prefixes warm"
+    return True, "ready; prefixes warm as clients send them"
+
+
+def derive_state(
+    status: dict[str, Any] | None,
+    *,
+    core_running: bool = True,
+    core_error: str = "",
+    pressure: str = "",
+    build: Any | None = None,
+    configured_model: str = "",
+    progress: tuple[float, str] | None = None,
+    can_cancel_build: bool = False,
+) -> AppState:
+    """The tray state from a status snapshot. `build` is the last BuildProgress, if any."""
+    srv = (status or {}).get("server") or {}
+    server_state = str(srv.get("state") or "stopped")
+    last_hour = (status or {}).get("last_hour") or {}
+    common: dict[str, Any] = {
+        "server_state": server_state,
+        "model": model_name(status, configured_model),
+        "hit_rate_hour": last_hour.get("hit_ratio"),
+        "requests_hour": int(last_hour.get("requests") or 0),
+        "pressure": pressure,
+        "core_running": core_running,
+        "proxy_url": ((status or {}).get("warmslot") or {}).get("proxy", ""),
+        "progress": progress,
+        "can_cancel_build": can_cancel_build,
+    }
+    building = build is not None and not getattr(build, "done", True)
+    if building:
+        common["build_percent"] = float(build.percent)
+        common["build_step"] = str(build.step)
+        return AppState(tray=TrayState.BUILDING, detail=str(build.step), **common)
+    if core_error:
+        return AppState(tray=TrayState.ERROR, detail=core_error, **common)
+    if not core_running:
+        return AppState(tray=TrayState.STOPPED, detail="", **common)
+    reason = str(srv.get("reason") or "")
+    if server_state == "failed":
+        return AppState(tray=TrayState.ERROR, detail=reason or "llama-server failed", **common)
+    if server_state in ("starting", "stopping"):
+        return AppState(tray=TrayState.STARTING, detail=reason, **common)
+    if server_state != "ready":
+        return AppState(tray=TrayState.STOPPED, detail=reason, **common)
+    warnings: list[str] = []
+    if pressure in ("low", "critical"):
+        warnings.append(f"memory pressure is {pressure}")
+    if int(srv.get("restarts") or 0) > 0:
+        warnings.append(f"llama-server restarted {srv['restarts']}× after crashes")
+    cache = (status or {}).get("cache")
+    if isinstance(cache, dict) and "error" in cache:
+        warnings.append(f"cache status failed: {cache['error']}")
+    if warnings:
+        return AppState(
+            tray=TrayState.DEGRADED, detail="; ".join(warnings), warnings=tuple(warnings), **common
+        )
+    warm, why = cache_warmth(cache if isinstance(cache, dict) else None)
+    return AppState(tray=TrayState.WARM if warm else TrayState.COLD, detail=why, **common)

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Render every dashboard tab (and the settings dialog and tray icons) to PNG.
+
+    .venv/bin/python scripts/screenshots.py [--out docs/screenshots]
+
+Runs offscreen (``QT_QPA_PLATFORM=offscreen``) unless a display is set (e.g.
+under ``xvfb-run``). The data is a month of realistic synthetic telemetry
+(`app.demo`) in a temporary SQLite database, read through the same telemetry
+queries the live dashboard uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from app import demo  # noqa: E402
+from app.backend import TelemetryBackend  # noqa: E402
+from app.bridge import Bridge  # noqa: E402
+from app.dashboard import Dashboard, Tab, ViewContext  # noqa: E402
+from app.icons import state_icon  # noqa: E402
+from app.menu import menu_entries, populate  # noqa: E402
+from app.qt import Qt, QtCore, QtGui, QtWidgets  # noqa: E402
+from app.settings_dialog import SettingsDialog  # noqa: E402
+from app.state import AppState, TrayState, derive_state  # noqa: E402
+from app.tasks import Tasks  # noqa: E402
+from core.events import BuildProgress, LogLine  # noqa: E402
+from core.telemetry import Telemetry  # noqa: E402
+
+LOG = """\
+main: build = 7e4c0a9 (b7e41c2) with cc (GCC) 13.2.0 for x86_64-linux-gnu
+system_info: n_threads = 16 / 32 | CUDA : ARCHS = 890 | F16C = 1 | AVX2 = 1 | AVX512 = 1
+llama_model_loader: loaded meta data with 38 key-value pairs and 579 tensors
+load_tensors: offloaded 49/49 layers to GPU
+load_tensors:        CUDA0 model buffer size = 13718.16 MiB
+load_tensors:   CPU_Mapped model buffer size =  4412.53 MiB
+llama_context: n_ctx_per_seq (32768) < n_ctx_train (262144) -- full capacity not utilized
+llama_kv_cache: size = 3072.00 MiB ( 131072 cells,  48 layers,  4/4 seqs), K (f16): 1536 MiB
+srv    load_model: prompt cache is enabled, size limit: 8192 MiB
+srv          init: initializing slots, n_slots = 4
+main: server is listening on http://127.0.0.1:38411 - starting the main loop
+srv  update_slots: all slots are idle
+slot launch_slot_: id  0 | task 0 | processing task
+slot update_slots: id  0 | task 0 | new prompt, n_ctx_slot = 32768, n_prompt_tokens = 12411
+slot update_slots: id  0 | task 0 | n_past = 11800, memory_seq_rm [11800, end)
+slot      release: id  0 | task 0 | stop processing: n_past = 12890, truncated = 0
+srv  log_server_r: request: POST /v1/chat/completions 127.0.0.1 200
+slot update_slots: id  1 | task 14 | n_past = 640, cache miss after divergence at token 640
+srv  log_server_r: request: POST /slots/1?action=save 127.0.0.1 200"""
+
+
+def wait_refreshed(tab: Tab, timeout_ms: int = 30000) -> None:
+    loop = QtCore.QEventLoop()
+    done = tab.refresh_count
+    tab.refreshed.connect(loop.quit)
+    QtCore.QTimer.singleShot(timeout_ms, loop.quit)
+    tab.refresh()
+    while tab.refresh_count == done or tab.busy:
+        loop.exec()
+    tab.refreshed.disconnect(loop.quit)
+    QtWidgets.QApplication.processEvents()
+
+
+def icons_strip(path: Path) -> None:
+    states = list(TrayState)
+    w, h = 132, 104
+    pix = QtGui.QPixmap(w * len(states), h)
+    pix.fill(QtGui.QColor("white"))
+    p = QtGui.QPainter(pix)
+    p.setRenderHint(QtGui.QPainter.RenderHint.Antialiasing)
+    for i, s in enumerate(states):
+        p.drawPixmap(i * w + (w - 64) // 2, 8, state_icon(s).pixmap(64, 64))
+        p.drawPixmap(i * w + (w - 22) // 2 - 14, 76, state_icon(s).pixmap(22, 22))
+        p.drawPixmap(i * w + (w - 16) // 2 + 14, 79, state_icon(s).pixmap(16, 16))
+    p.end()
+    labels = QtGui.QPixmap(w * len(states), h + 22)
+    labels.fill(QtGui.QColor("white"))
+    p = QtGui.QPainter(labels)
+    p.drawPixmap(0, 0, pix)
+    for i, s in enumerate(states):
+        p.drawText(QtCore.QRect(i * w, h, w, 20), Qt.AlignmentFlag.AlignCenter, s.value)
+    p.end()
+    labels.save(str(path))
+
+
+def tray_menu(path: Path, state: AppState) -> None:
+    menu = QtWidgets.QMenu()
+    populate(menu, menu_entries(state), {})
+    menu.adjustSize()
+    frame = QtWidgets.QWidget()
+    lay = QtWidgets.QHBoxLayout(frame)
+    tip = QtWidgets.QLabel(state.tooltip())
+    tip.setStyleSheet("background: #ffffe1; border: 1px solid #999; padding: 6px;")
+    tip.setAlignment(Qt.AlignmentFlag.AlignTop)
+    menu_shot = QtWidgets.QLabel()
+    menu_shot.setPixmap(menu.grab())
+    lay.addWidget(menu_shot, 0, Qt.AlignmentFlag.AlignTop)
+    lay.addWidget(tip, 0, Qt.AlignmentFlag.AlignTop)
+    frame.setStyleSheet("background: white;")
+    frame.adjustSize()
+    frame.grab().save(str(path))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "screenshots")
+    ap.add_argument("--size", default="1280x860")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    width, height = (int(v) for v in args.size.split("x"))
+
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["warmslot-screenshots"])
+    now = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(tmp) / "telemetry.sqlite3"
+        tel = Telemetry(db, clock=lambda: now)
+        n = demo.fill(tel, now)
+        tel.close()
+        print(f"synthetic telemetry: {n} requests")
+        snapshot = demo.status(now)
+        backend = TelemetryBackend(
+            db,
+            snapshot=snapshot,
+            clock=lambda: now,
+            commands={"pin_state": print, "evict_state": print, "rewarm_state": print},
+        )
+        tasks = Tasks()
+        bridge = Bridge()
+        for line in LOG.splitlines():
+            level = "warn" if "not utilized" in line else "info"
+            bridge.deliver(LogLine(level=level, area="", text=line, raw=line))
+        bridge.deliver(
+            BuildProgress(
+                build_id="b7e41c2",
+                percent=100,
+                step="built llama-server b7e41c2",
+                done=True,
+                ok=True,
+            )
+        )
+        ctx = ViewContext(backend=backend, tasks=tasks, bridge=bridge, clock=lambda: now)
+        dash = Dashboard(ctx)
+        dash.resize(width, height)
+        dash.show()
+        for i in range(dash.tabs.count()):
+            dash.tabs.setCurrentIndex(i)
+            page = dash.current_page()
+            if page.title == "Memory":
+                page.window.setCurrentIndex(3)  # type: ignore[attr-defined]  # 24 h: bands
+            if page.title == "Cache":
+                wait_refreshed(page)
+                page.saved.selectRow(0)  # type: ignore[attr-defined]
+            wait_refreshed(page)
+            out = args.out / f"{page.title.lower()}.png"
+            dash.grab().save(str(out))
+            print(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
+
+        dlg = SettingsDialog(backend, tasks, parent=dash)
+        dlg.resize(760, 680)
+        dlg.show()
+        field = dlg.fields["server.slots"]
+        field.set_value(0)  # show what a validation error looks like
+        dlg.tabs.setCurrentIndex(0)
+        for _ in range(5):  # let the layouts settle around the new error line
+            app.processEvents()
+        dlg.grab().save(str(args.out / "settings.png"))
+        print(f"wrote {args.out / 'settings.png'}")
+        dlg.close()
+
+        icons_strip(args.out / "tray-icons.png")
+        st = derive_state(
+            {**snapshot, "last_hour": {"hit_ratio": 0.91, "requests": 212}}, pressure="ok"
+        )
+        tray_menu(args.out / "tray-menu.png", st)
+        print(f"wrote {args.out / 'tray-icons.png'} and tray-menu.png")
+        dash.close()
+        backend.close()
+        tasks.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
