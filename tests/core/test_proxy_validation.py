@@ -1,0 +1,238 @@
+"""The proxy's pure parts: validation, client and session names, the SSE scanner."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from core.proxy import (
+    _Invalid,
+    _SSEScanner,
+    _timings_from_json,
+    client_name,
+    error_response,
+    session_key,
+    validate,
+)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def invalid(endpoint: str, body: Any, n_slots: int = 2) -> _Invalid:
+    with pytest.raises(_Invalid) as e:
+        validate(endpoint, body, n_slots)
+    assert e.value.status == 400
+    return e.value
+
+
+# ------------------------------------------------------------------ validate
+@pytest.mark.parametrize("body", [[], "text", 3, None, True])
+def test_body_must_be_an_object(body: Any) -> None:
+    assert "JSON object" in str(invalid("chat", body))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages"),
+        ({"messages": [{"role": 1, "content": "x"}]}, "messages"),
+        ({**CHAT, "tools": {"type": "function"}}, "tools"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "stream": 1}, "stream"),
+        ({**CHAT, "max_tokens": "10"}, "max_tokens"),
+        ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
+        ({**CHAT, "max_tokens": True}, "max_tokens"),
+        ({**CHAT, "n_predict": [1]}, "n_predict"),
+        ({**CHAT, "max_completion_tokens": "x"}, "max_completion_tokens"),
+    ],
+)
+def test_chat_wrong_shapes_and_types(body: dict[str, Any], param: str) -> None:
+    assert invalid("chat", body).param == param
+
+
+def test_message_index_named() -> None:
+    err = invalid("chat", {"messages": [{"role": "user"}, {"content": "x"}]})
+    assert "messages[1]" in str(err)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "completion"])
+@pytest.mark.parametrize("prompt", [None, 3, {"a": 1}])
+def test_completion_prompt_type(endpoint: str, prompt: Any) -> None:
+    body = {} if prompt is None else {"prompt": prompt}
+    assert invalid(endpoint, body).param == "prompt"
+
+
+def test_embeddings_input_type() -> None:
+    assert invalid("embeddings", {"input": 5}).param == "input"
+    assert invalid("embeddings", {}).param == "input"
+    validate("embeddings", {"input": ["a", "b"]}, 2)
+    validate("embeddings", {"content": "a"}, 2)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        ("chat", CHAT),
+        ("chat", {**CHAT, "tools": [], "stream": True, "max_tokens": None}),
+        ("chat", {**CHAT, "max_tokens": 0, "n_predict": -1}),
+        ("completions", {"prompt": "x"}),
+        ("completion", {"prompt": [1, 2, "x"]}),
+        ("tokenize", {"content": "anything"}),
+        ("apply-template", CHAT),
+    ],
+)
+def test_valid_bodies_pass(endpoint: str, body: dict[str, Any]) -> None:
+    validate(endpoint, body, 2)
+
+
+@pytest.mark.parametrize("slot", [-1, 0, 1])
+def test_id_slot_in_range(slot: int) -> None:
+    validate("chat", {**CHAT, "id_slot": slot}, 2)
+
+
+@pytest.mark.parametrize(("slot", "n_slots"), [(-2, 2), (2, 2), (7, 2), (1, 1), (-100, 4), (4, 4)])
+def test_id_slot_out_of_range(slot: int, n_slots: int) -> None:
+    """llama-server would wrap these modulo n_slots (reference §0.9); the proxy refuses."""
+    err = invalid("completion", {"prompt": "x", "id_slot": slot}, n_slots)
+    assert err.param == "id_slot"
+    assert f"0..{n_slots - 1}" in str(err) and f"got {slot}" in str(err)
+
+
+@pytest.mark.parametrize("slot", ["0", 1.0, True, None, [0]])
+def test_id_slot_must_be_an_integer(slot: Any) -> None:
+    assert invalid("chat", {**CHAT, "id_slot": slot}).param == "id_slot"
+
+
+def test_error_response_is_openai_format() -> None:
+    resp = error_response(413, "too big", param="body", headers={"Retry-After": "1"})
+    assert resp.status == 413
+    assert resp.headers["Retry-After"] == "1"
+    assert resp.text is not None
+    assert json.loads(resp.text) == {
+        "error": {
+            "message": "too big",
+            "type": "invalid_request_error",
+            "param": "body",
+            "code": 413,
+        }
+    }
+
+
+# ------------------------------------------------------------------ names
+@pytest.mark.parametrize(
+    ("ua", "name"),
+    [
+        ("opencode/1.18.0 ai-sdk/provider-utils/3.0 runtime/bun/1.2", "opencode"),
+        ("OpenAI/Python 1.99.0", "openai"),
+        ("curl/8.5.0", "curl"),
+        ("python-httpx/0.28.1", "python-httpx"),
+        ("", "unknown"),
+        ("   ", "unknown"),
+        ("x" * 100 + "/1", "x" * 64),
+    ],
+)
+def test_client_name(ua: str, name: str) -> None:
+    assert client_name(ua) == name
+
+
+def test_session_key_header_order_and_trimming() -> None:
+    assert session_key({}) == ""
+    assert session_key({"x-session-affinity": " aff "}) == "aff"
+    # x-session-id wins over later headers.
+    assert session_key({"x-session-affinity": "b", "x-session-id": "a"}) == "a"
+    assert session_key({"x-session-id": "", "x-conversation-id": "c"}) == "c"
+    assert session_key({"x-session-id": "s" * 500}) == "s" * 200
+
+
+# ------------------------------------------------------------------ SSE scanner
+def chat_stream() -> bytes:
+    """A streamed chat response as llama-server sends it (timings in the usage chunk)."""
+    chunks: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]},
+        {"choices": [{"index": 0, "delta": {"content": " hel"}}]},
+        {"choices": [{"index": 0, "delta": {"content": 'lo: "data: {\\"timings\\""'}}]},
+        {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}]},
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 3},
+            "timings": {"cache_n": 33, "prompt_n": 7, "prompt_ms": 1.5, "predicted_n": 3},
+        },
+    ]
+    body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    return body + b"data: [DONE]\n\n"
+
+
+def completion_stream() -> bytes:
+    parts = [
+        {"content": "a", "id_slot": -1, "stop": False},
+        {"content": "b", "id_slot": -1, "stop": False},
+        {
+            "content": "",
+            "id_slot": 1,
+            "stop": True,
+            "tokens_cached": 12,
+            "timings": {"cache_n": 10, "prompt_n": 2, "prompt_ms": 0.5, "predicted_n": 2},
+        },
+    ]
+    return b"".join(b"data: " + json.dumps(p).encode() + b"\n\n" for p in parts)
+
+
+def feed_in(body: bytes, cuts: list[int]) -> _SSEScanner:
+    scanner = _SSEScanner()
+    last = 0
+    for cut in [*sorted(cuts), len(body)]:
+        scanner.feed(body[last:cut])
+        last = cut
+    return scanner
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_scanner_finds_timings_whatever_the_chunking(seed: int) -> None:
+    body = chat_stream()
+    rng = random.Random(seed)
+    cuts = rng.sample(range(1, len(body)), k=rng.randint(1, min(60, len(body) - 1)))
+    scanner = feed_in(body, cuts)
+    assert scanner.timings == {"cache_n": 33, "prompt_n": 7, "prompt_ms": 1.5, "predicted_n": 3}
+    assert scanner.id_slot is None and scanner.upstream_error is None
+
+
+def test_scanner_one_byte_at_a_time_and_whole() -> None:
+    body = completion_stream()
+    for scanner in (feed_in(body, list(range(1, len(body)))), feed_in(body, [])):
+        assert scanner.timings is not None and scanner.timings["cache_n"] == 10
+        assert scanner.id_slot == 1  # earlier chunks' id_slot -1 is ignored
+
+
+def test_scanner_crlf_lines() -> None:
+    body = chat_stream().replace(b"\n", b"\r\n")
+    scanner = feed_in(body, [17, 100, 101, 300])
+    assert scanner.timings is not None and scanner.timings["prompt_n"] == 7
+
+
+def test_scanner_upstream_error_event_and_garbage() -> None:
+    err = {"error": {"message": "context exceeded", "type": "exceed_context_size_error"}}
+    body = b'data: {"timings": not json}\n\ndata: ' + json.dumps(err).encode() + b"\n\n"
+    scanner = feed_in(body, [5, 30])
+    assert scanner.upstream_error == "context exceeded"
+    assert scanner.timings is None
+
+
+def test_scanner_ignores_an_unfinished_last_line() -> None:
+    body = completion_stream()
+    scanner = feed_in(body.rstrip(b"\n"), [40])  # the final line never ends
+    assert scanner.timings is None
+
+
+def test_timings_from_json() -> None:
+    data = json.dumps({"id_slot": 1, "timings": {"cache_n": 3, "prompt_n": 1}}).encode()
+    assert _timings_from_json(data) == ({"cache_n": 3, "prompt_n": 1}, 1)
+    assert _timings_from_json(b"[1]") == (None, None)
+    assert _timings_from_json(b"not json") == (None, None)
+    assert _timings_from_json(b'{"id_slot": -1, "timings": 5}') == (None, None)

@@ -1,0 +1,273 @@
+"""Telemetry on a real SQLite file: batching, queries against hand-computed numbers, prune."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core import telemetry as telemetry_mod
+from core.events import (
+    CacheEvent,
+    Notice,
+    PressureSample,
+    RequestCompleted,
+    ServerExited,
+    ServerLaunched,
+    ServerStateChanged,
+)
+from core.telemetry import Telemetry
+
+T = 1_800_000_000.0  # a multiple of 3600: minute and hour buckets start here
+DAY = 86400.0
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def req(ts: float, **kw: Any) -> RequestCompleted:
+    base: dict[str, Any] = {
+        "request_id": f"r{ts}",
+        "client": "opencode",
+        "session": "s1",
+        "endpoint": "chat",
+        "stream": True,
+        "has_tools": True,
+        "status": 200,
+        "slot": 0,
+        "ttfb_ms": 10.0,
+        "total_ms": 50.0,
+    }
+    base.update(kw)
+    return RequestCompleted(ts=ts, **base)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(T + 1800)
+
+
+@pytest.fixture
+def tel(tmp_path: Path, clock: Clock) -> Any:
+    t = Telemetry(tmp_path / "state" / "telemetry.sqlite3", clock=clock)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def known_rows(tel: Telemetry) -> Telemetry:
+    """Five requests whose sums are worked out by hand in the tests below."""
+    rows = [
+        req(T + 5, prompt_n=100, cache_n=0, prompt_ms=100.0, ttfb_ms=300.0),
+        req(T + 30, prompt_n=10, cache_n=90, prompt_ms=10.0, ttfb_ms=12.0),
+        req(T + 65, prompt_n=20, cache_n=180, prompt_ms=20.0, ttfb_ms=8.0),
+        req(T + 70, status=502, error="llama-server stopped mid-stream", ttfb_ms=None),
+        req(T + 3700, client="curl", prompt_n=50, cache_n=50, prompt_ms=50.0, ttfb_ms=200.0),
+    ]
+    for r in rows:
+        tel.record(r)
+    return tel
+
+
+def test_hit_rate_per_minute(known_rows: Telemetry) -> None:
+    got = known_rows.hit_rate("minute", since=T, until=T + 3600)
+    assert got == [
+        # r1 + r2; r4 has no timings and is left out; r5 is after `until`.
+        {"bucket": T, "requests": 2, "cached": 90, "new": 110, "total": 200, "hit_ratio": 0.45},
+        {"bucket": T + 60, "requests": 1, "cached": 180, "new": 20, "total": 200, "hit_ratio": 0.9},
+    ]
+
+
+def test_hit_rate_per_hour_and_default_window(known_rows: Telemetry, clock: Clock) -> None:
+    got = known_rows.hit_rate("hour", since=T, until=T + 7200)
+    assert [(r["bucket"], r["requests"], r["cached"], r["new"]) for r in got] == [
+        (T, 3, 270, 130),
+        (T + 3600, 1, 50, 50),
+    ]
+    assert got[0]["hit_ratio"] == pytest.approx(0.675)
+    assert got[1]["hit_ratio"] == 0.5
+    # Default window: the last hour before the clock (T+1800) → only the first hour's rows.
+    clock.now = T + 1800
+    assert sum(r["requests"] for r in known_rows.hit_rate("minute")) == 3
+
+
+def test_totals(known_rows: Telemetry) -> None:
+    t = known_rows.totals()
+    assert t["requests"] == 5
+    assert t["prompt_tokens"] == 180
+    assert t["cached_tokens"] == 320
+    assert t["errors"] == 1
+    assert t["hit_ratio"] == pytest.approx(320 / 500)
+    # 180 ms for 180 prompt tokens → 1 ms per token → 320 cached tokens ≈ 0.32 s saved.
+    assert t["prompt_ms"] == pytest.approx(180.0)
+    assert t["seconds_saved"] == pytest.approx(0.32)
+
+    later = known_rows.totals(since=T + 60)
+    assert (later["requests"], later["prompt_tokens"], later["cached_tokens"]) == (3, 70, 230)
+    assert later["errors"] == 1
+
+
+def test_totals_of_an_empty_database(tel: Telemetry) -> None:
+    t = tel.totals()
+    assert (t["requests"], t["prompt_tokens"], t["cached_tokens"], t["errors"]) == (0, 0, 0, 0)
+    assert t["hit_ratio"] is None and t["seconds_saved"] == 0.0
+    assert tel.hit_rate("minute") == [] and tel.per_client() == []
+
+
+def test_per_client(known_rows: Telemetry) -> None:
+    got = known_rows.per_client()
+    assert [(r["client"], r["requests"], r["cached"], r["new"]) for r in got] == [
+        ("opencode", 4, 270, 130),
+        ("curl", 1, 50, 50),
+    ]
+    assert got[0]["hit_ratio"] == pytest.approx(0.675)
+    assert got[1]["hit_ratio"] == 0.5
+    assert [r["client"] for r in known_rows.per_client(since=T + 100)] == ["curl"]
+
+
+def test_ttfb_medians(known_rows: Telemetry) -> None:
+    # warm (cache_n > prompt_n): r2 12 ms, r3 8 ms → sorted [8, 12], the upper middle is 12.
+    # cold: r1 300 ms, r5 200 ms (50 cached of 100: not more than new) → [200, 300] → 300.
+    assert known_rows.ttfb() == {"warm": 12.0, "warm_n": 2, "cold": 300.0, "cold_n": 2}
+    assert known_rows.ttfb(since=T + 60) == {"warm": 8.0, "warm_n": 1, "cold": 200.0, "cold_n": 1}
+
+
+def test_recent_requests_newest_first(known_rows: Telemetry) -> None:
+    rows = known_rows.recent_requests(2)
+    assert [r["ts"] for r in rows] == [T + 3700, T + 70]
+    assert rows[1]["status"] == 502 and rows[1]["prompt_n"] is None
+    assert rows[0]["stream"] == 1 and rows[0]["has_tools"] == 1
+
+
+def test_writes_are_batched_and_readable_by_another_connection(
+    tmp_path: Path, tel: Telemetry, clock: Clock
+) -> None:
+    reader = sqlite3.connect(tmp_path / "state" / "telemetry.sqlite3")
+    try:
+
+        def count() -> int:
+            return int(reader.execute("SELECT COUNT(*) FROM requests").fetchone()[0])
+
+        assert reader.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        tel.record(req(clock.now, prompt_n=1, cache_n=0))
+        assert count() == 0  # buffered
+        clock.now += 0.5
+        tel.maybe_flush(1.0)
+        assert count() == 0  # not yet due
+        clock.now += 0.6
+        tel.maybe_flush(1.0)
+        assert count() == 1
+        # A full batch is written without waiting for the clock.
+        for i in range(telemetry_mod.BATCH):
+            tel.record(req(clock.now + i, prompt_n=1, cache_n=1))
+        assert count() == 1 + telemetry_mod.BATCH
+    finally:
+        reader.close()
+
+
+def test_server_runs_merge_launch_and_exit(tel: Telemetry) -> None:
+    tel.record(
+        ServerLaunched(
+            ts=T,
+            run_id="run1",
+            pid=123,
+            port=4000,
+            argv=("llama-server", "-np", "2"),
+            binary="/bin/llama-server",
+            binary_version="1.0",
+            model="/m.gguf",
+            attempt="start",
+        )
+    )
+    tel.record(
+        ServerExited(
+            ts=T + 9,
+            run_id="run1",
+            pid=123,
+            returncode=-9,
+            signal=9,
+            outcome="crashed",
+            requested_by="nobody (crash)",
+            last_lines=("a", "b"),
+        )
+    )
+    (row,) = tel.server_runs()
+    assert row["run_id"] == "run1" and row["argv"] == ["llama-server", "-np", "2"]
+    assert (row["started"], row["ended"], row["outcome"], row["signal"]) == (T, T + 9, "crashed", 9)
+    assert row["last_lines"] == ["a", "b"] and row["attempt"] == "start"
+
+
+def test_events_are_stored_by_category(tel: Telemetry) -> None:
+    tel.record(CacheEvent(ts=T, kind="save", reason="prefix saved", slot=1, tokens=900))
+    tel.record(ServerStateChanged(ts=T + 1, state="ready", previous="starting", pid=5))
+    tel.record(Notice(ts=T + 2, level="error", text="disk full", hint="free some space"))
+    assert [e["category"] for e in tel.recent_events()] == ["notice", "server", "cache"]
+    (cache,) = tel.recent_events(category="cache")
+    assert (cache["kind"], cache["slot"], cache["tokens"]) == ("save", 1, 900)
+    (server,) = tel.recent_events(category="server", kind="ready")
+    assert server["details"] == {"previous": "starting", "pid": 5}
+    (notice,) = tel.recent_events(since=T + 2)
+    assert notice["details"] == {"hint": "free some space"}
+
+
+def test_prune_deletes_only_old_rows(tel: Telemetry, clock: Clock) -> None:
+    old, new = T, T + 9 * DAY
+    for ts in (old, new):
+        tel.record(req(ts, prompt_n=1, cache_n=1))
+        tel.record(CacheEvent(ts=ts, kind="save"))
+        tel.record(
+            PressureSample(
+                ts=ts,
+                level="nominal",
+                ram_available_pct=50.0,
+                swap_used_pct=0.0,
+                server_rss_bytes=None,
+                disk_free_pct=40.0,
+            )
+        )
+        tel.record(
+            ServerLaunched(
+                ts=ts,
+                run_id=f"run{ts}",
+                pid=1,
+                port=1,
+                argv=(),
+                binary="b",
+                binary_version="v",
+                model="m",
+            )
+        )
+    clock.now = T + 10 * DAY
+    deleted = tel.prune(retention_days=7)  # cutoff: T + 3 days
+    assert deleted >= 4  # one row in each of requests, events, pressure, server_runs
+    assert [r["ts"] for r in tel.recent_requests()] == [new]
+    assert [e["ts"] for e in tel.recent_events(category="cache")] == [new]
+    assert [r["run_id"] for r in tel.server_runs()] == [f"run{new}"]
+    assert [p["ts"] for p in tel.pressure_series(since=0)] == [new]
+    assert tel.prune(retention_days=7) == 0
+
+
+def test_migrations_are_idempotent_on_reopen(tmp_path: Path, clock: Clock) -> None:
+    path = tmp_path / "t.sqlite3"
+    first = Telemetry(path, clock=clock)
+    first.record(req(T, prompt_n=3, cache_n=4))
+    applied = [m.name for m in telemetry_mod.migrations.applied(first.db)]
+    tables = set(first.db.table_names())
+    first.close()
+    assert applied and applied[0] == "m001_initial"
+    assert {"requests", "server_runs", "events", "pressure"} <= tables
+
+    for _ in range(2):
+        again = Telemetry(path, clock=clock)
+        assert [m.name for m in telemetry_mod.migrations.applied(again.db)] == applied
+        assert telemetry_mod.migrations.pending(again.db) == []
+        assert set(again.db.table_names()) == tables
+        assert [(r["prompt_n"], r["cache_n"]) for r in again.recent_requests()] == [(3, 4)]
+        again.close()

@@ -1,0 +1,139 @@
+"""Small helpers shared by the tests: waiting on conditions, processes, requests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from core.events import Event
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_SERVER = REPO / "tests" / "fakes" / "fake_llama_server.py"
+SERVER_NAMES = ("llama-server",)
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    timeout: float,
+    *,
+    interval: float = 0.02,
+    message: str | Callable[[], str] = "",
+) -> T:
+    """Poll `predicate` until it returns something truthy; return that value.
+
+    Fails the test with `message` (a string or a function giving one) when
+    `timeout` seconds pass first. Polls on an Event wait, never a bare sleep.
+    """
+    deadline = time.monotonic() + timeout
+    tick = threading.Event()
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            text = message() if callable(message) else message
+            raise AssertionError(f"condition not met within {timeout} s: {text or predicate!r}")
+        tick.wait(interval)
+
+
+def pid_gone(pid: int) -> bool:
+    """True when `pid` no longer runs (gone, or a zombie nobody reaped yet)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def server_descendants() -> list[psutil.Process]:
+    """llama-server (or fake server) processes started by this test process."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            name = p.name()
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if any(n in name for n in SERVER_NAMES) or FAKE_SERVER.name in cmd:
+            out.append(p)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_fake_binary(directory: Path, *fake_args: str) -> Path:
+    """An executable `llama-server` wrapper that runs the fake server with `fake_args`.
+
+    Each call makes its own folder, so each wrapper has its own binary identity
+    (discover hashes the binary and the libraries beside it).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "llama-server"
+    quoted = " ".join(f"'{a}'" for a in fake_args)
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_SERVER}" {quoted} "$@"\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+class EventLog:
+    """Collects a Core's events (subscribe `log.append`); thread-safe reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[Event] = []
+
+    def append(self, event: Event) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def of(self, *types: type[Any]) -> list[Any]:
+        with self._lock:
+            return [e for e in self._events if isinstance(e, types)]
+
+    def states(self) -> list[str]:
+        from core.events import ServerStateChanged
+
+        return [e.state for e in self.of(ServerStateChanged)]
+
+
+def chat_body(text: str, *, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "warmslot-test",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def metric_values(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Values of Prometheus metrics by exact name (the first sample of each)."""
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name in wanted and name not in out:
+            out[name] = float(value)
+    return out
+
+
+def env_without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in names}
