@@ -89,6 +89,22 @@ def check_port_free(host: str, port: int, what: str) -> None:
             ) from e
 
 
+async def _exited(proc: asyncio.subprocess.Process) -> int:
+    """Wait for llama-server itself to exit; then kill what is left of its group.
+
+    asyncio's ``wait()`` returns only once the process's pipes are closed, and a
+    helper left in its process group can hold stdout open for ever: a crash would
+    then go unnoticed and a stop would wait out its grace period. So watch the
+    process's own exit status, kill the rest of the group (orphans by now), and
+    only then collect the pipes.
+    """
+    while proc.returncode is None:
+        await asyncio.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return await proc.wait()
+
+
 def _preexec() -> None:  # pragma: no cover - runs in the child
     """In the child: ask the kernel to SIGTERM it when its parent thread dies (Linux)."""
     if sys.platform.startswith("linux"):
@@ -396,7 +412,7 @@ class Supervisor:
         )
         pump = asyncio.create_task(self._pump(proc))
         healthy = asyncio.create_task(self._poll_health(settings.host, port))
-        exited = asyncio.create_task(proc.wait())
+        exited = asyncio.create_task(_exited(proc))
         try:
             done, _ = await asyncio.wait(
                 {healthy, exited},
@@ -462,7 +478,7 @@ class Supervisor:
     async def _watch(
         self, proc: asyncio.subprocess.Process, pump: asyncio.Task[None], run_id: str
     ) -> None:
-        code = await proc.wait()
+        code = await _exited(proc)
         await pump
         if self._stop_requested or run_id != self.run_id:
             return
@@ -532,12 +548,12 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+            await asyncio.wait_for(_exited(proc), STOP_GRACE_S)
         except TimeoutError:
             log.warning("llama-server ignored SIGTERM for %.0f s; killing its group", STOP_GRACE_S)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            await proc.wait()
+            await _exited(proc)
         # Helpers it may have forked share the group: make sure none survive.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
