@@ -52,6 +52,7 @@ class PrefixInfo:
     client: str
     fingerprint: str = ""
     first_seen: float = 0.0
+    last_used: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
