@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core import config as config_mod
+from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
-from core.errors import CoreStopped, WarmslotError
+from core.errors import CacheError, CoreStopped, WarmslotError
 from core.events import Event, Notice
 from core.paths import Paths, resources_dir
 from core.proxy import CachePolicy, Proxy
@@ -93,8 +94,10 @@ class Core:
         settings: Settings | None = None,
         *,
         policy_factory: PolicyFactory | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.paths = paths
+        self.clock: Clock = clock if clock is not None else RealClock()  # sweeps, TTLs
         self.settings = settings if settings is not None else config_mod.load(paths.config_file)
         self._policy_factory = policy_factory
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,6 +226,9 @@ class Core:
         await self.proxy.start(s.proxy.host, s.proxy.port)
         self._write_runtime()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        background = getattr(self.policy, "background", None)  # the cache manager's sweeps
+        if background is not None:
+            self._tasks.append(asyncio.create_task(background(self.clock)))
 
     async def _resolve(self) -> Resolved:
         s = self.settings.server
@@ -334,6 +340,27 @@ class Core:
         assert self.supervisor is not None
         return self.submit(self.supervisor.restart("user"))
 
+    def pin(self, filename: str, pinned: bool = True) -> concurrent.futures.Future[Any]:
+        """Pin (never expires, never swept, kept warm) or unpin a saved state."""
+        return self._cache_command("pin", filename, pinned)
+
+    def evict(self, filename: str) -> concurrent.futures.Future[Any]:
+        """Delete a saved state now (only files Warmslot wrote)."""
+        return self._cache_command("evict", filename)
+
+    def rewarm(self, fingerprint: str) -> concurrent.futures.Future[Any]:
+        """Bring a prefix back into its slot (re-warm, or restore into a free slot)."""
+        return self._cache_command("rewarm", fingerprint)
+
+    def _cache_command(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
+        async def run() -> Any:
+            method = getattr(self.policy, name, None)
+            if method is None:
+                raise CacheError("cache management is not attached to this core")
+            return await method(*args)
+
+        return self.submit(run())
+
     def status(self) -> concurrent.futures.Future[dict[str, Any]]:
         """Everything `warmslot status` and the tray show, as a JSON-able dict."""
         return self.submit(self._status_async())
@@ -348,6 +375,7 @@ class Core:
             "recent_events",
             "server_runs",
             "pressure_series",
+            "sweep_runs",
             "ttfb",
         }
         if name not in allowed:

@@ -119,6 +119,28 @@ class PressureSample(Event):
 
 
 @dataclass(frozen=True)
+class PressureChanged(Event):
+    """The memory-pressure level changed (nominal / low / critical), and why."""
+
+    level: str
+    previous: str
+    reasons: tuple[str, ...] = ()
+    paused: tuple[str, ...] = ()  # behaviours now paused or limited, in words
+
+
+@dataclass(frozen=True)
+class SweepRun(Event):
+    """One run of a background sweep (retention, keep-alive, pressure …)."""
+
+    name: str
+    started: float
+    duration_s: float
+    actions: int = 0
+    error: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class BuildProgress(Event):
     """Progress of a llama-server build: 0..100 and the current step."""
 

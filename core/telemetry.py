@@ -26,11 +26,13 @@ from core.events import (
     CacheEvent,
     Event,
     Notice,
+    PressureChanged,
     PressureSample,
     RequestCompleted,
     ServerExited,
     ServerLaunched,
     ServerStateChanged,
+    SweepRun,
 )
 
 BATCH = 200
@@ -128,6 +130,25 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         },
         pk="build_id",
     )
+
+
+@migrations()
+def m002_sweeps(db: sqlite_utils.Database) -> None:
+    """One row per run of a background sweep (see core.sweeps)."""
+    _table(db, "sweeps").create(
+        {
+            "id": int,
+            "ts": float,
+            "name": str,
+            "started": float,
+            "duration_s": float,
+            "actions": int,
+            "error": str,
+            "details": str,
+        },
+        pk="id",
+    )
+    _table(db, "sweeps").create_index(["name", "ts"])
 
 
 def _table(db: sqlite_utils.Database, name: str) -> Table:
@@ -270,6 +291,32 @@ class Telemetry:
                     "gpus": json.dumps(event.gpus),
                 },
             )
+        elif isinstance(event, SweepRun):
+            self.add(
+                "sweeps",
+                {
+                    "ts": event.ts,
+                    "name": event.name,
+                    "started": event.started,
+                    "duration_s": event.duration_s,
+                    "actions": event.actions,
+                    "error": event.error,
+                    "details": json.dumps(event.details, default=str),
+                },
+            )
+        elif isinstance(event, PressureChanged):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "pressure",
+                    "kind": event.level,
+                    "reason": "; ".join(event.reasons) or "back to nominal",
+                    "details": json.dumps(
+                        {"previous": event.previous, "paused": list(event.paused)}
+                    ),
+                },
+            )
         elif isinstance(event, BuildProgress) and event.done:
             self.add(
                 "events",
@@ -292,6 +339,7 @@ class Telemetry:
                 ("requests", "ts"),
                 ("events", "ts"),
                 ("pressure", "ts"),
+                ("sweeps", "ts"),
                 ("server_runs", "started"),
             ):
                 cur = self._conn.execute(f"DELETE FROM {table} WHERE {col} < ?", [cutoff])
@@ -394,6 +442,16 @@ class Telemetry:
         for r in rows:
             r["argv"] = json.loads(r["argv"]) if r.get("argv") else []
             r["last_lines"] = json.loads(r["last_lines"]) if r.get("last_lines") else []
+        return rows
+
+    def sweep_runs(self, name: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The latest runs of the background sweeps, newest first."""
+        where, params = ("WHERE name = ?", [name]) if name else ("", [])
+        rows = self._rows(
+            f"SELECT * FROM sweeps {where} ORDER BY id DESC LIMIT ?", [*params, limit]
+        )
+        for r in rows:
+            r["details"] = json.loads(r["details"]) if r.get("details") else {}
         return rows
 
     def pressure_series(self, since: float | None = None) -> list[dict[str, Any]]:

@@ -26,15 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from core.cache import background as bg
 from core.cache import prefix as pfx
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename, template_hash
+from core.cache.keepalive import KeepAlive
+from core.cache.retention import Retention
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore, file_sha256
+from core.clock import Clock, RealClock
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, Event, Notice, ServerStateChanged
+from core.pressure import PressureMonitor
 from core.proxy import ProxyRequest
 from core.server.argv import kv_relevant
 from core.server.client import LlamaClient, Timings
+from core.sweeps import Sweeps
 
 if TYPE_CHECKING:
     from core.engine import Core
@@ -62,7 +68,10 @@ class CacheManager:
     def __init__(self, core: Core) -> None:
         self.core = core
         s = core.settings
-        self.slots = SlotMap(s.server.slots, reserve_aux=s.cache.aux_slot)
+        self.clock: Clock = getattr(core, "clock", None) or RealClock()
+        self.slots = SlotMap(
+            s.server.slots, reserve_aux=s.cache.aux_slot, clock=self.clock.monotonic
+        )
         self.prefixes: dict[str, pfx.PrefixInfo] = {}  # shape key → prefix
         self.by_fp: dict[str, pfx.PrefixInfo] = {}
         self.learn: dict[str, list[tuple[str, list[int]]]] = {}  # tools key → first turns
@@ -82,6 +91,17 @@ class CacheManager:
         self._run_id = ""
         self._ready_task: asyncio.Task[None] | None = None
         self._probe_suffix: list[int] | None = None
+        # Background work (core.cache.background): pressure gates, retention, keep-alive.
+        self.pressure = PressureMonitor(
+            lambda: core.settings.pressure,
+            None,
+            core.emit,
+            self.clock,
+            telemetry=lambda: core.telemetry,
+        )
+        self.retention = Retention(self)
+        self.keepalive = KeepAlive(self)
+        self.sweeps = Sweeps(self.clock, core.emit)
         core.subscribe(self._on_event, (ServerStateChanged,))
 
     # ------------------------------------------------------------ plumbing
@@ -138,7 +158,9 @@ class CacheManager:
     def store(self) -> StateStore:
         if self._store is None:
             assert self.core.telemetry is not None
-            self._store = StateStore(self.core.telemetry.db, self.core.paths.slot_dir)
+            self._store = StateStore(
+                self.core.telemetry.db, self.core.paths.slot_dir, clock=self.clock.time
+            )
         return self._store
 
     def _on_event(self, event: Event) -> None:
@@ -182,7 +204,9 @@ class CacheManager:
         )
         n = int(props.get("total_slots", self.core.settings.server.slots))
         if n != self.slots.n_slots:
-            self.slots = SlotMap(n, reserve_aux=self.core.settings.cache.aux_slot)
+            self.slots = SlotMap(
+                n, reserve_aux=self.core.settings.cache.aux_slot, clock=self.clock.monotonic
+            )
         self.disk = self._disk_tier(sup.resolved.model.path, patches)
         self._probe_suffix = await client.tokenize(PROBE_SUFFIX)
         # Prefixes learned under an older identity are re-fingerprinted for this one.
@@ -259,20 +283,36 @@ class CacheManager:
         )
 
     async def _warm_known(self) -> None:
-        """After a (re)start: restore the most recently used prefixes, or prewarm them."""
+        """After a (re)start: bring back the most recently used prefixes.
+
+        Restored from disk and verified where the disk tier is valid, else (and for
+        sliding-window models on a stock server) prewarmed from their tokens.
+        """
         assert self.identity is not None
         targets = [s.id for s in self.slots.primary_slots][:RESTORE_AT_START]
-        recs = sorted(
-            (r for r in self.store.all(self.launch_id) if r.fingerprint in self.by_fp),
-            key=lambda r: (not r.pinned, -r.last_used),
+        saved = {r.fingerprint: r for r in self.store.all(self.launch_id)}
+        infos = sorted(
+            self.by_fp.values(),
+            key=lambda i: (
+                not getattr(saved.get(i.fingerprint), "pinned", False),
+                -max(i.last_used, getattr(saved.get(i.fingerprint), "last_used", 0)),
+            ),
         )[: len(targets)]
-        for slot, rec in zip(targets, recs, strict=False):
+        for slot, info in zip(targets, infos, strict=False):
             if self.slots.slots[slot].inflight:
                 continue
             async with self._lock(slot):
-                await self._restore_or_prewarm(rec, slot)
+                rec = saved.get(info.fingerprint)
+                if rec is not None:
+                    await self._restore_or_prewarm(rec, slot)
+                else:
+                    await self._prewarm(info, slot, reason="after server start")
 
     async def _restore_or_prewarm(self, rec: StateRecord, slot: int) -> None:
+        if not self.pressure.allows_prewarm(rec.pinned):
+            why = self.pressure.paused().get("prewarm", "")
+            self._emit("prewarm_skipped", why, fp=rec.fingerprint, slot=slot)
+            return
         info = self.by_fp.get(rec.fingerprint)
         if self.disk.usable:
             try:
@@ -315,6 +355,7 @@ class CacheManager:
         async with self._lock(slot):  # wait for Warmslot's own work on this slot
             pass
         if info is not None:
+            info.last_used = time.time()
             req.notes["prefix_fp"] = info.fingerprint
             req.notes["prefix_n"] = info.n_tokens
             await self._ensure_slot(info, slot)
@@ -603,6 +644,10 @@ class CacheManager:
     async def _persist(self, info: pfx.PrefixInfo) -> None:
         """Build the exact prefix state in a scratch slot, save it, record its probe answer."""
         try:
+            if not self.pressure.allows_persist():
+                why = self.pressure.paused().get("persist", "")
+                self._emit("persist_skipped", why, fp=info.fingerprint)
+                return
             slot = self._scratch_slot()
             client = self.client
             if slot is None or client is None or self.identity is None:
@@ -618,10 +663,12 @@ class CacheManager:
     async def _persist_in(self, info: pfx.PrefixInfo, slot: int, client: LlamaClient) -> None:
         await self._prewarm(info, slot, reason="building the state to save")
         name = state_filename(info.fingerprint)
+        self.retention.journal.begin(self.launch_id, name)  # a save that never ends is swept
         saved = await client.slot_action(slot, "save", name)
         path = self._server_slot_dir() / name
         if int(saved.get("n_saved", 0)) != info.n_tokens or not path.is_file():
             path.unlink(missing_ok=True)
+            self.retention.journal.end(name)
             self._emit(
                 "save_failed",
                 f"server saved {saved.get('n_saved')} tokens, expected {info.n_tokens}",
@@ -632,7 +679,7 @@ class CacheManager:
         await self._wait_idle(exclude=slot)
         answer = await client.completion(self._probe_body(info.tokens, slot))
         tokens, logprobs = self._probe_answer(answer)
-        now = time.time()
+        now = self.clock.time()
         rec = StateRecord(
             filename=name,
             identity=self.launch_id,
@@ -657,6 +704,7 @@ class CacheManager:
             },
         )
         self.store.add(rec)
+        self.retention.journal.end(name)
         self._emit(
             "save",
             f"saved the {info.n_tokens}-token prefix",
@@ -821,8 +869,29 @@ class CacheManager:
             "divergences": list(self.divergences)[:5],
             "template_warning": self.template_warning,
         }
-        out["text"] = format_inventory(out)
+        bg.extend_status(self, out)
+        out["text"] = format_inventory(out) + "\n" + bg.format_background(out)
         return out
+
+    # ------------------------------------------------------------ background + commands
+    async def background(self, clock: Clock) -> None:
+        """Run the sweeps (pressure, sessions, keep-alive, retention) until cancelled.
+
+        `clock` is the core's clock, the one this manager took when it was made.
+        """
+        await bg.run(self)
+
+    async def pin(self, filename: str, pinned: bool = True) -> dict[str, Any]:
+        """Pin or unpin a saved state (pinned: never expires or swept, kept warm)."""
+        return await bg.pin(self, filename, pinned)
+
+    async def evict(self, filename: str) -> dict[str, Any]:
+        """Delete a saved state now; refuses names Warmslot did not write."""
+        return await bg.evict(self, filename)
+
+    async def rewarm(self, fingerprint: str) -> dict[str, Any]:
+        """Re-warm a prefix in its slot, or restore/prewarm it into a free slot."""
+        return await bg.rewarm(self, fingerprint)
 
     async def close(self) -> None:
         if self._ready_task is not None:
@@ -852,7 +921,7 @@ def format_inventory(st: dict[str, Any]) -> str:
         role = " (side calls)" if s["id"] == st["aux_slot"] else ""
         lines.append(
             f"  slot {s['id']}{role}: {s['tokens']} tokens, prefix "
-            f"{s['prefix'] or '—'}, session {s['session'] or '—'}"
+            f"{s['prefix'] or '—'}, session {s['session'] or '—'}{bg.expiry_text(s)}"
         )
     for p in st["prefixes"]:
         lines.append(
@@ -863,6 +932,7 @@ def format_inventory(st: dict[str, Any]) -> str:
         lines.append(
             f"  saved {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
             f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {r['verified']}"
+            f"{bg.expiry_text(r)}"
         )
     if st["divergences"]:
         d = st["divergences"][0]

@@ -1,0 +1,243 @@
+"""The cache manager's background work: its sweeps, user commands and status.
+
+`run` registers the four sweeps on the manager's `Sweeps` scheduler and runs
+them until cancelled (the Core starts it when the cache manager is attached):
+
+========== ======================================= ==================
+sweep      what                                    interval
+========== ======================================= ==================
+pressure   sample memory, set the pressure level   pressure.sample_interval_s (5 s)
+sessions   release sessions idle past their TTL    60 s
+keepalive  keep slots' prefixes warm               cache.keepalive_interval_s (240 s, ≥ 30)
+retention  disk retention: TTLs, keep-N, byte cap  cache.retention_interval_s (300 s, ≥ 60)
+========== ======================================= ==================
+
+The user commands `pin`, `evict` and `rewarm` (wrapped by `CacheManager` and
+the Core) each record a `CacheEvent`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from core.cache.retention import human_age
+from core.cache.store import StateRecord, safe_name
+from core.errors import CacheError
+from core.events import CacheEvent
+from core.pressure import Sampler
+
+if TYPE_CHECKING:
+    from core.cache import prefix as pfx
+    from core.cache.manager import CacheManager
+
+__all__ = [
+    "evict",
+    "expiry_text",
+    "extend_status",
+    "format_background",
+    "pin",
+    "register",
+    "rewarm",
+    "run",
+]
+
+SESSIONS_INTERVAL_S = 60.0
+KEEPALIVE_MIN_S = 30.0
+RETENTION_MIN_S = 60.0
+
+
+def register(mgr: CacheManager) -> None:
+    """Add the sweeps to `mgr.sweeps` (idempotent); give the pressure monitor a sampler."""
+    core = mgr.core
+    if mgr.pressure.sampler is None:
+        mgr.pressure.sampler = Sampler(
+            core.paths.state_dir,
+            lambda: core.supervisor.pid if core.supervisor is not None else None,
+            clock=mgr.clock.monotonic,
+        )
+    sw = mgr.sweeps
+    if sw.sweeps:
+        return
+    sw.add(
+        "pressure",
+        mgr.pressure.sample,
+        lambda: core.settings.pressure.sample_interval_s,
+        minimum=1.0,
+        first_delay=0.0,
+    )
+    sw.add("sessions", mgr.retention.sweep_idle, lambda: SESSIONS_INTERVAL_S, minimum=30.0)
+    sw.add(
+        "keepalive",
+        mgr.keepalive.sweep,
+        lambda: core.settings.cache.keepalive_interval_s,
+        minimum=KEEPALIVE_MIN_S,
+    )
+    sw.add(
+        "retention",
+        mgr.retention.sweep_disk,
+        lambda: core.settings.cache.retention_interval_s,
+        minimum=RETENTION_MIN_S,
+    )
+
+
+async def run(mgr: CacheManager) -> None:
+    """Run the manager's sweeps until cancelled."""
+    register(mgr)
+    await mgr.sweeps.run_forever()
+
+
+# ---------------------------------------------------------------------------- commands
+def _emit(mgr: CacheManager, kind: str, reason: str, **kw: Any) -> None:
+    details = kw.pop("details", {})
+    mgr.core.emit(CacheEvent(kind=kind, reason=reason, details=details, ts=mgr.clock.time(), **kw))
+
+
+def _record(mgr: CacheManager, filename: str) -> StateRecord:
+    if not safe_name(filename):
+        raise CacheError(f"refusing {filename!r}: not the name of a state Warmslot saved")
+    rec = mgr.store.get(filename)
+    if rec is None:
+        raise CacheError(f"no saved state named {filename}")
+    return rec
+
+
+async def pin(mgr: CacheManager, filename: str, pinned: bool) -> dict[str, Any]:
+    """Pin (never expires, never swept, kept warm) or unpin a saved state."""
+    rec = _record(mgr, filename)
+    mgr.store.set_pinned(filename, pinned)
+    _emit(
+        mgr,
+        "pinned" if pinned else "unpinned",
+        "pinned by the user: never expires, never swept, kept warm by keep-alive"
+        if pinned
+        else f"unpinned by the user: expires after its {rec.ttl_class} TTL again",
+        fingerprint=rec.fingerprint[:16],
+        tokens=rec.n_tokens,
+        bytes=rec.bytes,
+        details={"file": filename},
+    )
+    return {"file": filename, "fingerprint": rec.fingerprint[:16], "pinned": pinned}
+
+
+async def evict(mgr: CacheManager, filename: str) -> dict[str, Any]:
+    """Delete a saved state (file and index row) now."""
+    rec = _record(mgr, filename)
+    freed = mgr.store.delete(rec)
+    _emit(
+        mgr,
+        "evicted",
+        "deleted by the user",
+        fingerprint=rec.fingerprint[:16],
+        tokens=rec.n_tokens,
+        bytes=freed,
+        details={
+            "file": filename,
+            "identity": rec.identity,
+            "rule": "user",
+            "age_s": round(mgr.clock.time() - rec.last_used, 1),
+            "ttl_class": rec.ttl_class,
+            "pinned": rec.pinned,
+        },
+    )
+    return {"file": filename, "bytes": freed}
+
+
+def _find_prefix(mgr: CacheManager, fingerprint: str) -> pfx.PrefixInfo:
+    fp = fingerprint.strip().lower()
+    if len(fp) < 8:
+        raise CacheError("give at least 8 characters of the fingerprint")
+    matches = [i for k, i in mgr.by_fp.items() if k.startswith(fp)]
+    if not matches:
+        raise CacheError(f"no known prefix with fingerprint {fingerprint}")
+    if len(matches) > 1:
+        raise CacheError(f"fingerprint {fingerprint} is ambiguous: give more characters")
+    return matches[0]
+
+
+async def rewarm(mgr: CacheManager, fingerprint: str) -> dict[str, Any]:
+    """Bring a prefix into its slot now: re-warm it there, or restore it into a free slot."""
+    if mgr.client is None or mgr.identity is None:
+        raise CacheError("llama-server is not ready")
+    info = _find_prefix(mgr, fingerprint)
+    aux = mgr.slots.aux_slot
+    holding = [s.id for s in mgr.slots.slots if s.prefix_fp == info.fingerprint]
+    holding.sort(key=lambda i: i == aux)  # a primary slot first
+    ka = mgr.keepalive
+    reason = "re-warm requested by the user"
+    if holding:
+        slot = holding[0]
+        t = await ka.rewarm_in(info, slot, reason=reason, kind="rewarm")
+        if t is None:
+            raise CacheError(f"slot {slot} is busy or the server refused the re-warm")
+        return {
+            "fingerprint": info.fingerprint[:16],
+            "slot": slot,
+            "restored": False,
+            "cache_n": t.cache_n,
+            "prompt_n": t.prompt_n,
+        }
+    free = ka.free_slot()
+    if free is None:
+        raise CacheError("no free slot: every slot holds a session or is busy")
+    ok = await ka.restore_or_rewarm(info, free, reason=reason, kind="rewarm")
+    if not ok:
+        raise CacheError(f"could not re-warm the prefix into slot {free}")
+    return {"fingerprint": info.fingerprint[:16], "slot": free, "restored": True}
+
+
+# ---------------------------------------------------------------------------- status
+def extend_status(mgr: CacheManager, out: dict[str, Any]) -> None:
+    """Add pressure, paused behaviours, sweeps, TTLs and expiries to a status dict."""
+    out["pressure"] = mgr.pressure.snapshot()
+    out["paused"] = list(mgr.pressure.paused().values())
+    out["sweeps"] = mgr.sweeps.status()
+    out["keepalive"] = {"last": mgr.keepalive.last}
+    mgr.retention.annotate(out)
+
+
+def format_background(st: dict[str, Any]) -> str:
+    """Lines for `warmslot status`: pressure, what is paused, each sweep's last run."""
+    p = st.get("pressure") or {}
+    lines = []
+    level = p.get("level", "nominal")
+    ram = p.get("ram_available_pct")
+    lines.append(
+        f"  pressure: {level}"
+        + (f" ({'; '.join(p['causes'])})" if p.get("causes") else "")
+        + (f"; RAM {ram:.1f} % available" if ram is not None else "")
+    )
+    lines.extend(f"    {text}" for text in st.get("paused", []))
+    disk = st.get("disk")
+    if disk:
+        lines.append(
+            f"  disk: {disk['used_bytes'] / 1e6:.1f} MB of {disk['cap_bytes'] / 1e6:.0f} MB cap "
+            f"({disk['cap_source']})"
+        )
+    for s in st.get("sweeps", []):
+        if s["running_for_s"] is not None:
+            state = f"running for {human_age(s['running_for_s'])}"
+        elif s["last_start"] is None:
+            state = "not run yet"
+        else:
+            state = f"last run {s['last_actions']} actions in {s['last_duration_s'] * 1000:.0f} ms"
+            if s["last_error"]:
+                state += f", FAILED: {s['last_error']}"
+        nxt = "" if s["next_in_s"] is None else f", next in {human_age(s['next_in_s'])}"
+        lines.append(
+            f"  sweep {s['name']} every {human_age(s['interval_s'])}: {state}{nxt}"
+            + (f" ({s['failures']} failures)" if s["failures"] else "")
+        )
+    return "\n".join(lines)
+
+
+def expiry_text(entry: dict[str, Any]) -> str:
+    """ ", long TTL, expires in 42 min" for a slot or saved entry that has the keys."""
+    if "expires_in_s" not in entry:
+        return ""
+    exp = entry["expires_in_s"]
+    cls = f", {entry['ttl_class']} TTL" if "idle_s" in entry else ""
+    if exp is None:
+        return f"{cls}, never expires (pinned)"
+    if exp <= 0:
+        return f"{cls}, expired {human_age(-exp)} ago"
+    return f"{cls}, expires in {human_age(exp)}"

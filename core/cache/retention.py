@@ -1,0 +1,564 @@
+"""TTL classes, the disk retention sweep, and idle sessions.
+
+**TTL classes** ``short`` / ``long`` / ``extended`` (settings ``cache.ttl_*_s``,
+defaults 5 min / 60 min / 24 h). Stable prefixes get ``cache.prefix_class``
+(extended), conversations ``cache.conversation_class`` (long), side-call state
+``cache.aux_class`` (short). A pinned entry never expires and is never swept.
+
+**Disk retention** (every ``cache.retention_interval_s``, at least 60 s) looks
+only at files our index (the ``states`` table) says we wrote:
+
+1. a row whose file is gone is dropped; a file whose size no longer matches
+   its row (truncated, replaced) is deleted;
+2. pinned files, and files of prefixes a slot holds right now (current), are
+   never deleted; neither are the ``cache.keep_recent`` most recently used
+   files of the running server;
+3. a file unused for longer than its class's TTL is deleted; files of another
+   server identity (another model, build or flags: their directory is not the
+   running server's) are not protected by keep-recent, so they age out;
+4. while the total is above the byte cap (``cache.disk_cap_mb``; 0 = 10 % of
+   the free disk when Warmslot started), the oldest are deleted, other
+   identities' first;
+5. a save that never finished (recorded in the write journal before the server
+   was asked to write, and never indexed) has its partial file deleted.
+
+Files without a row or journal entry are never touched, whatever their name.
+Every deletion is a ``CacheEvent`` of kind ``evicted`` with the file, bytes,
+age and reason.
+
+**Idle sessions**: a session whose slot has been untouched longer than its
+class's TTL (under critical memory pressure: the short TTL) gets its stable
+prefix saved (when the disk tier is usable and persisting is not paused) and
+its slot pin released, so another session can have the slot. A returning
+session gets a slot again and its prefix restored from disk (verified) or
+still warm. Every release is an ``evicted`` event with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import sqlite_utils
+from sqlite_utils import Migrations
+from sqlite_utils.db import Table
+
+from core.cache.store import StateRecord, safe_name
+from core.config import TTL_CLASSES, CacheSettings
+from core.events import CacheEvent
+from core.sweeps import Outcome
+
+if TYPE_CHECKING:
+    from core.cache.manager import CacheManager
+
+__all__ = [
+    "TTL_CLASSES",
+    "Eviction",
+    "Retention",
+    "WriteJournal",
+    "class_for",
+    "default_cap_bytes",
+    "plan_disk_sweep",
+    "ttl_seconds",
+]
+
+log = logging.getLogger("warmslot.cache")
+
+MIB = 1 << 20
+DEFAULT_CAP_SHARE = 0.10  # cache.disk_cap_mb = 0: this share of the free disk at start
+UNFINISHED_GRACE_S = 600.0  # a journaled save older than this that never got a row failed
+SIZE_SLACK = 0
+
+migrations = Migrations("warmslot.retention")
+
+
+@migrations()
+def m001_state_writes(db: sqlite_utils.Database) -> None:
+    cast(Table, db["state_writes"]).create(
+        {"filename": str, "identity": str, "started": float}, pk="filename"
+    )
+
+
+def ttl_seconds(settings: CacheSettings, ttl_class: str) -> float:
+    """Seconds of a TTL class (unknown classes count as ``long``)."""
+    return float(
+        {
+            "short": settings.ttl_short_s,
+            "long": settings.ttl_long_s,
+            "extended": settings.ttl_extended_s,
+        }.get(ttl_class, settings.ttl_long_s)
+    )
+
+
+def class_for(settings: CacheSettings, kind: str) -> str:
+    """The TTL class of an entry kind: ``prefix``, ``conversation`` or ``aux``."""
+    return {
+        "prefix": settings.prefix_class,
+        "conversation": settings.conversation_class,
+        "aux": settings.aux_class,
+    }.get(kind, settings.conversation_class)
+
+
+def default_cap_bytes(directory: Path, share: float = DEFAULT_CAP_SHARE) -> int:
+    """`share` of the free space of the disk holding `directory` (or its nearest parent)."""
+    path = directory.expanduser().absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return int(shutil.disk_usage(path).free * share)
+
+
+def human_age(seconds: float) -> str:
+    s = abs(seconds)
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    if s < 172800:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+# ---------------------------------------------------------------------------- journal
+class WriteJournal:
+    """Saves in flight: a row before the server is asked to write, removed when done.
+
+    A row left behind (Warmslot or the server died mid-save) marks a file we
+    wrote but never indexed: the retention sweep deletes it. The states index
+    itself only ever gets rows for finished, hashed files.
+    """
+
+    def __init__(self, db: sqlite_utils.Database, clock: Callable[[], float]) -> None:
+        self.db = db
+        self.clock = clock
+        migrations.apply(db)
+
+    @property
+    def table(self) -> Table:
+        return cast(Table, self.db["state_writes"])
+
+    def begin(self, identity: str, filename: str) -> None:
+        self.table.upsert(
+            {"filename": filename, "identity": identity, "started": self.clock()}, pk="filename"
+        )
+
+    def end(self, filename: str) -> None:
+        self.table.delete_where("filename = ?", [filename])
+
+    @contextlib.contextmanager
+    def writing(self, identity: str, filename: str) -> Iterator[None]:
+        """Journal a save; the entry stays only if the block raises (or we die in it)."""
+        self.begin(identity, filename)
+        yield
+        self.end(filename)
+
+    def pending(self) -> list[dict[str, Any]]:
+        return list(self.table.rows_where(order_by="started"))
+
+
+# ---------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class Eviction:
+    """One file (or index row) the sweep deletes, and why."""
+
+    rec: StateRecord
+    rule: str  # missing | corrupt | expired | cap
+    reason: str
+    age_s: float
+
+
+@dataclass
+class Plan:
+    evictions: list[Eviction] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # filename → why it is protected
+    total_before: int = 0
+    total_after: int = 0
+    cap_bytes: int = 0
+
+
+def plan_disk_sweep(
+    records: list[StateRecord],
+    *,
+    now: float,
+    ttl: Callable[[str], float],
+    keep_recent: int,
+    cap_bytes: int,
+    current_identity: str | None,
+    in_use: set[str],
+    file_size: Callable[[StateRecord], int | None],
+) -> Plan:
+    """Decide what the retention sweep deletes (pure: no I/O but `file_size`).
+
+    `in_use` holds fingerprints a slot holds (or that are being saved) right now;
+    `file_size` returns a record's file size, or None when the file is gone.
+    """
+    plan = Plan(cap_bytes=cap_bytes)
+    alive: list[tuple[StateRecord, int]] = []
+    for rec in records:
+        age = now - rec.last_used
+        size = file_size(rec)
+        if size is None:
+            plan.evictions.append(
+                Eviction(rec, "missing", "the file is gone; dropping its index row", age)
+            )
+            continue
+        plan.total_before += size
+        if size != rec.bytes and not rec.pinned:
+            plan.evictions.append(
+                Eviction(
+                    rec,
+                    "corrupt",
+                    f"the file is {size} bytes but {rec.bytes} were written: truncated or replaced",
+                    age,
+                )
+            )
+            continue
+        alive.append((rec, size))
+
+    def foreign(rec: StateRecord) -> bool:
+        return current_identity is not None and rec.identity != current_identity
+
+    ours = sorted((r for r, _ in alive if not foreign(r)), key=lambda r: -r.last_used)
+    recent = {r.filename for r in ours[: max(0, keep_recent)]}
+    protected: dict[str, str] = {}
+    for rec, _ in alive:
+        if rec.pinned:
+            protected[rec.filename] = "pinned"
+        elif rec.fingerprint in in_use:
+            protected[rec.filename] = "current (held by a slot)"
+        elif rec.filename in recent:
+            protected[rec.filename] = f"one of the {keep_recent} most recently used"
+    plan.kept = protected
+
+    remaining: list[tuple[StateRecord, int]] = []
+    for rec, size in alive:
+        age = now - rec.last_used
+        horizon = ttl(rec.ttl_class)
+        if rec.filename not in protected and age > horizon:
+            other = " (another server identity: no longer used)" if foreign(rec) else ""
+            plan.evictions.append(
+                Eviction(
+                    rec,
+                    "expired",
+                    f"unused for {human_age(age)} > {rec.ttl_class} TTL "
+                    f"{human_age(horizon)}{other}",
+                    age,
+                )
+            )
+        else:
+            remaining.append((rec, size))
+
+    total = sum(size for _, size in remaining)
+    if total > cap_bytes:
+        candidates = sorted(
+            ((r, s) for r, s in remaining if r.filename not in protected),
+            key=lambda rs: (not foreign(rs[0]), rs[0].last_used),
+        )
+        for rec, size in candidates:
+            if total <= cap_bytes:
+                break
+            plan.evictions.append(
+                Eviction(
+                    rec,
+                    "cap",
+                    f"saved states use {total / MIB:.1f} MiB > cap {cap_bytes / MIB:.1f} MiB; "
+                    f"oldest first{' (another server identity)' if foreign(rec) else ''}",
+                    now - rec.last_used,
+                )
+            )
+            total -= size
+    plan.total_after = total
+    return plan
+
+
+# ---------------------------------------------------------------------------- the sweeps
+class Retention:
+    """The disk retention sweep and the idle-session sweep of one cache manager."""
+
+    def __init__(self, mgr: CacheManager, *, free_disk_cap: int | None = None) -> None:
+        self.mgr = mgr
+        self.clock = mgr.clock
+        self._default_cap = (
+            free_disk_cap
+            if free_disk_cap is not None
+            else default_cap_bytes(mgr.core.paths.slot_dir)
+        )
+        self._journal: WriteJournal | None = None
+        self.last_plan: Plan | None = None
+        self.unknown_files = 0
+
+    @property
+    def settings(self) -> CacheSettings:
+        return self.mgr.core.settings.cache
+
+    @property
+    def cap_bytes(self) -> int:
+        mb = self.settings.disk_cap_mb
+        return mb * MIB if mb > 0 else self._default_cap
+
+    @property
+    def journal(self) -> WriteJournal:
+        if self._journal is None:
+            self._journal = WriteJournal(self.mgr.store.db, self.clock.time)
+        return self._journal
+
+    def ttl(self, ttl_class: str) -> float:
+        return ttl_seconds(self.settings, ttl_class)
+
+    def current_identity(self) -> str | None:
+        """The running (or last resolved) server's slot directory name."""
+        sup = self.mgr.core.supervisor
+        if sup is None or sup.resolved is None or sup.resolved.slot_dir is None:
+            return None
+        return sup.resolved.slot_dir.name
+
+    def in_use(self) -> set[str]:
+        held = {s.prefix_fp for s in self.mgr.slots.slots if s.prefix_fp}
+        return held | set(self.mgr._persisting)
+
+    def _emit(self, kind: str, reason: str, **kw: Any) -> None:
+        details = kw.pop("details", {})
+        self.mgr.core.emit(
+            CacheEvent(kind=kind, reason=reason, details=details, ts=self.clock.time(), **kw)
+        )
+
+    def _file_size(self, rec: StateRecord) -> int | None:
+        try:
+            path = self.mgr.store.path(rec)
+        except ValueError:
+            return None  # an unsafe name in the index: treat the row as stale
+        try:
+            return path.stat().st_size if path.is_file() else None
+        except OSError:
+            return None
+
+    # ------------------------------------------------------------------ disk
+    async def sweep_disk(self) -> Outcome:
+        store = self.mgr.store
+        now = self.clock.time()
+        plan = plan_disk_sweep(
+            store.all(),
+            now=now,
+            ttl=self.ttl,
+            keep_recent=self.settings.keep_recent,
+            cap_bytes=self.cap_bytes,
+            current_identity=self.current_identity(),
+            in_use=self.in_use(),
+            file_size=self._file_size,
+        )
+        self.last_plan = plan
+        freed = 0
+        for ev in plan.evictions:
+            freed += self._evict(ev.rec, ev.rule, ev.reason, ev.age_s)
+        unfinished, unfinished_bytes = self._sweep_unfinished(now)
+        freed += unfinished_bytes
+        self.unknown_files = self._count_unknown()
+        if plan.total_after > plan.cap_bytes:
+            log.warning(
+                "saved states use %.1f MiB, above the cap of %.1f MiB, but everything left is "
+                "pinned, current or among the most recent",
+                plan.total_after / MIB,
+                plan.cap_bytes / MIB,
+            )
+        return Outcome(
+            len(plan.evictions) + unfinished,
+            {
+                "freed_bytes": freed,
+                "total_bytes": plan.total_after,
+                "cap_bytes": plan.cap_bytes,
+                "kept": len(plan.kept),
+                "unknown_files_left_alone": self.unknown_files,
+                "rules": sorted({e.rule for e in plan.evictions}),
+            },
+        )
+
+    def _evict(self, rec: StateRecord, rule: str, reason: str, age_s: float) -> int:
+        """Delete one indexed file (or only its row) and record the eviction."""
+        try:
+            freed = self.mgr.store.delete(rec)
+        except ValueError:  # unsafe name: drop the row, never touch a path
+            self.mgr.store.table.delete_where("filename = ?", [rec.filename])
+            freed = 0
+        self._emit(
+            "evicted",
+            reason,
+            fingerprint=rec.fingerprint[:16],
+            tokens=rec.n_tokens,
+            bytes=freed,
+            details={
+                "file": rec.filename,
+                "identity": rec.identity,
+                "rule": rule,
+                "age_s": round(age_s, 1),
+                "ttl_class": rec.ttl_class,
+                "kind": rec.kind,
+            },
+        )
+        return freed
+
+    def _sweep_unfinished(self, now: float) -> tuple[int, int]:
+        """Delete partial files of saves that never finished (journaled, never indexed)."""
+        count = freed = 0
+        store = self.mgr.store
+        for row in self.journal.pending():
+            name, identity = str(row["filename"]), str(row["identity"])
+            if store.get(name) is not None:
+                self.journal.end(name)  # finished after all (or saved again since)
+                continue
+            if now - float(row["started"]) < UNFINISHED_GRACE_S:
+                continue  # may still be writing
+            size = 0
+            if safe_name(name):
+                try:
+                    path = store.dir_for(identity) / name
+                except ValueError:
+                    path = None
+                if path is not None and path.is_file():
+                    size = path.stat().st_size
+                    path.unlink()
+            self.journal.end(name)
+            count += 1
+            freed += size
+            self._emit(
+                "evicted",
+                "a save that never finished (Warmslot or the server stopped mid-write)",
+                bytes=size,
+                details={
+                    "file": name,
+                    "identity": identity,
+                    "rule": "unfinished",
+                    "age_s": round(now - float(row["started"]), 1),
+                },
+            )
+        return count, freed
+
+    def _count_unknown(self) -> int:
+        """Files in our slot directories that no index row claims (left alone)."""
+        root = self.mgr.store.root
+        if not root.is_dir():
+            return 0
+        known = {(r.identity, r.filename) for r in self.mgr.store.all()}
+        n = 0
+        with contextlib.suppress(OSError):
+            for d in root.iterdir():
+                if d.is_dir():
+                    n += sum(1 for f in d.iterdir() if (d.name, f.name) not in known)
+        return n
+
+    # ------------------------------------------------------------------ idle sessions
+    def session_class(self, slot_id: int, kind: str) -> str:
+        aux = slot_id == self.mgr.slots.aux_slot or kind == "aux"
+        return class_for(self.settings, "aux" if aux else "conversation")
+
+    def session_limit(self, ttl_class: str) -> float:
+        """Idle seconds after which a session is released (short TTL under critical)."""
+        limit = self.ttl(ttl_class)
+        if self.mgr.pressure.release_idle_first:
+            limit = min(limit, self.ttl("short"))
+        return limit
+
+    async def sweep_idle(self) -> Outcome:
+        mgr = self.mgr
+        now = self.clock.monotonic()
+        released: list[str] = []
+        for st in mgr.slots.slots:
+            if not st.session or st.inflight or mgr._lock(st.id).locked():
+                continue
+            cls = self.session_class(st.id, st.last_kind)
+            limit = self.session_limit(cls)
+            idle = now - st.last_used
+            if idle < limit:
+                continue
+            saved = self._save_for_release(st.prefix_fp)
+            session = st.session
+            mgr.slots.release(session)
+            why = (
+                f"conversation idle {human_age(idle)} ≥ {cls} TTL {human_age(self.ttl(cls))}"
+                if limit == self.ttl(cls)
+                else f"conversation idle {human_age(idle)} and memory pressure is critical "
+                f"({mgr.pressure.why}): idle sessions are released first"
+            )
+            self._emit(
+                "evicted",
+                f"{why}: slot {st.id} released for other sessions; {saved}",
+                fingerprint=st.prefix_fp[:16],
+                slot=st.id,
+                tokens=st.tokens_hint or None,
+                details={
+                    "rule": "idle_session",
+                    "session": session,
+                    "idle_s": round(idle, 1),
+                    "ttl_class": cls,
+                    "saved": saved,
+                },
+            )
+            released.append(session)
+        return Outcome(len(released), {"released": released})
+
+    def _save_for_release(self, fp: str) -> str:
+        """Make sure the session's stable prefix is on disk; say what happened."""
+        mgr = self.mgr
+        info = mgr.by_fp.get(fp) if fp else None
+        if info is None:
+            return "no stable prefix to save"
+        if not mgr.disk.usable:
+            return f"not saved: {mgr.disk.reason}"
+        if mgr.store.for_fingerprint(fp) is not None:
+            return "its prefix is already saved on disk"
+        if fp in mgr._persisting:
+            return "its prefix is being saved"
+        if not mgr.pressure.allows_persist():
+            return f"not saved: {mgr.pressure.paused()['persist']}"
+        mgr._persisting.add(fp)
+        mgr._spawn(mgr._persist(info))
+        return "saving its prefix to disk"
+
+    # ------------------------------------------------------------------ status
+    def expiry(self, rec: StateRecord, now: float) -> float | None:
+        """Seconds until a saved file expires (negative: overdue), None when pinned."""
+        if rec.pinned:
+            return None
+        return rec.last_used + self.ttl(rec.ttl_class) - now
+
+    def annotate(self, out: dict[str, Any]) -> None:
+        """Add TTL classes and time to expiry to a `CacheManager.status()` dict."""
+        now, mono = self.clock.time(), self.clock.monotonic()
+        by_name = {r.filename: r for r in self.mgr.store.all()}
+        for entry in out.get("saved", []):
+            rec = by_name.get(entry.get("file", ""))
+            if rec is not None:
+                exp = self.expiry(rec, now)
+                entry["expires_in_s"] = None if exp is None else round(exp, 1)
+                entry["age_s"] = round(now - rec.last_used, 1)
+        for entry in out.get("slots", []):
+            st = (
+                self.mgr.slots.slots[entry["id"]]
+                if entry["id"] < len(self.mgr.slots.slots)
+                else None
+            )
+            if st is None or not st.session:
+                continue
+            cls = self.session_class(st.id, st.last_kind)
+            idle = mono - st.last_used
+            entry["ttl_class"] = cls
+            entry["idle_s"] = round(idle, 1)
+            entry["expires_in_s"] = round(self.session_limit(cls) - idle, 1)
+        total = sum(r.bytes for r in by_name.values())
+        out["disk"] = {
+            "used_bytes": total,
+            "cap_bytes": self.cap_bytes,
+            "cap_source": "cache.disk_cap_mb"
+            if self.settings.disk_cap_mb > 0
+            else "10 % of free disk at start",
+            "unknown_files_left_alone": self.unknown_files,
+        }
+        out["ttl"] = {c: self.ttl(c) for c in TTL_CLASSES}
+        out["ttl_classes"] = {
+            "prefix": self.settings.prefix_class,
+            "conversation": self.settings.conversation_class,
+            "aux": self.settings.aux_class,
+        }
