@@ -4,10 +4,11 @@ Everything in the background core (sweeps, TTLs, keep-alive, pressure
 sampling) asks a `Clock` for the time and sleeps through it, never through
 `time` or `asyncio.sleep` directly. In production that is `RealClock`. Tests use
 `FakeClock`: its `sleep` parks the caller until the test calls `advance`, which
-moves time forward deadline by deadline, wakes each sleeper in order and waits
-until that task is parked again (or finished) before going on — so a test that
-advances an hour sees every sweep of that hour run, in order, even when a sweep
-does real I/O against a real llama-server in between.
+moves time forward deadline by deadline, wakes each sleeper in order and, after
+each wake-up, waits until every task that ever slept on this clock is parked
+again (or finished) before going on — so a test that advances an hour sees
+every sweep of that hour run, in order, even when a sweep does real I/O against
+a real llama-server in between.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class FakeClock:
         self._now = start
         self._sleepers: list[_Sleeper] = []
         self._seq = itertools.count()
-        self.settle_timeout = settle_timeout  # real seconds a woken task may take to park
+        self._participants: set[asyncio.Task[object]] = set()  # tasks that sleep on us
+        self.settle_timeout = settle_timeout  # real seconds woken tasks may take to park
 
     def time(self) -> float:
         return self._now
@@ -91,13 +93,14 @@ class FakeClock:
         return min(live) if live else None
 
     async def sleep(self, seconds: float) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._participants.add(task)
         if seconds <= 0:
             await asyncio.sleep(0)
             return
         loop = asyncio.get_running_loop()
-        sleeper = _Sleeper(
-            self._now + seconds, next(self._seq), loop.create_future(), asyncio.current_task()
-        )
+        sleeper = _Sleeper(self._now + seconds, next(self._seq), loop.create_future(), task)
         heapq.heappush(self._sleepers, sleeper)
         try:
             await sleeper.future
@@ -118,6 +121,7 @@ class FakeClock:
         """Move time forward to `target` (wall-clock seconds); see `advance`."""
         if target < self._now:
             raise ValueError("a FakeClock never goes back")
+        await self._settle()  # tasks still running from before get to park first
         while True:
             while self._sleepers and self._sleepers[0].future.done():
                 heapq.heappop(self._sleepers)  # cancelled sleepers
@@ -126,19 +130,23 @@ class FakeClock:
             sleeper = heapq.heappop(self._sleepers)
             self._now = max(self._now, sleeper.deadline)
             sleeper.future.set_result(None)
-            await self._settle(sleeper.task)
+            await self._settle()
         self._now = target
-        await asyncio.sleep(0)
 
-    async def _settle(self, task: asyncio.Task[object] | None) -> None:
-        """Let a woken task run until it sleeps on this clock again or ends."""
+    def _unsettled(self) -> list[asyncio.Task[object]]:
+        me = asyncio.current_task()
+        self._participants = {t for t in self._participants if not t.done()}
+        return [t for t in self._participants if t is not me and not self._parked(t)]
+
+    async def _settle(self) -> None:
+        """Let every task that sleeps on this clock run until it sleeps again or ends."""
         await asyncio.sleep(0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settle_timeout
         spins = 0
-        while not self._parked(task):
+        while busy := self._unsettled():
             if loop.time() > deadline:
-                raise TimeoutError(f"a task woken by the fake clock did not settle: {task!r}")
+                raise TimeoutError(f"tasks on the fake clock did not settle: {busy!r}")
             spins += 1
             # Pure-asyncio work settles within a few yields; real I/O needs real time.
             await asyncio.sleep(0 if spins < 50 else 0.002)

@@ -1,0 +1,222 @@
+"""Keep-alive against a model of llama-server's slots; the pin/evict/rewarm commands."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from core.cache.fingerprint import state_filename
+from core.cache.keepalive import IDLE_SHARE, residency
+from core.errors import CacheError
+from core.pressure import Reading
+from tests.core.bg_support import (
+    IDENT,
+    FakeCore,
+    FakeLlama,
+    FakeManager,
+    add_state,
+    make_manager,
+    prefix,
+)
+
+PREFIX = list(range(1, 201))
+
+
+def low_pressure() -> Reading:
+    return Reading(1000, 100, 0, 0, None, 1000, 500)  # 10 % RAM available → low
+
+
+def setup(tmp_path: Path, *, pinned: bool = False) -> tuple[FakeCore, FakeManager, FakeLlama, str]:
+    core, mgr = make_manager(tmp_path)
+    fake = mgr.fake
+    assert fake is not None
+    info = prefix(PREFIX)
+    mgr.by_fp[info.fingerprint] = info
+    # The prefix was prewarmed into slot 0 (what Warmslot last sent there).
+    fake.contents[0] = list(PREFIX)
+    st = mgr.slots.slots[0]
+    st.prefix_fp, st.tokens_hint, st.last_used = (
+        info.fingerprint,
+        len(PREFIX),
+        core.clock.monotonic(),
+    )
+    if pinned:
+        add_state(core, mgr, name_seed="p", fp=info.fingerprint, pinned=True)
+    return core, mgr, fake, info.fingerprint
+
+
+@pytest.mark.parametrize(
+    "prefix_n,expected,live,resident",
+    [
+        (200, 200, 200, True),
+        (200, 0, 250, True),  # unknown hint: the count is enough
+        (200, 200, 215, True),  # a verification probe's tail on top
+        (200, 200, 20, False),  # another prompt replaced it
+        (200, 900, 200, False),  # the conversation on top was cut
+        (200, 900, 899, True),  # prompt + output − 1: as left
+        (200, 200, 0, False),  # cleared (server restarted or slept)
+    ],
+)
+def test_residency(prefix_n: int, expected: int, live: int, resident: bool) -> None:
+    assert residency(prefix_n, expected, live).resident is resident
+
+
+async def test_resident_prefix_is_left_alone_until_idle_then_rewarmed_for_one_token(
+    tmp_path: Path,
+) -> None:
+    core, mgr, _fake, fp = setup(tmp_path)
+    threshold = IDLE_SHARE * core.settings.cache.ttl_short_s
+    await core.clock.advance(threshold - 1)
+    out = await mgr.keepalive.sweep()
+    assert out.actions == 0 and out.details["decisions"][0]["why"] == "resident"
+    await core.clock.advance(1)
+    out = await mgr.keepalive.sweep()
+    assert out.actions == 1
+    (ev,) = core.cache_events("keepalive")
+    assert ev.slot == 0 and ev.fingerprint == fp[:16] and ev.details["resident"] is True
+    assert ev.details["cost_tokens"] == 1 and ev.details["cache_n"] == len(PREFIX) - 1
+    assert "idle 240 s ≥ 80% of the short TTL (240 s)" in ev.reason
+    # The re-warm counts as use: no second re-warm until idle again.
+    await core.clock.advance(60)
+    assert (await mgr.keepalive.sweep()).actions == 0
+
+
+async def test_displaced_prefix_is_rewarmed_and_the_cost_recorded(tmp_path: Path) -> None:
+    core, mgr, fake, _fp = setup(tmp_path)
+    fake.contents[0] = [1, 2, 3] + [999] * 17  # another client's prompt in slot 0
+    out = await mgr.keepalive.sweep()
+    assert out.actions == 1
+    assert fake.contents[0] == PREFIX
+    (ev,) = core.cache_events("keepalive")
+    assert ev.details["resident"] is False
+    assert ev.details["cache_n"] == 3 and ev.details["prompt_n"] == len(PREFIX) - 3
+    assert ev.reason.startswith("displaced: the slot holds 20 tokens")
+
+
+async def test_a_conversation_on_top_of_the_prefix_is_not_cut(tmp_path: Path) -> None:
+    core, mgr, fake, _ = setup(tmp_path)
+    fake.contents[0] = PREFIX + list(range(5000, 5600))
+    mgr.slots.slots[0].tokens_hint = len(fake.contents[0]) + 1
+    await core.clock.advance(3600)
+    out = await mgr.keepalive.sweep()
+    assert out.actions == 0 and len(fake.contents[0]) == 800
+    assert "conversation" in out.details["decisions"][0]["why"]
+
+
+async def test_busy_slots_are_skipped(tmp_path: Path) -> None:
+    _core, mgr, fake, _ = setup(tmp_path)
+    fake.contents[0] = []
+    mgr.slots.slots[0].inflight = 1
+    assert (await mgr.keepalive.sweep()).actions == 0
+    mgr.slots.slots[0].inflight = 0
+    async with mgr._lock(0):  # Warmslot's own work on the slot (restore, persist)
+        assert (await mgr.keepalive.sweep()).actions == 0
+    assert (await mgr.keepalive.sweep()).actions == 1
+
+
+async def test_under_pressure_only_pinned_prefixes_are_kept_alive(tmp_path: Path) -> None:
+    _core, mgr, fake, _ = setup(tmp_path)
+    mgr.pressure.update(low_pressure())
+    fake.contents[0] = []
+    out = await mgr.keepalive.sweep()
+    assert out.actions == 0
+    assert out.details["decisions"][0]["why"] == (
+        "keep-alive paused except for pinned prefixes: RAM low"
+    )
+    assert fake.calls == []  # not even GET /slots (it would wake a sleeping server)
+    _core2, mgr2, fake2, _ = setup(tmp_path / "pinned", pinned=True)
+    mgr2.pressure.update(low_pressure())
+    fake2.contents[0] = []
+    assert (await mgr2.keepalive.sweep()).actions == 1
+
+
+async def test_a_pinned_prefix_in_no_slot_comes_back_into_a_free_slot(tmp_path: Path) -> None:
+    core, mgr, fake, fp = setup(tmp_path, pinned=True)
+    # Another session took slot 0 and replaced the prefix with its own.
+    other = prefix(list(range(300, 400)))
+    mgr.by_fp[other.fingerprint] = other
+    st = mgr.slots.slots[0]
+    st.prefix_fp, st.session, st.tokens_hint = other.fingerprint, "ses-b", 100
+    fake.contents[0] = list(other.tokens)
+    mgr.slots.sessions["ses-b"] = 0
+    out = await mgr.keepalive.sweep()
+    # Slot 1 is the side-call slot; with two slots there is no free primary slot.
+    assert out.actions == 0
+    assert "none is free" in out.details["decisions"][-1]["why"]
+    mgr.slots.release("ses-b")
+    mgr.slots.slots[0].prefix_fp = ""
+    out = await mgr.keepalive.sweep()
+    assert out.actions == 1 and fake.contents[0][:200] == PREFIX
+    assert mgr.slots.slots[0].prefix_fp == fp
+    # Its file (zeros, not what was indexed) failed the check: prewarmed instead, and
+    # saved afresh in the background.
+    assert core.cache_events("restore_rejected")
+    await asyncio.gather(*mgr._jobs)
+    assert core.cache_events("save")
+
+
+# ----------------------------------------------------------------- commands
+async def test_pin_unpin_and_evict_commands(tmp_path: Path) -> None:
+    core, mgr = make_manager(tmp_path)
+    rec = add_state(core, mgr, name_seed="x")
+    assert (await mgr.pin(rec.filename, True))["pinned"] is True
+    stored = mgr.store.get(rec.filename)
+    assert stored is not None and stored.pinned
+    await mgr.pin(rec.filename, False)
+    assert [e.kind for e in core.cache_events()] == ["pinned", "unpinned"]
+    out = await mgr.evict(rec.filename)
+    assert out["bytes"] == rec.bytes and mgr.store.get(rec.filename) is None
+    ev = core.cache_events("evicted")[0]
+    assert ev.reason == "deleted by the user" and ev.details["rule"] == "user"
+    assert not (core.paths.slot_dir / IDENT / rec.filename).exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["../telemetry.sqlite3", "ws-../../x.bin", "notes.txt", "", "ws-ABC.bin"]
+)
+async def test_commands_refuse_unsafe_names(tmp_path: Path, name: str) -> None:
+    core, mgr = make_manager(tmp_path)
+    victim = core.paths.state_dir / "telemetry.keep"
+    victim.write_text("x")
+    for call in (mgr.evict(name), mgr.pin(name, True)):
+        with pytest.raises(CacheError, match="refusing"):
+            await call
+    assert victim.exists() and not core.cache_events()
+
+
+async def test_rewarm_command(tmp_path: Path) -> None:
+    core, mgr, _fake, fp = setup(tmp_path)
+    with pytest.raises(CacheError, match="at least 8"):
+        await mgr.rewarm(fp[:4])
+    with pytest.raises(CacheError, match="no known prefix"):
+        await mgr.rewarm("deadbeefdeadbeef")
+    out = await mgr.rewarm(fp[:16])
+    assert out == {
+        "fingerprint": fp[:16],
+        "slot": 0,
+        "restored": False,
+        "cache_n": len(PREFIX) - 1,
+        "prompt_n": 1,
+    }
+    (ev,) = core.cache_events("rewarm")
+    assert ev.reason == "re-warm requested by the user" and ev.details["cost_tokens"] == 1
+
+
+async def test_rewarm_restores_a_saved_prefix_into_a_free_slot(tmp_path: Path) -> None:
+    core, mgr = make_manager(tmp_path, slots=3)
+    fake = mgr.fake
+    assert fake is not None
+    info = prefix(PREFIX)
+    mgr.by_fp[info.fingerprint] = info
+    mgr._persisting.add(info.fingerprint)
+    await mgr._persist(info)  # a real (fake-server) save with its probe answer
+    assert mgr.store.get(state_filename(info.fingerprint)) is not None
+    for st in mgr.slots.slots:
+        st.prefix_fp, st.tokens_hint = "", 0
+    fake.contents.clear()
+    out = await mgr.rewarm(info.fingerprint[:12])
+    assert out["restored"] is True and out["slot"] == 0
+    assert core.cache_events("restore_ok")
+    assert fake.contents[0][:200] == PREFIX
