@@ -444,9 +444,9 @@ class Telemetry:
             r["last_lines"] = json.loads(r["last_lines"]) if r.get("last_lines") else []
         return rows
 
-    def sweep_runs(self, name: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-        """The latest runs of the background sweeps, newest first."""
-        where, params = ("WHERE name = ?", [name]) if name else ("", [])
+    def sweep_runs(self, sweep: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The latest runs of the background sweeps (or of one), newest first."""
+        where, params = ("WHERE name = ?", [sweep]) if sweep else ("", [])
         rows = self._rows(
             f"SELECT * FROM sweeps {where} ORDER BY id DESC LIMIT ?", [*params, limit]
         )
