@@ -5,7 +5,8 @@ available RAM and swap (psutil), each GPU's free memory (NVML through
 `core.server.devices.read_gpus`; no GPU or no driver is not an error), the
 llama-server process's RSS and the free space of the state directory. Each
 sample is a `PressureSample` event (the telemetry keeps them; samples older
-than an hour are thinned to the worst one per minute).
+than an hour are thinned to the worst one per minute, and uneventful sweep runs
+to one per sweep per 10 minutes).
 
 Levels, from the thresholds in `PressureSettings` (defaults: available RAM
 < 15 % → low, < 5 % → critical; free VRAM < 10 % / 3 %; free disk < 10 % / 3 %):
@@ -38,6 +39,7 @@ from core.clock import Clock
 from core.config import PressureSettings
 from core.events import Event, PressureChanged, PressureSample
 from core.server.devices import GpuInfo, read_gpus
+from core.sweeps import thin_runs
 
 __all__ = [
     "LEVELS",
@@ -320,7 +322,8 @@ class PressureMonitor:
         tel = self._telemetry() if self._telemetry is not None else None
         if tel is not None and now - self._last_downsample >= DOWNSAMPLE_EVERY_S:
             self._last_downsample = now
-            actions += downsample(tel, now)
+            downsample(tel, now)
+            thin_runs(tel, now)  # this sweep's own (mostly uneventful) run records too
         return actions
 
     def snapshot(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@ error — as a `SweepRun` event (the telemetry stores it in the ``sweeps`` table
 and in memory for status, so a stuck or failing sweep is visible. A sweep that
 raises is logged and retried at its next interval; it never takes the core down.
 Time comes from an injectable `Clock`, so tests drive whole hours of sweeps
-with a `FakeClock`.
+with a `FakeClock`. Old uneventful runs (no actions, no error) are thinned to
+one per sweep per 10 minutes by `thin_runs`; runs that did something or failed
+are kept for the telemetry retention period.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 from core.clock import Clock
 from core.events import Event, SweepRun
 
-__all__ = ["Outcome", "Sweep", "Sweeps", "clamp_interval"]
+__all__ = ["Outcome", "Sweep", "Sweeps", "clamp_interval", "thin_runs"]
 
 log = logging.getLogger("warmslot.sweeps")
 
@@ -182,3 +184,20 @@ class Sweeps:
     def status(self) -> list[dict[str, Any]]:
         now = self.clock.time()
         return [s.snapshot(now) for s in self.sweeps.values()]
+
+
+def thin_runs(tel: Any, now: float, *, older_than: float = 3600.0, bucket: float = 600.0) -> int:
+    """Thin uneventful sweep runs older than `older_than` to one per sweep per `bucket` s.
+
+    Runs that took actions or failed are always kept. `tel` is a
+    `core.telemetry.Telemetry`; returns the number of rows deleted.
+    """
+    tel.flush()
+    cutoff = now - older_than
+    cur = tel.db.execute(
+        """DELETE FROM sweeps WHERE ts < ? AND actions = 0 AND error = '' AND id NOT IN (
+               SELECT MIN(id) FROM sweeps WHERE ts < ? AND actions = 0 AND error = ''
+               GROUP BY name, CAST(ts / ? AS INTEGER))""",
+        [cutoff, cutoff, bucket],
+    )
+    return int(cur.rowcount)

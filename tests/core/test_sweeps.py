@@ -11,7 +11,7 @@ from core.cache.manager import CacheManager, policy_factory
 from core.clock import FakeClock, RealClock
 from core.errors import CacheError
 from core.events import Event, SweepRun
-from core.sweeps import Outcome, Sweeps, clamp_interval
+from core.sweeps import Outcome, Sweeps, clamp_interval, thin_runs
 from core.telemetry import Telemetry
 from tests.conftest import MakeCore
 from tests.helpers import wait_until
@@ -222,3 +222,28 @@ def test_core_without_cache_manager_refuses_cache_commands(make_core: MakeCore) 
     core.start(start_server=False)
     with pytest.raises(CacheError, match="not attached"):
         core.pin("ws-" + "0" * 32 + ".bin").result(10)
+
+
+def test_old_uneventful_runs_are_thinned_eventful_ones_kept() -> None:
+    tel = Telemetry(":memory:")
+    t0 = 1_800_000_000.0
+    for i in range(2 * 720):  # two hours of a 5 s sweep
+        ts = t0 + i * 5
+        tel.record(
+            SweepRun(
+                name="pressure",
+                started=ts,
+                duration_s=0.001,
+                actions=1 if i == 100 else 0,
+                error="boom" if i == 200 else "",
+                ts=ts,
+            )
+        )
+    deleted = thin_runs(tel, t0 + 7200)
+    rows = tel.sweep_runs("pressure", limit=10_000)
+    old = [r for r in rows if r["ts"] < t0 + 3600]
+    assert len(old) == 6 + 2  # one per 10 minutes, plus the eventful two
+    assert {r["ts"] for r in old} >= {t0 + 500, t0 + 1000}
+    assert deleted == 720 - 8
+    assert len(rows) - len(old) == 720
+    tel.close()
