@@ -209,9 +209,11 @@ def format_background(st: dict[str, Any]) -> str:
     lines.extend(f"    {text}" for text in st.get("paused", []))
     disk = st.get("disk")
     if disk:
+        unknown = disk.get("unknown_files_left_alone") or 0
         lines.append(
             f"  disk: {disk['used_bytes'] / 1e6:.1f} MB of {disk['cap_bytes'] / 1e6:.0f} MB cap "
             f"({disk['cap_source']})"
+            + (f"; {unknown} files Warmslot did not write left alone" if unknown else "")
         )
     for s in st.get("sweeps", []):
         if s["running_for_s"] is not None:
@@ -237,7 +239,7 @@ def expiry_text(entry: dict[str, Any]) -> str:
     exp = entry["expires_in_s"]
     cls = f", {entry['ttl_class']} TTL" if "idle_s" in entry else ""
     if exp is None:
-        return f"{cls}, never expires (pinned)"
+        return f"{cls}, never expires"
     if exp <= 0:
         return f"{cls}, expired {human_age(-exp)} ago"
     return f"{cls}, expires in {human_age(exp)}"
