@@ -192,7 +192,8 @@ def extend_status(mgr: CacheManager, out: dict[str, Any]) -> None:
     out["paused"] = list(mgr.pressure.paused().values())
     out["sweeps"] = mgr.sweeps.status()
     out["keepalive"] = {"last": mgr.keepalive.last}
-    mgr.retention.annotate(out)
+    if mgr.core.telemetry is not None:  # the index lives in the telemetry database
+        mgr.retention.annotate(out)
 
 
 def format_background(st: dict[str, Any]) -> str:

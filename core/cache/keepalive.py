@@ -5,9 +5,9 @@ stable prefix assigned to a primary slot (what Warmslot last put there), the
 sweep reads ``GET /slots`` and compares the slot's ``n_prompt_tokens`` with
 what Warmslot last sent:
 
-- **displaced** — the slot holds fewer tokens than the prefix, or a different
-  amount than we left there (another client used the slot directly, the server
-  cleared it, it restarted or slept): the prefix is re-warmed into the slot
+- **displaced** — the slot holds fewer tokens than the prefix, or fewer than
+  we left there (another client used the slot directly, the server cleared it,
+  it restarted or slept): the prefix is re-warmed into the slot
   (``/completion`` with the prefix tokens, ``n_predict`` 0). With the server's
   RAM cache on, a displaced prefix usually comes back from there cheaply.
 - **resident but idle** ≥ 80 % of the short TTL, and the slot holds just the
@@ -128,6 +128,17 @@ class KeepAlive:
                 continue
             targets.append((st, info, pinned))
         homeless = self._homeless_pinned(held)
+        if homeless and self.free_slot() is None:
+            for info in homeless:
+                decisions.append(
+                    {
+                        "prefix": info.fingerprint[:16],
+                        "pinned": True,
+                        "action": "skipped",
+                        "why": "pinned prefix has no slot and none is free",
+                    }
+                )
+            homeless = []
         if not targets and not homeless:
             return Outcome(0, {"decisions": decisions})
         live = {s.id: s for s in await client.slots()}
