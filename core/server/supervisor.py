@@ -432,6 +432,7 @@ class Supervisor:
             await self._kill_group(proc)
             reason = f"not healthy after {settings.start_timeout_s:.0f} s"
         else:
+            await pump  # its last lines hold the reason: read them all first
             reason = logparse.failure_reason(list(self.log_tail)[-40:])
         await pump
         code = proc.returncode
