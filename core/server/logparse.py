@@ -98,4 +98,8 @@ def failure_reason(lines: list[str]) -> str:
         parsed = parse_line(line)
         if parsed.level == "error":
             return parsed.text
-    return parse_line(lines[-1]).text if lines else "no output"
+    # Under load llama-server can exit before its log thread writes the error (seen
+    # with a corrupt model): say so rather than pass off its last line as the reason.
+    if not lines:
+        return "it exited without any output"
+    return f"it exited without an error message (last line: {parse_line(lines[-1]).text})"

@@ -95,7 +95,7 @@ def test_failure_reason_of_recorded_failed_starts(log: str, reason: str, detail:
 
 
 def test_failure_reason_fallbacks() -> None:
-    assert logparse.failure_reason([]) == "no output"
+    assert logparse.failure_reason([]) == "it exited without any output"
     # No known hint: the last error line wins over later info lines.
     got = logparse.failure_reason(
         [
@@ -105,5 +105,7 @@ def test_failure_reason_fallbacks() -> None:
         ]
     )
     assert got == "main: something odd happened"
-    # No error at all: the last line.
-    assert logparse.failure_reason(["0.00.001.000 I srv  main: bye"]) == "main: bye"
+    # No error at all (llama-server can exit before its log thread writes the error).
+    assert logparse.failure_reason(["0.00.001.000 W srv  llama_server: -----"]) == (
+        "it exited without an error message (last line: llama_server: -----)"
+    )
