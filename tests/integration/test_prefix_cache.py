@@ -16,7 +16,8 @@ from core.cache.manager import CacheManager, policy_factory
 from core.cache.store import StateStore
 from core.engine import Core
 from core.paths import Paths
-from tests.conftest import settings_for, test_cache
+from tests.conftest import settings_for
+from tests.conftest import test_cache as cache_dir
 from tests.fixtures.tinymodel import make_tiny_model
 from tests.helpers import wait_until
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def tiny32k() -> Path:
     """The tiny dense model with a 32k trained context (opencode-sized prompts fit)."""
-    return make_tiny_model(test_cache() / "tiny-32k.gguf", n_ctx=32768)
+    return make_tiny_model(cache_dir() / "tiny-32k.gguf", n_ctx=32768)
 
 
 def _settings(model: Path) -> Any:
