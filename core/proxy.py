@@ -449,7 +449,7 @@ class Proxy:
         error = ""
         response: web.StreamResponse
         try:
-            async with self._session.post(url, data=payload, headers=out_headers) as up:
+            async with await self._post_upstream(url, payload, out_headers) as up:
                 status = up.status
                 is_sse = up.content_type == "text/event-stream"
                 if is_sse and status == 200:
@@ -483,6 +483,23 @@ class Proxy:
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
         return response
+
+    async def _post_upstream(
+        self, url: str, payload: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """POST to llama-server, resending once if a pooled connection was already dead.
+
+        llama-server closes the connection after every streamed response (without
+        ``Connection: close``), and idle ones after 5 s. A pooled connection reused
+        just as the close arrives fails with ServerDisconnectedError before any
+        response byte: that request never ran, so it goes once more on a new one.
+        """
+        assert self._session is not None
+        try:
+            return await self._session.post(url, data=payload, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            log.debug("llama-server closed a pooled connection; resending on a new one")
+            return await self._session.post(url, data=payload, headers=headers)
 
     async def _stream(
         self, request: web.Request, req: ProxyRequest, up: aiohttp.ClientResponse, t0: float
@@ -535,6 +552,7 @@ class Proxy:
                 )
         with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write_eof()
+        up.close()  # llama-server closes it after a stream anyway: never pool it
         if scanner.id_slot is not None:
             req.slot = scanner.id_slot
         if scanner.upstream_error and not error:
