@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.qt import QObject, Signal
+from core import events as events_mod
 from core.events import (
     BuildProgress,
     CacheEvent,
@@ -29,6 +30,8 @@ from core.events import (
 )
 
 LOG_TAIL = 2000
+# Newer cores announce level changes separately; older ones only sample.
+PressureChanged: type[Event] | None = getattr(events_mod, "PressureChanged", None)
 
 
 class Bridge(QObject):
@@ -40,7 +43,7 @@ class Bridge(QObject):
     serverExited = Signal(object)  # ServerExited
     request = Signal(object)  # RequestCompleted
     cache = Signal(object)  # CacheEvent
-    pressure = Signal(object)  # PressureSample
+    pressure = Signal(object)  # PressureSample or PressureChanged
     build = Signal(object)  # BuildProgress
     log = Signal(object)  # LogLine
     notice = Signal(object)  # Notice
@@ -50,6 +53,7 @@ class Bridge(QObject):
         self._lock = threading.Lock()
         self.log_tail: deque[LogLine] = deque(maxlen=LOG_TAIL)
         self.last_pressure: PressureSample | None = None
+        self.pressure_level = ""  # nominal / low / critical; "" until the first sample
         self.build_state: BuildProgress | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._routes: tuple[tuple[type[Event], Any], ...] = (
@@ -59,6 +63,7 @@ class Bridge(QObject):
             (RequestCompleted, self.request),
             (CacheEvent, self.cache),
             (PressureSample, self.pressure),
+            *(((PressureChanged, self.pressure),) if PressureChanged is not None else ()),
             (BuildProgress, self.build),
             (LogLine, self.log),
             (Notice, self.notice),
@@ -83,6 +88,9 @@ class Bridge(QObject):
                 self.log_tail.append(ev)
             elif isinstance(ev, PressureSample):
                 self.last_pressure = ev
+                self.pressure_level = ev.level
+            elif PressureChanged is not None and isinstance(ev, PressureChanged):
+                self.pressure_level = str(getattr(ev, "level", ""))
             elif isinstance(ev, BuildProgress):
                 self.build_state = ev
         try:

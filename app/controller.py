@@ -72,6 +72,7 @@ class Controller(QObject):
         self._status_again = False
         self._closing = False
         self._warm_seen = 0
+        self._core_waiters: list[Callable[[], None]] | None = None
         self._poll = QTimer(self)
         self._poll.setInterval(STATUS_POLL_MS)
         self._poll.timeout.connect(self.refresh_status)
@@ -93,7 +94,7 @@ class Controller(QObject):
         return self._progress is not None
 
     def _recompute(self) -> None:
-        pressure = self.bridge.last_pressure.level if self.bridge.last_pressure else ""
+        pressure = self.bridge.pressure_level
         build = self.bridge.build_state
         state = derive_state(
             self.status if self.core.running else None,
@@ -174,15 +175,22 @@ class Controller(QObject):
             if then is not None:
                 then()
             return
+        if self._core_waiters is not None:  # already starting: run `then` after it
+            if then is not None:
+                self._core_waiters.append(then)
+            return
+        self._core_waiters = [then] if then is not None else []
 
         def ok(_: Any) -> None:
+            waiters, self._core_waiters = self._core_waiters or [], None
             self.core_error = ""
             self._poll.start()
             self.refresh_status()
-            if then is not None:
-                then()
+            for fn in waiters:
+                fn()
 
         def failed(exc: BaseException) -> None:
+            self._core_waiters = None
             self.core_error = error_text(exc)
             self._progress = None
             self._recompute()

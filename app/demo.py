@@ -126,7 +126,7 @@ def pressure(now: float, hours: int = 24, every: float = 30.0, seed: int = 3) ->
         ram += (target - ram) * 0.08 + rng.uniform(-0.8, 0.8)
         swap += ((21.0 if pressure_on else 4.0) - swap) * 0.05 + rng.uniform(-0.2, 0.2)
         vram += ((0.96 if pressure_on else 0.81) - vram) * 0.1 + rng.uniform(-0.004, 0.004)
-        level = "critical" if ram < 7 else ("low" if ram < 15 else "ok")
+        level = "critical" if ram < 7 else ("low" if ram < 15 else "nominal")
         total = 24 * GiB
         out.append(
             PressureSample(

@@ -67,6 +67,7 @@ class App(QObject):
         tray_available: bool,
         open_dashboard: bool = False,
         core_factory: Callable[..., Any] | None = None,
+        exit_loop: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         from core.engine import Core
@@ -75,6 +76,7 @@ class App(QObject):
         self.paths = paths
         self.single = single
         self.finished = False
+        self._exit_loop = exit_loop or qapp.quit
         paths.ensure()
         config_mod.ensure_file(paths.config_file)
         self.config_error = ""
@@ -180,7 +182,19 @@ class App(QObject):
         self.tasks.shutdown()
         if self.dashboard is not None:
             self.dashboard.hide()
-        self.qapp.quit()
+        self._exit_loop()
+
+    def dispose(self) -> None:
+        """Delete every window and Qt object of this app (after it finished)."""
+        for obj in (self.settings_dialog, self.dashboard):
+            if obj is not None:
+                obj.close()
+                obj.deleteLater()
+        self.settings_dialog = self.dashboard = None
+        if self.tray is not None:
+            self.tray.dispose()
+            self.tray = None
+        self.deleteLater()
 
 
 def launch(
@@ -189,6 +203,7 @@ def launch(
     qapp: QtWidgets.QApplication | None = None,
     tray_available: bool | None = None,
     core_factory: Callable[..., Any] | None = None,
+    exit_loop: Callable[[], None] | None = None,
 ) -> App | None:
     """Build the app (no event loop yet). None when another instance took over."""
     args = build_parser().parse_args(argv)
@@ -207,6 +222,7 @@ def launch(
         tray_available=tray_available,
         open_dashboard=args.dashboard,
         core_factory=core_factory,
+        exit_loop=exit_loop,
     )
 
 

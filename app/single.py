@@ -52,6 +52,7 @@ class SingleInstance(QObject):
         super().__init__(parent)
         self.name = name
         self.server: QtNetwork.QLocalServer | None = None
+        self._clients: set[QtNetwork.QLocalSocket] = set()
 
     def claim(self, message: str = OPEN_DASHBOARD) -> bool:
         """True: we are the first instance. False: `message` went to the running one."""
@@ -72,10 +73,23 @@ class SingleInstance(QObject):
         assert self.server is not None
         while self.server.hasPendingConnections():
             sock = self.server.nextPendingConnection()
-            sock.readyRead.connect(lambda s=sock: self._read(s))
-            sock.disconnected.connect(sock.deleteLater)
-            if sock.bytesAvailable():
-                self._read(sock)
+            sock.setParent(self)
+            self._clients.add(sock)
+            sock.readyRead.connect(self._read_ready)
+            sock.disconnected.connect(self._gone)
+            self._read(sock)
+
+    def _read_ready(self) -> None:
+        sock = self.sender()
+        if isinstance(sock, QtNetwork.QLocalSocket):
+            self._read(sock)
+
+    def _gone(self) -> None:
+        sock = self.sender()
+        if isinstance(sock, QtNetwork.QLocalSocket) and sock in self._clients:
+            self._read(sock)
+            self._clients.discard(sock)
+            sock.deleteLater()
 
     def _read(self, sock: QtNetwork.QLocalSocket) -> None:
         while sock.canReadLine():
@@ -84,6 +98,14 @@ class SingleInstance(QObject):
                 self.messageReceived.emit(line)
 
     def release(self) -> None:
+        """Stop listening (the next launch becomes the instance)."""
+        for sock in list(self._clients):
+            sock.readyRead.disconnect(self._read_ready)
+            sock.disconnected.disconnect(self._gone)
+            sock.abort()
+            sock.deleteLater()
+        self._clients.clear()
         if self.server is not None:
             self.server.close()
+            self.server.deleteLater()
             self.server = None

@@ -65,3 +65,10 @@ class Tray(QObject):
 
     def hide(self) -> None:
         self.icon.hide()
+
+    def dispose(self) -> None:
+        self.icon.hide()
+        self.icon.setContextMenu(None)  # type: ignore[arg-type]
+        self.menu.deleteLater()
+        self.icon.deleteLater()
+        self.deleteLater()

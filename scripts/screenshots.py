@@ -178,7 +178,7 @@ def main() -> int:
 
         icons_strip(args.out / "tray-icons.png")
         st = derive_state(
-            {**snapshot, "last_hour": {"hit_ratio": 0.91, "requests": 212}}, pressure="ok"
+            {**snapshot, "last_hour": {"hit_ratio": 0.91, "requests": 212}}, pressure="nominal"
         )
         tray_menu(args.out / "tray-menu.png", st)
         print(f"wrote {args.out / 'tray-icons.png'} and tray-menu.png")

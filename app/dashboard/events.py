@@ -10,7 +10,7 @@ from app import fmt
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import QtGui, QtWidgets
 
-CATEGORIES = ["all", "cache", "server", "notice", "build"]
+CATEGORIES = ["all", "cache", "server", "pressure", "notice", "build"]
 KNOWN_KINDS = [
     "evict",
     "expired",

@@ -12,7 +12,8 @@ from app.qt import QtWidgets
 
 WINDOWS = {"15 minutes": 900, "1 hour": 3600, "6 hours": 6 * 3600, "24 hours": 86400}
 MAX_POINTS = 1200
-LEVEL_RANK = {"ok": 0, "low": 1, "critical": 2}
+LEVEL_RANK = {"nominal": 0, "ok": 0, "": 0, "low": 1, "critical": 2}
+CALM = ("nominal", "ok", "")
 NO_SAMPLES = (
     "No memory samples in this window. Warmslot's pressure sampler records RAM, swap, "
     "VRAM and llama-server's RSS every few seconds (pressure.sample_interval_s) while "
@@ -32,7 +33,7 @@ def downsample(rows: list[dict[str, Any]], max_points: int = MAX_POINTS) -> list
         for key in ("ram_available_pct", "swap_used_pct", "server_rss", "disk_free_pct"):
             vals = [r[key] for r in chunk if r.get(key) is not None]
             merged[key] = sum(vals) / len(vals) if vals else None
-        merged["level"] = max((r.get("level") or "ok" for r in chunk), key=_rank)
+        merged["level"] = max((r.get("level") or "nominal" for r in chunk), key=_rank)
         merged["gpus"] = chunk[-1].get("gpus") or []
         gpu_used: dict[int, list[float]] = {}
         for r in chunk:
@@ -60,15 +61,15 @@ def gpu_used_pct(row: dict[str, Any]) -> dict[int, float]:
 
 
 def level_runs(rows: list[dict[str, Any]], until: float) -> list[tuple[float, float, str]]:
-    """Spans (start, end, level) where the level was not 'ok'."""
+    """Spans (start, end, level) where the level was not nominal."""
     runs: list[tuple[float, float, str]] = []
     cur: tuple[float, str] | None = None
     for i, r in enumerate(rows):
-        level = r.get("level") or "ok"
+        level = r.get("level") or "nominal"
         if cur is not None and level != cur[1]:
             runs.append((cur[0], r["ts"], cur[1]))
             cur = None
-        if cur is None and level != "ok":
+        if cur is None and level not in CALM:
             cur = (r["ts"], level)
         if i == len(rows) - 1 and cur is not None:
             runs.append((cur[0], until, cur[1]))

@@ -47,10 +47,17 @@ class Dashboard(QtWidgets.QMainWindow):
         self.tabs = QtWidgets.QTabWidget()
         self.tabs.setDocumentMode(True)
         self.pages: dict[str, Tab] = {}
+        self._order: list[Tab] = []
         for cls in TAB_CLASSES:
             page = cls(ctx)
             self.pages[cls.title.lower()] = page
-            self.tabs.addTab(page, cls.title)
+            self._order.append(page)
+            # Scrolls when the window is smaller than the tab's minimum size.
+            scroll = QtWidgets.QScrollArea()
+            scroll.setWidgetResizable(True)
+            scroll.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
+            scroll.setWidget(page)
+            self.tabs.addTab(scroll, cls.title)
         settings_button = QtWidgets.QPushButton("Settings…")
         settings_button.setFlat(True)
         settings_button.clicked.connect(self.settingsRequested.emit)
@@ -88,9 +95,7 @@ class Dashboard(QtWidgets.QMainWindow):
         return self.pages[name]
 
     def current_page(self) -> Tab:
-        w = self.tabs.currentWidget()
-        assert isinstance(w, Tab)
-        return w
+        return self._order[self.tabs.currentIndex()]
 
     def refresh_current(self) -> None:
         if self.isVisible():

@@ -1,0 +1,270 @@
+"""The dashboard draws exactly what the telemetry queries return.
+
+Every tab reads a real SQLite telemetry database with known rows (through
+`TelemetryBackend`, i.e. the same query functions the core runs); the numbers
+on screen are compared with the same queries run directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app import fmt
+from app.dashboard import Dashboard
+from app.dashboard.base import Tab, cell_texts
+from app.dashboard.cache import CacheTab
+from app.dashboard.events import EventsTab
+from app.dashboard.memory import MemoryTab, level_runs
+from app.dashboard.overview import OverviewTab
+from app.dashboard.reuse import ReuseTab, window
+from app.dashboard.server import ServerTab
+from app.qt import Qt, QtWidgets
+from core.events import BuildProgress, LogLine
+from tests.app.conftest import NOW
+
+
+def approx_points(pts: list[tuple[float, float]]) -> Any:
+    """Compare lists of (x, y) pairs approximately."""
+
+    class Approx:
+        def __eq__(self, other: object) -> bool:
+            assert isinstance(other, list) and len(other) == len(pts), (other, pts)
+            flat = [v for p in other for v in p]
+            return flat == pytest.approx([float(v) for p in pts for v in p])
+
+        def __repr__(self) -> str:
+            return repr(pts)
+
+    return Approx()
+
+
+def refreshed(qtbot: Any, tab: Tab) -> None:
+    """Refresh `tab` and wait until it has drawn (and no other refresh is pending)."""
+    before = tab.refresh_count
+    tab.refresh()
+    qtbot.waitUntil(lambda: tab.refresh_count > before and not tab.busy, timeout=10_000)
+    assert not tab.last_errors, tab.last_errors
+
+
+@pytest.mark.parametrize("bucket", ["minute", "hour", "day"])
+def test_reuse_charts_equal_the_queries(
+    qtbot: Any, offline: Any, expected: Any, bucket: str
+) -> None:
+    tab = ReuseTab(offline)
+    qtbot.addWidget(tab)
+    tab.bucket.setCurrentIndex(tab.bucket.findData(bucket))
+    refreshed(qtbot, tab)
+
+    since, until, size = window(bucket, NOW)
+    assert tab.last_requests["hit"] == (
+        "hit_rate",
+        {"bucket": bucket, "since": since, "until": until},
+    )
+    rows = expected.hit_rate(bucket=bucket, since=since, until=until)
+    assert rows, "the known data has requests in every window"
+    # Hit rate line: one point per bucket with requests, y = hit ratio in percent.
+    assert tab.hit.points("hit rate") == approx_points(
+        [(r["bucket"], r["hit_ratio"] * 100) for r in rows]
+    )
+    # Stacked tokens: two points per bucket (a step), cached below, new on top of it.
+    cached = tab.tokens.points("cached")
+    top = tab.tokens.points("new")
+    by_bucket = {r["bucket"]: r for r in rows}
+    starts = [cached[i][0] for i in range(0, len(cached), 2)]
+    assert starts[0] == since and starts[-1] + size >= until
+    for i, b in enumerate(starts):
+        r = by_bucket.get(b, {"cached": 0, "new": 0})
+        assert cached[2 * i][1] == r["cached"]
+        assert top[2 * i][1] - cached[2 * i][1] == r["new"]
+        assert cached[2 * i + 1] == (b + size, r["cached"])
+
+    t = expected.ttfb(since=since)
+    assert tab.ttfb.bars() == [
+        (f"warm (n={t['warm_n']:,})", round(t["warm"], 1)),
+        (f"cold (n={t['cold_n']:,})", round(t["cold"], 1)),
+    ]
+    clients = [c for c in expected.per_client(since=since) if c["hit_ratio"] is not None]
+    assert tab.clients.bars() == [
+        (f"{c['client']} ({c['requests']:,})", round(c["hit_ratio"] * 100, 1)) for c in clients
+    ]
+    div = expected.recent_events(category="cache", kind="divergence", limit=10)
+    assert [row[4] for row in cell_texts(tab.divergences)] == [d["reason"] for d in div]
+    assert [row[1] for row in cell_texts(tab.divergences)] == ["aider", "opencode"]
+
+
+def test_reuse_minute_numbers_by_hand(qtbot: Any, offline: Any) -> None:
+    """The same check against numbers worked out by hand from the known rows."""
+    tab = ReuseTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    # Last hour: 5 requests; cached 900+0+500+0+1800 = 3200 of 3200+2000 tokens.
+    assert tab.summary.text() == "5 requests · 3.2 k of 5.2 k prompt tokens cached (61.5 %)"
+    # Warm (cache_n > prompt_n): 900>100 and 1800>200 → ttfb 120, 110 → median index 1 → 120.
+    # Cold: 900 (0≤1000), 300 (500≤500), 400 (0≤200) → median 400.
+    assert tab.ttfb.bars() == [("warm (n=2)", 120.0), ("cold (n=3)", 400.0)]
+    bars = tab.clients.bars()
+    assert bars[0] == ("opencode (3)", round(2700 / 4000 * 100, 1))  # most requests first
+    assert sorted(bars[1:]) == [("aider (1)", 50.0), ("curl (1)", 0.0)]
+
+
+def test_overview_cards_equal_the_queries(qtbot: Any, offline: Any, expected: Any) -> None:
+    tab = OverviewTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    today = expected.totals(since=fmt.start_of_day(NOW))
+    hour = expected.totals(since=NOW - 3600)
+    assert tab.cards["hit_hour"].value.text() == fmt.pct(hour["hit_ratio"])
+    assert tab.cards["hit_hour"].sub.text() == f"{hour['requests']} requests"
+    assert tab.cards["hit_today"].value.text() == fmt.pct(today["hit_ratio"])
+    assert tab.cards["requests_today"].value.text() == f"{today['requests']:,}"
+    assert tab.cards["cached_today"].sub.text() == f"{today['cached_tokens']:,} tokens"
+    assert tab.cards["saved_today"].value.text() == fmt.duration(today["seconds_saved"])
+    since, until, _ = window("hour", NOW)
+    day = expected.hit_rate(bucket="hour", since=since, until=until)
+    assert tab.day.points("hit rate") == approx_points(
+        [(r["bucket"], r["hit_ratio"] * 100) for r in day]
+    )
+    # Offline (no controller): the state comes from the snapshot, buttons are off.
+    assert tab.state_label.text() == "Warm"
+    assert not tab.start_button.isEnabled()
+
+
+def test_memory_chart_equals_pressure_series(qtbot: Any, offline: Any, expected: Any) -> None:
+    tab = MemoryTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    rows = expected.pressure_series(since=NOW - 3600)
+    assert len(rows) == 60
+    assert tab.percent.points("RAM available") == approx_points(
+        [(r["ts"], r["ram_available_pct"]) for r in rows]
+    )
+    assert tab.percent.points("swap used") == approx_points(
+        [(r["ts"], r["swap_used_pct"]) for r in rows]
+    )
+    gpu = [(r["ts"], (r["gpus"][0][1] - r["gpus"][0][2]) / r["gpus"][0][1] * 100) for r in rows]
+    assert tab.percent.points("VRAM used GPU 0") == approx_points(gpu)
+    assert tab.rss.points("RSS") == approx_points(
+        [(r["ts"], r["server_rss"] / 2**30) for r in rows]
+    )
+    # Level bands: low for 6 samples, then critical for 2, nothing while nominal.
+    runs = level_runs(rows, NOW)
+    assert [(lvl, round((b - a) / 60)) for a, b, lvl in runs] == [("low", 6), ("critical", 2)]
+    assert tab.percent.bands == runs
+    assert "critical" in [b[2] for b in tab.rss.bands]
+    # Disk: the snapshot's saved states against its cap.
+    assert tab.disk_label.text().startswith("3.0 GiB in 4 saved states, cap 8.0 GiB")
+
+
+def test_memory_placeholder_without_samples(qtbot: Any, offline: Any) -> None:
+    tab = MemoryTab(offline)
+    qtbot.addWidget(tab)
+    tab.apply_series([], NOW - 3600, NOW)
+    assert tab.percent.showing_message
+    assert "pressure sampler" in tab.percent.message.text()
+
+
+def test_events_table_filters(qtbot: Any, offline: Any, expected: Any) -> None:
+    tab = EventsTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    rows = expected.recent_events(limit=500, since=NOW - 86400)
+    assert [r[2] for r in cell_texts(tab.table)] == [r["kind"] for r in rows]
+    assert [r[3] for r in cell_texts(tab.table)] == [r["reason"] or "" for r in rows]
+    tab.category.setCurrentText("cache")
+    refreshed(qtbot, tab)
+    assert {r[1] for r in cell_texts(tab.table)} == {"cache"}
+    tab.kind.setCurrentText("divergence")
+    refreshed(qtbot, tab)
+    assert len(cell_texts(tab.table)) == 2
+    tab.search.setText("500 tokens")
+    assert [r[3] for r in cell_texts(tab.table)] == ["reused 500 tokens; expected ≥ 990"]
+    assert tab.count_label.text() == "1 of 2 events"
+    tab.table.selectRow(0)
+    assert '"client": "aider"' in tab.details.toPlainText()
+
+
+def test_server_tab_runs_log_and_build(qtbot: Any, offline: Any, expected: Any) -> None:
+    offline.bridge.deliver(LogLine(level="info", area="srv", text="hello", raw="srv hello"))
+    tab = ServerTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    runs = expected.server_runs(limit=20)
+    texts = cell_texts(tab.runs)
+    assert [r[3] for r in texts] == [r["outcome"] or "running" for r in runs]
+    assert texts[1][4] == "signal 11"
+    assert "llama-server -m" in tab.argv.toPlainText()
+    # The log tail: what the bridge had, then live lines.
+    assert tab.log.toPlainText() == "srv hello"
+    offline.bridge.deliver(LogLine(level="error", area="srv", text="boom", raw="srv boom"))
+    qtbot.waitUntil(lambda: tab.log.toPlainText().endswith("srv boom"))
+    # Build progress from BuildProgress events; no build API in this backend.
+    offline.bridge.deliver(BuildProgress(build_id="b", percent=42.0, step="compiling ggml"))
+    qtbot.waitUntil(lambda: tab.build_bar.value() == 42)
+    assert tab.build_step.text() == "compiling ggml"
+    assert not tab.build_button.isEnabled()
+    assert "build_server" in tab.build_button.toolTip()
+
+
+def test_cache_tab_actions(qtbot: Any, offline: Any) -> None:
+    tab = CacheTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    saved = cell_texts(tab.saved)
+    assert len(saved) == 4
+    assert saved[0][5] == "never (pinned)" and saved[0][6] == "yes"
+    assert saved[1][5] == "in 23.3 h"  # extended TTL (24 h) minus 43 min since last use
+    assert not tab.pin_button.isEnabled()  # nothing selected yet
+    tab.saved.selectRow(0)
+    assert tab.pin_button.text() == "Unpin" and tab.pin_button.isEnabled()
+    qtbot.mouseClick(tab.pin_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: bool(offline.calls))
+    assert offline.calls[0] == ("pin_state", (saved[0][0], False))
+    tab.saved.selectRow(3)  # saved for another server: cannot be re-warmed here
+    assert not tab.rewarm_button.isEnabled()
+    assert len(cell_texts(tab.slots)) == 4 and cell_texts(tab.slots)[3][1] == "side calls"
+
+
+def test_cache_actions_disabled_without_core_api(qtbot: Any, offline: Any) -> None:
+    offline.backend.commands.clear()
+    tab = CacheTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    tab.saved.selectRow(0)
+    for button, name in (
+        (tab.pin_button, "pin_state"),
+        (tab.evict_button, "evict_state"),
+        (tab.rewarm_button, "rewarm_state"),
+    ):
+        assert not button.isEnabled()
+        assert name in button.toolTip()
+
+
+def test_dashboard_window_geometry_and_tabs(qtbot: Any, offline: Any, tmp_path: Any) -> None:
+    from app.qt import QtCore
+
+    settings = QtCore.QSettings(str(tmp_path / "gui.ini"), QtCore.QSettings.Format.IniFormat)
+    dash = Dashboard(offline, settings)
+    qtbot.addWidget(dash)
+    dash.show()
+    assert [dash.tabs.tabText(i) for i in range(dash.tabs.count())] == [
+        "Overview",
+        "Reuse",
+        "Memory",
+        "Cache",
+        "Events",
+        "Server",
+    ]
+    qtbot.waitUntil(lambda: dash.page("overview").refresh_count > 0)
+    dash.tabs.setCurrentIndex(2)
+    qtbot.waitUntil(lambda: dash.page("memory").refresh_count > 0)
+    dash.resize(700, 500)  # within the offscreen screen (800×600)
+    dash.close()
+    again = Dashboard(offline, settings)
+    qtbot.addWidget(again)
+    assert again.tabs.currentIndex() == 2
+    assert (again.size().width(), again.size().height()) == (700, 500)
+    assert isinstance(again.page("reuse"), QtWidgets.QWidget)
+    for page in dash.pages.values():  # let in-flight refreshes land before teardown
+        qtbot.waitUntil(lambda p=page: not p.busy)

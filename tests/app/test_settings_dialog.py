@@ -1,0 +1,150 @@
+"""The settings dialog: generated from the schema, errors at the field, TOML round-trip."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.backend import CoreBackend
+from app.qt import Qt, QtWidgets
+from app.settings_dialog import SettingsDialog, humanize
+from app.tasks import Tasks
+from core import config as config_mod
+from core.config import Settings
+from core.engine import Core
+from core.paths import Paths
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[Core]:
+    """A running core without llama-server (settings go through it to the file)."""
+    s = Settings()
+    s.proxy.port = 0
+    c = Core(Paths.under(tmp_path / "home"), s)
+    c.start(start_server=False)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def tasks() -> Iterator[Tasks]:
+    t = Tasks()
+    yield t
+    t.shutdown()
+    t.deleteLater()
+
+
+def test_every_setting_has_an_editor_with_its_description(
+    qtbot: Any, core: Core, tasks: Tasks
+) -> None:
+    dlg = SettingsDialog(CoreBackend(core), tasks)
+    qtbot.addWidget(dlg)
+    assert set(dlg.fields) == set(config_mod.SCHEMA)
+    for name, spec in config_mod.SCHEMA.items():
+        f = dlg.fields[name]
+        assert f.editor.toolTip().startswith(spec.description)
+        assert f.check() == (core.settings.get(name), None)
+    assert isinstance(dlg.fields["cache.persist"].editor, QtWidgets.QCheckBox)
+    assert isinstance(dlg.fields["cache.prefix_class"].editor, QtWidgets.QComboBox)
+    assert isinstance(dlg.fields["server.slots"].editor, QtWidgets.QSpinBox)
+    assert isinstance(dlg.fields["pressure.ram_low_pct"].editor, QtWidgets.QDoubleSpinBox)
+    assert isinstance(dlg.fields["server.extra_args"].editor, QtWidgets.QLineEdit)
+    assert humanize("cache.ttl_short_s") == "TTL short (s)"
+    assert dlg.save_button.isEnabled()
+
+
+def test_round_trip_to_the_toml_file_with_validation_errors(
+    qtbot: Any, core: Core, tasks: Tasks
+) -> None:
+    dlg = SettingsDialog(CoreBackend(core), tasks)
+    qtbot.addWidget(dlg)
+    dlg.show()
+    f = dlg.fields
+    # Invalid values: the schema's own messages appear under the fields; Save is off.
+    f["server.slots"].set_value(0)
+    f["server.host"].set_value("not-an-address")
+    f["server.extra_args"].set_value("")
+    f["server.extra_args"].editor.setText('--flag "unterminated')
+    assert f["server.slots"].error.isVisible()
+    assert f["server.slots"].error.text() == "Expected a number ≥ 1; got 0."
+    assert f["server.host"].error.text().startswith("Expected an IP address")
+    assert "cannot split" in f["server.extra_args"].error.text()
+    assert not dlg.save_button.isEnabled()
+    assert set(dlg.problems) == {"server.slots", "server.host", "server.extra_args"}
+    assert dlg.status.text().startswith("3 settings need attention")
+    # Fix them and change one setting of every kind.
+    f["server.slots"].set_value(3)
+    f["server.host"].set_value("127.0.0.1")
+    f["server.extra_args"].editor.setText("--flash-attn on --alias 'my model'")
+    f["cache.ttl_short_s"].set_value(120)
+    f["cache.prefix_class"].editor.setCurrentText("long")
+    f["cache.persist"].editor.setChecked(False)
+    f["pressure.ram_low_pct"].set_value(12.5)
+    f["proxy.api_key"].editor.setText("sekrit")
+    assert not f["server.slots"].error.isVisible()
+    assert dlg.save_button.isEnabled()
+    with qtbot.waitSignal(dlg.saved, timeout=10_000) as blocker:
+        qtbot.mouseClick(dlg.save_button, Qt.MouseButton.LeftButton)
+    new, restart = blocker.args
+    assert restart == ["server.slots", "server.extra_args"]  # the server is not running
+    qtbot.waitUntil(lambda: not dlg.isVisible())
+    assert dlg.result() == QtWidgets.QDialog.DialogCode.Accepted
+    # The file (with its comments) holds the new values; the core uses them.
+    path = core.paths.config_file
+    loaded = config_mod.load(path)
+    assert loaded.server.slots == 3
+    assert loaded.server.extra_args == ["--flash-attn", "on", "--alias", "my model"]
+    assert loaded.cache.ttl_short_s == 120
+    assert loaded.cache.prefix_class == "long"
+    assert loaded.cache.persist is False
+    assert loaded.pressure.ram_low_pct == 12.5
+    assert loaded.proxy.api_key == "sekrit"
+    assert loaded.as_dict() == new.as_dict() == core.settings.as_dict()
+    text = path.read_text()
+    assert "# TTL class 'short' in seconds." in text and "ttl_short_s = 120" in text
+    # Opening the dialog again shows what is in the file.
+    again = SettingsDialog(CoreBackend(core), tasks)
+    qtbot.addWidget(again)
+    assert again.fields["server.extra_args"].editor.text() == "--flash-attn on --alias 'my model'"
+    assert again.fields["cache.persist"].editor.isChecked() is False
+
+
+def test_offers_a_restart_when_restart_settings_change(
+    qtbot: Any, core: Core, tasks: Tasks
+) -> None:
+    restarted: list[bool] = []
+    dlg = SettingsDialog(
+        CoreBackend(core),
+        tasks,
+        restart=lambda: restarted.append(True),
+        server_running=lambda: True,
+    )
+    qtbot.addWidget(dlg)
+    dlg.show()
+    dlg.fields["server.ctx_per_slot"].set_value(4096)
+    dlg.fields["proxy.upstream_timeout_s"].set_value(30.0)  # applies live: no restart
+    with qtbot.waitSignal(dlg.saved, timeout=10_000):
+        dlg.save()
+    assert dlg.isVisible() and dlg.restart_box.isVisible()
+    assert "Context per slot" in dlg.restart_text.text()
+    assert "Upstream timeout" not in dlg.restart_text.text()
+    qtbot.mouseClick(dlg.restart_now, Qt.MouseButton.LeftButton)
+    assert restarted == [True]
+    assert not dlg.isVisible()
+    assert core.settings.proxy.upstream_timeout_s == 30.0
+
+
+def test_saves_to_the_file_when_the_core_is_not_running(
+    qtbot: Any, tmp_path: Path, tasks: Tasks
+) -> None:
+    c = Core(Paths.under(tmp_path / "off"), Settings())
+    dlg = SettingsDialog(CoreBackend(c), tasks)
+    qtbot.addWidget(dlg)
+    dlg.fields["proxy.port"].set_value(9999)
+    with qtbot.waitSignal(dlg.saved, timeout=10_000):
+        dlg.save()
+    assert config_mod.load(c.paths.config_file).proxy.port == 9999
+    assert c.settings.proxy.port == 9999

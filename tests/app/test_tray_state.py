@@ -1,0 +1,134 @@
+"""Tray states from status snapshots, the menu built for every state, icons, tooltips."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+from app import demo
+from app.icons import icon_path, state_icon
+from app.menu import (
+    CANCEL_BUILD,
+    DASHBOARD,
+    LOGS,
+    QUIT,
+    RESTART,
+    SETTINGS,
+    START,
+    STOP,
+    menu_entries,
+    populate,
+)
+from app.qt import QtWidgets
+from app.state import AppState, TrayState, derive_state
+from core.events import BuildProgress
+from tests.app.conftest import NOW
+
+ALWAYS = (DASHBOARD, SETTINGS, LOGS, QUIT)
+
+
+def ready_status(**cache_changes: Any) -> dict[str, Any]:
+    st = demo.status(NOW)
+    st["last_hour"] = {"hit_ratio": 0.875, "requests": 40}
+    st["cache"].update(cache_changes)
+    return st
+
+
+def state_for(tray: TrayState) -> AppState:
+    return AppState(
+        tray=tray,
+        detail="something happened",
+        server_state={"stopped": "stopped", "error": "failed", "building": "stopped"}.get(
+            tray.value, "starting" if tray is TrayState.STARTING else "ready"
+        ),
+        model="m.gguf",
+        hit_rate_hour=0.5,
+        requests_hour=10,
+        pressure="nominal",
+        progress=(40.0, "Loading the model") if tray is TrayState.STARTING else None,
+        can_cancel_build=True,
+    )
+
+
+@pytest.mark.parametrize("tray", list(TrayState))
+def test_menu_for_every_state(qtbot: Any, tray: TrayState) -> None:
+    st = state_for(tray)
+    entries = menu_entries(st)
+    by_id = {e.id: e for e in entries}
+    assert entries[0].kind == "label" and entries[0].text.startswith(f"Warmslot — {st.label}")
+    for key in ALWAYS:
+        assert by_id[key].enabled, key
+    running = tray in (TrayState.STARTING, TrayState.WARM, TrayState.COLD, TrayState.DEGRADED)
+    assert by_id[START].enabled == (tray in (TrayState.STOPPED, TrayState.ERROR))
+    assert by_id[START].text == "Start model + cache"
+    assert by_id[STOP].enabled == running
+    assert by_id[RESTART].enabled == (tray in (TrayState.WARM, TrayState.COLD, TrayState.DEGRADED))
+    assert (CANCEL_BUILD in by_id) == (tray is TrayState.BUILDING)
+    if tray is TrayState.STARTING:
+        assert by_id["progress"].text == "Loading the model (40 %)"
+    # The same entries as a real QMenu, wired to handlers by id.
+    menu = QtWidgets.QMenu()
+    called: list[str] = []
+    handlers = {e.id: (lambda i=e.id: called.append(i)) for e in entries if e.kind == "action"}
+    actions = populate(menu, entries, handlers)
+    assert [a.text() for a in menu.actions() if not a.isSeparator()] == [
+        e.text for e in entries if e.kind != "separator"
+    ]
+    actions[QUIT].trigger()
+    actions[DASHBOARD].trigger()
+    assert called == [QUIT, DASHBOARD]
+    menu.deleteLater()
+
+
+def test_every_state_has_its_own_icon(qtbot: Any) -> None:
+    digests = set()
+    for tray in TrayState:
+        path = icon_path(tray)
+        assert path.is_file(), path
+        digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
+        icon = state_icon(tray)
+        assert not icon.isNull()
+        assert not icon.pixmap(16, 16).isNull()
+    assert len(digests) == len(TrayState)
+
+
+def test_tooltip_has_model_hit_rate_and_pressure() -> None:
+    st = derive_state(ready_status(), pressure="nominal")
+    tip = st.tooltip()
+    assert "Qwen3-Coder-30B-A3B-Instruct-Q4_K_M.gguf" in tip
+    assert "Hit rate (last hour): 88 % of 40 requests" in tip
+    assert "Memory pressure: nominal" in tip
+    assert "no samples" in AppState().tooltip()
+
+
+def test_derive_states() -> None:
+    assert derive_state(None, core_running=False).tray is TrayState.STOPPED
+    assert derive_state(None, core_running=False, core_error="port taken").tray is TrayState.ERROR
+    stopped = {"server": {"state": "stopped"}}
+    assert derive_state(stopped).tray is TrayState.STOPPED
+    assert derive_state({"server": {"state": "starting"}}).tray is TrayState.STARTING
+    failed = derive_state({"server": {"state": "failed", "reason": "no binary"}})
+    assert (failed.tray, failed.detail) == (TrayState.ERROR, "no binary")
+    building = derive_state(stopped, build=BuildProgress(build_id="b", percent=30, step="cmake"))
+    assert (building.tray, building.build_percent) == (TrayState.BUILDING, 30.0)
+    done = BuildProgress(build_id="b", percent=100, step="ok", done=True, ok=True)
+    assert derive_state(stopped, build=done).tray is TrayState.STOPPED
+    # Ready: warm when every prefix the manager restores after a start is in a slot.
+    assert derive_state(ready_status()).tray is TrayState.WARM
+    st = ready_status()
+    st["cache"]["slots"][1]["prefix"] = ""  # the 2nd most recent saved prefix is not loaded
+    cold = derive_state(st)
+    assert (cold.tray, cold.detail) == (TrayState.COLD, "2 of 3 saved prefixes warm")
+    assert derive_state(ready_status(identity=None)).tray is TrayState.COLD
+    assert derive_state(ready_status(enabled=False)).tray is TrayState.COLD
+    fresh = ready_status(saved=[], prefixes=[])
+    for s in fresh["cache"]["slots"]:
+        s["prefix"] = ""
+    assert derive_state(fresh).tray is TrayState.WARM  # nothing known yet: ready is warm
+    low = derive_state(ready_status(), pressure="low")
+    assert (low.tray, low.detail) == (TrayState.DEGRADED, "memory pressure is low")
+    st = ready_status()
+    st["server"]["restarts"] = 2
+    assert derive_state(st).tray is TrayState.DEGRADED
