@@ -209,7 +209,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     found = discover.discover(paths, settings.server.binary)
     for c in found.candidates:
         mark = "✔" if c.ok else "✘"
-        print(f"  {mark} {c.source:<12} {c.path or '':<60} {c.reason}")
+        print(f"  {mark} {c.source:<12} {c.path or ''!s:<60} {c.reason}")
     if found.found is None:
         problems += 1
         print(
