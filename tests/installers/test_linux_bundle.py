@@ -185,6 +185,17 @@ def test_doctor_finds_the_bundled_llama_server(
     assert any(line.startswith("model:") and str(tiny_model) in line for line in ok_lines)
 
 
+def test_doctor_without_a_model_says_what_to_do(
+    bundle: Path, bare_env: dict[str, str], tmp_path: Path
+) -> None:
+    # The demo model's packages are not bundled: a clear message, not a traceback.
+    out = cli(bundle, bare_env, "--dev-dir", str(tmp_path / "fresh"), "doctor")
+    no_traceback(out.stdout + out.stderr)
+    assert out.returncode == 1, out.stdout + out.stderr
+    model = out.stdout[out.stdout.index("\nmodel:") + 1 :]  # the line and its hint
+    assert model.startswith("model:       ✘") and "server.model" in model, out.stdout
+
+
 def test_serve_runs_the_bundled_llama_server(
     bundle: Path,
     bare_env: dict[str, str],

