@@ -40,6 +40,9 @@ def test_cache() -> Path:
     return path
 
 
+test_cache.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_orphan_servers() -> Iterator[None]:
     yield

@@ -148,7 +148,7 @@ def test_stream_is_passed_through_without_buffering(running_core: Core) -> None:
     """Chunks reach the client while llama-server is still generating; [DONE] ends it."""
     assert running_core.supervisor is not None
     upstream = running_core.supervisor.base_url
-    body = chat_body("write a long answer", max_tokens=3000, stream=True, ignore_eos=True)
+    body = chat_body("write a long answer", max_tokens=600, stream=True, ignore_eos=True)
     lines: list[str] = []
     busy_at_first_chunk: list[bool] = []
     with httpx.stream(
@@ -164,7 +164,7 @@ def test_stream_is_passed_through_without_buffering(running_core: Core) -> None:
                 lines.append(line)
     assert busy_at_first_chunk == [True]
     assert lines[-1] == "data: [DONE]"
-    assert sum(1 for line in lines if line.startswith("data: {")) >= 3000
+    assert sum(1 for line in lines if line.startswith("data: {")) >= 600
     assert any('"timings"' in line for line in lines)
 
 
