@@ -668,6 +668,9 @@ async def _compile(
         env = dict(plan.env)
         # Ninja's progress format is what the parser reads; a user's NINJA_STATUS would hide it.
         env["NINJA_STATUS"] = "[%f/%t] "
+        # llama.cpp's cmake asks git for the commit and count of the source dir; our copy has
+        # no .git, and git must not climb into a repo that happens to contain the builds dir.
+        env["GIT_CEILING_DIRECTORIES"] = str(tmp)
         step(0.0, "Configuring (cmake)")
         rc = await run_step(
             ["cmake", "-S", str(src), "-B", str(bdir), *generator, *plan.cmake_args],

@@ -142,6 +142,9 @@ def test_progress_lines_from_real_cmake_output() -> None:
     assert ninja and make
     assert ninja[-1].percent == 100.0
     assert any("llama-server" in p.step for p in ninja)
+    tail = LogTail()
+    tail.extend(lines)
+    assert tail.first_error is None  # warnings are not errors
 
 
 def test_parse_progress_line_shapes() -> None:

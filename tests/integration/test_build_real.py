@@ -109,8 +109,21 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def server(built: Built, gemma: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     port = _free_port()
-    argv = [str(built.record.binary), "-m", str(gemma), "--host", "127.0.0.1",
-            "--port", str(port), "-t", "2", "-c", "2048", "-np", "1"]
+    argv = [
+        str(built.record.binary),
+        "-m",
+        str(gemma),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        "2",
+        "-c",
+        "2048",
+        "-np",
+        "1",
+    ]
     if built.record.native:
         argv.append("--no-repack")  # native builds crash in AMX repacking on this CPU
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
