@@ -176,11 +176,19 @@ def dropped_parts(body: dict[str, Any], rendered: str) -> list[str]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             continue
         # Names are short words that may appear anywhere; the description is the
-        # tool's own text, so look for both (templates may escape quotes, so a slice).
-        desc = str(fn.get("description") or "")[:48]
-        if fn["name"] not in rendered or (desc and desc not in rendered):
+        # tool's own text, so look for both. Templates render it raw or JSON-escaped
+        # (newlines as \\n, non-ASCII as \\uXXXX), so compare its first plain words.
+        if fn["name"] not in rendered or not _description_present(fn.get("description"), rendered):
             missing.append(f"tool {fn['name']}")
     system = system_text(body).strip()
     if system and system[:64] not in rendered:
         missing.append("system message")
     return missing
+
+
+def _description_present(description: Any, rendered: str) -> bool:
+    text = str(description or "")
+    plain = re.match(r"[A-Za-z0-9 ,.;:()'-]{12,48}", text)
+    if plain is None:
+        return True  # nothing distinctive and safe to look for: trust the name
+    return plain.group(0) in rendered

@@ -137,3 +137,18 @@ def test_store_refuses_foreign_names_and_detects_changed_files(tmp_path: Path) -
         store.path(bad)
     assert store.delete(rec) == 50 and not (d / name).exists() and store.get(name) is None
     tel.close()
+
+
+def test_dropped_tools_detected_but_json_escaping_is_not_a_drop() -> None:
+    tool = {"type": "function", "function": {
+        "name": "edit", "description": "Performs exact string replacements in files.\n\nUsage"}}
+    body = {"messages": [{"role": "system", "content": "You are a helpful agent."}],
+            "tools": [tool]}
+    escaped = ('You are a helpful agent. {"name": "edit", "description": '
+               '"Performs exact string replacements in files.\\n\\nUsage"}')
+    assert pfx.dropped_parts(body, escaped) == []
+    # The generic fallback keeps the system text but not the tools: words like
+    # "edit" may still occur by chance, the description does not.
+    assert pfx.dropped_parts(body, "You are a helpful agent. please edit it") == ["tool edit"]
+    assert pfx.dropped_parts(body, "<tools>Performs exact string replacements") == [
+        "tool edit", "system message"]
