@@ -287,15 +287,154 @@ class TelemetrySettings:
     )
 
 
+ROLES = ("text", "side", "embedding")
+
+
+def _profile_name(v: Any) -> str | None:
+    ok = bool(v) and len(v) <= 128 and all(c.isalnum() or c in "._:-/" for c in v)
+    return None if ok else "a name of letters, digits and . _ : - / (as clients send `model`)"
+
+
+def _ttl(v: Any) -> str | None:
+    return None if v >= -1 else "-1 (never), 0 (the role's default) or seconds > 0"
+
+
+@dataclass
+class ModelProfile:
+    """One model of the pool (a ``[[models]]`` table); 0 means "the default" throughout."""
+
+    name: str = field(
+        default="", metadata=_meta("Name clients send as `model`.", _profile_name, restart=True)
+    )
+    model: str = field(
+        default="",
+        metadata=_meta(
+            "Path to its GGUF. Empty (only for the first 'text' profile): server.model.",
+            restart=True,
+        ),
+    )
+    role: str = field(
+        default="text",
+        metadata=_meta(
+            "'text': agent turns (the first one is the primary server); 'side': auxiliary "
+            "calls (titles, summaries) when pool.side_calls is on; 'embedding'.",
+            choices=ROLES,
+            restart=True,
+        ),
+    )
+    ttl_s: int = field(
+        default=0,
+        metadata=_meta(
+            "Unload after this many idle seconds; -1 never; 0 the role's default (primary: "
+            "never, side: 600, embedding: 300, other text: 1800).",
+            _ttl,
+        ),
+    )
+    priority: int = field(
+        default=0,
+        metadata=_meta(
+            "Eviction priority, higher stays longer; 0 the role's default (primary 100, "
+            "text 80, embedding 50, side 20).",
+            _range(0, 1000),
+        ),
+    )
+    slots: int = field(
+        default=0, metadata=_meta("Slots (-np); 0 = server.slots.", _range(0, 64), restart=True)
+    )
+    ctx_per_slot: int = field(
+        default=0,
+        metadata=_meta(
+            "Context per slot; 0 = server.ctx_per_slot.", _range(0, 1 << 21), restart=True
+        ),
+    )
+    cache_ram_mib: int = field(
+        default=-1,
+        metadata=_meta(
+            "Its --cache-ram in MiB; -1 = server.cache_ram_mib.", _range(-1, 1 << 20), restart=True
+        ),
+    )
+    chat_template_file: str = field(
+        default="", metadata=_meta("Its chat template file; empty: the model's.", restart=True)
+    )
+    extra_args: list[str] = field(
+        default_factory=list,
+        metadata=_meta("More llama-server arguments for this model only.", restart=True),
+    )
+    footprint_mib: int = field(
+        default=0,
+        metadata=_meta(
+            "Memory it needs in MiB, overriding the fit planner's estimate; 0 = estimate.",
+            _range(0, 1 << 24),
+        ),
+    )
+
+
+@dataclass
+class PoolSettings:
+    strict_models: bool = field(
+        default=False,
+        metadata=_meta("A request naming an unknown model gets 404 (off: the primary serves it)."),
+    )
+    load_timeout_s: float = field(
+        default=120.0,
+        metadata=_meta(
+            "Longest a request waits for its model to load before a 503 with Retry-After.",
+            _range(1, 3600),
+        ),
+    )
+    vram_budget_mib: int = field(
+        default=0,
+        metadata=_meta(
+            "VRAM per GPU the models may use together, in MiB; 0 = free VRAM at start.",
+            _range(0, 1 << 24),
+        ),
+    )
+    ram_budget_mib: int = field(
+        default=0,
+        metadata=_meta(
+            "Host RAM the models may use together, in MiB; 0 = available RAM at start.",
+            _range(0, 1 << 24),
+        ),
+    )
+    ram_floor_mib: int = field(
+        default=2048,
+        metadata=_meta("Host RAM always left free, in MiB.", _range(0, 1 << 24)),
+    )
+    side_calls: bool = field(
+        default=False,
+        metadata=_meta(
+            "Route auxiliary calls (titles, summaries) to the 'side' profile so they never "
+            "touch the primary's slots."
+        ),
+    )
+    save_before_unload: bool = field(
+        default=True,
+        metadata=_meta(
+            "Before unloading a model, save its recent prefixes so they are restored (and "
+            "verified) when it loads again."
+        ),
+    )
+    idle_check_s: float = field(
+        default=15.0,
+        metadata=_meta("Seconds between idle-unload and pressure checks.", _range(1, 3600)),
+    )
+
+
 @dataclass
 class Settings:
-    """All of Warmslot's settings. Access as ``settings.server.port``."""
+    """All of Warmslot's settings. Access as ``settings.server.port``.
+
+    `models` is a list of tables (``[[models]]``), not a section: its fields are in
+    `PROFILE_SCHEMA`. With no profiles Warmslot runs the single `server.model`.
+    """
 
     server: ServerSettings = field(default_factory=ServerSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
     pressure: PressureSettings = field(default_factory=PressureSettings)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    models: list[ModelProfile] = field(default_factory=list)
 
     def get(self, name: str) -> Any:
         """Value of a dotted name such as ``proxy.port``."""
@@ -401,29 +540,96 @@ def _split(name: str) -> tuple[str, str]:
     return section, key
 
 
+LIST_SECTIONS = ("models",)  # lists of tables, validated by their own schema
+
+
+def _section_specs(prefix: str, sect_type: type) -> dict[str, SettingSpec]:
+    specs: dict[str, SettingSpec] = {}
+    hints = get_type_hints(sect_type)
+    for f in dataclasses.fields(sect_type):
+        hint = hints[f.name]
+        typ = list if getattr(hint, "__origin__", None) is list else hint
+        factory = cast(Callable[[], Any], f.default_factory)
+        default = factory() if f.default is dataclasses.MISSING else f.default
+        specs[f"{prefix}.{f.name}"] = SettingSpec(
+            name=f"{prefix}.{f.name}",
+            type=typ,
+            default=default,
+            description=f.metadata["description"],
+            check=f.metadata["check"],
+            restart=f.metadata["restart"],
+            choices=f.metadata["choices"],
+        )
+    return specs
+
+
 def _build_schema() -> dict[str, SettingSpec]:
     specs: dict[str, SettingSpec] = {}
     for sect in dataclasses.fields(Settings):
-        sect_type = get_type_hints(Settings)[sect.name]
-        hints = get_type_hints(sect_type)
-        for f in dataclasses.fields(sect_type):
-            hint = hints[f.name]
-            typ = list if getattr(hint, "__origin__", None) is list else hint
-            factory = cast(Callable[[], Any], f.default_factory)
-            default = factory() if f.default is dataclasses.MISSING else f.default
-            specs[f"{sect.name}.{f.name}"] = SettingSpec(
-                name=f"{sect.name}.{f.name}",
-                type=typ,
-                default=default,
-                description=f.metadata["description"],
-                check=f.metadata["check"],
-                restart=f.metadata["restart"],
-                choices=f.metadata["choices"],
-            )
+        if sect.name not in LIST_SECTIONS:
+            specs.update(_section_specs(sect.name, get_type_hints(Settings)[sect.name]))
     return specs
 
 
 SCHEMA: dict[str, SettingSpec] = _build_schema()
+# The fields of one ``[[models]]`` table, named ``models.<field>``.
+PROFILE_SCHEMA: dict[str, SettingSpec] = _section_specs("models", ModelProfile)
+
+
+def profiles_from_list(values: Any, *, path: str = "<settings>") -> list[ModelProfile]:
+    """Validate the ``[[models]]`` tables: known keys, types, unique names, one primary."""
+    if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
+        raise ConfigError(
+            "wrong type", file=path, key="models", expected="a list of tables ([[models]])"
+        )
+    out: list[ModelProfile] = []
+    for i, table in enumerate(values):
+        prof = ModelProfile()
+        for key, value in table.items():
+            spec = PROFILE_SCHEMA.get(f"models.{key}")
+            if spec is None:
+                raise ConfigError(
+                    "unknown setting",
+                    file=path,
+                    key=f"models[{i}].{key}",
+                    expected="one of " + ", ".join(k.split(".", 1)[1] for k in PROFILE_SCHEMA),
+                )
+            setattr(prof, key, spec.coerce(value, file=path))
+        if not prof.name:
+            raise ConfigError(
+                "missing value", file=path, key=f"models[{i}].name", expected="a model name"
+            )
+        if prof.name in {p.name for p in out}:
+            raise ConfigError(
+                "duplicate model name", file=path, key=f"models[{i}].name", got=prof.name
+            )
+        if not prof.model and (prof.role != "text" or any(p.role == "text" for p in out)):
+            raise ConfigError(
+                "missing value",
+                file=path,
+                key=f"models[{i}].model",
+                expected="a GGUF path (only the first 'text' profile may use server.model)",
+            )
+        out.append(prof)
+    if out and not any(p.role == "text" for p in out):
+        raise ConfigError(
+            "no primary model",
+            file=path,
+            key="models",
+            expected="at least one profile with role 'text' (the first is the primary)",
+        )
+    return out
+
+
+def _profile_table(prof: ModelProfile) -> Any:
+    table = tomlkit.table()
+    for spec in PROFILE_SCHEMA.values():
+        key = spec.name.split(".", 1)[1]
+        value = getattr(prof, key)
+        if key in ("name", "model", "role") or value != spec.default:
+            table.add(key, value)
+    return table
+
 
 # Upgrades of older files: MIGRATIONS[n] turns a version-n document into version n+1.
 # A file with no `version` is version 1 (the first released layout).
@@ -466,6 +672,9 @@ def settings_from_dict(doc: dict[str, Any], *, path: str = "<settings>") -> Sett
     settings = Settings()
     for section, values in doc.items():
         if section == "version":
+            continue
+        if section in LIST_SECTIONS:
+            settings.models = profiles_from_list(values, path=path)
             continue
         if not isinstance(values, dict) or not hasattr(settings, section):
             raise ConfigError(
@@ -591,5 +800,14 @@ def save(path: Path, settings: Settings) -> None:
         table: Any = doc[section]
         if key not in table or table[key] != value:
             table[key] = value
+    current = profiles_from_list(doc.unwrap().get("models", []), path=str(path))
+    if current != settings.models:
+        if "models" in doc:
+            del doc["models"]
+        if settings.models:
+            aot = tomlkit.aot()
+            for prof in settings.models:
+                aot.append(_profile_table(prof))
+            doc.add("models", aot)
     settings_from_dict(_migrate(doc.unwrap(), str(path)), path=str(path))
     _atomic_write(path, tomlkit.dumps(doc))

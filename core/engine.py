@@ -33,6 +33,8 @@ from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
 from core.errors import CacheError, CoreStopped, WarmslotError
 from core.events import Event, Notice
+from core.models import profiles
+from core.models.pool import ModelPool
 from core.paths import Paths, resources_dir
 from core.proxy import CachePolicy, Proxy
 from core.server import discover, model
@@ -109,6 +111,7 @@ class Core:
         self.supervisor: Supervisor | None = None
         self.proxy: Proxy | None = None
         self.policy: CachePolicy | None = None
+        self.pool: ModelPool | None = None  # only when [[models]] profiles are configured
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0
 
@@ -204,7 +207,7 @@ class Core:
         s = self.settings
         self.supervisor = Supervisor(
             paths=self.paths,
-            settings=lambda: self.settings.server,
+            settings=self._primary_settings,
             resolve=self._resolve,
             emit=self.emit,
         )
@@ -223,6 +226,11 @@ class Core:
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
             self.proxy.policy = self.policy
+        if s.models:
+            self.pool = ModelPool(self)
+            self.proxy.router = self.pool.route
+            self.proxy.models = self.pool.models_list
+            self._tasks.append(asyncio.create_task(self.pool.run()))
         await self.proxy.start(s.proxy.host, s.proxy.port)
         self._write_runtime()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
@@ -230,8 +238,17 @@ class Core:
         if background is not None:
             self._tasks.append(asyncio.create_task(background(self.clock)))
 
+    def _primary_settings(self) -> ServerSettings:
+        """`server.*`, with the primary profile's overrides when profiles are configured."""
+        if not self.settings.models:
+            return self.settings.server
+        return profiles.server_settings(self.settings, profiles.primary(self.settings))
+
     async def _resolve(self) -> Resolved:
-        s = self.settings.server
+        return await self.resolve_for(self._primary_settings())
+
+    async def resolve_for(self, s: ServerSettings) -> Resolved:
+        """Find the binary and model these server settings name (off the loop)."""
         loop = asyncio.get_running_loop()
         # Probing binaries and hashing files is blocking work: keep it off the loop.
         binary = await loop.run_in_executor(None, discover.require, self.paths, s.binary)
@@ -295,7 +312,12 @@ class Core:
                 await closer()
             except Exception:
                 log.exception("cache manager failed while shutting down")
-        if self.supervisor is not None:  # 3. stop llama-server
+        if self.pool is not None:  # 3. stop llama-server: every pooled model, then the primary
+            try:
+                await self.pool.close()
+            except Exception:
+                log.exception("model pool failed while shutting down")
+        if self.supervisor is not None:
             await self.supervisor.close()
         if self.telemetry is not None:  # 4. flush and close the database
             self.telemetry.close()
@@ -423,7 +445,22 @@ class Core:
             "last_hour": tel.totals(hour_ago) if tel else {},
             "clients": tel.per_client() if tel else [],
             "recent_requests": tel.recent_requests(10) if tel else [],
+            "models": self.pool.status()
+            if self.pool is not None
+            else [
+                {
+                    "name": profiles.PRIMARY_NAME,
+                    "role": "text",
+                    "primary": True,
+                    "state": self.supervisor.state.value,
+                }
+            ],
         }
+        if self.pool is not None:
+            out["model_calls"] = {
+                "routed_to_side": self.pool.routed_side,
+                "by_model": {e["name"]: e["calls"] for e in out["models"]},
+            }
         extra = getattr(self.policy, "status", None)
         if extra is not None:
             try:

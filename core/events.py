@@ -32,6 +32,7 @@ class ServerStateChanged(Event):
     reason: str = ""
     pid: int | None = None
     port: int | None = None
+    model: str = ""  # the model profile's name; "" for the primary server
 
 
 @dataclass(frozen=True)
@@ -158,3 +159,17 @@ class Notice(Event):
     level: str
     text: str
     hint: str = ""
+
+
+@dataclass(frozen=True)
+class ModelEvent(Event):
+    """A decision or step of the model pool (core.models): load, unload, refusal, route.
+
+    `kind`: load_requested · admit · refuse · loaded · load_failed · unload · unloaded ·
+    saved_before_unload. `numbers` holds the footprint, the budget and what would be used.
+    """
+
+    kind: str
+    model: str
+    reason: str = ""
+    numbers: dict[str, Any] = field(default_factory=dict)

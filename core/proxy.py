@@ -89,6 +89,25 @@ class ProxyRequest:
     slot: int | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
+    model: str = ""  # the model profile that serves it (when a model pool routes)
+    upstream: str | None = None
+    policy: CachePolicy | None = None
+
+
+@dataclass
+class Route:
+    """A router's answer: where a request goes, or the error to give instead."""
+
+    model: str = ""
+    upstream: str | None = None
+    policy: CachePolicy | None = None
+    release: Callable[[], None] | None = None  # call once the response is complete
+    status: int = 200
+    error: str = ""
+    retry_after: int | None = None
+
+
+Router = Callable[[ProxyRequest], Awaitable[Route]]
 
 
 class CachePolicy(Protocol):
@@ -184,6 +203,10 @@ def validate(endpoint: str, body: Any, n_slots: int) -> None:
             raise _Invalid(400, f"'id_slot' must be -1 or 0..{n_slots - 1}, got {slot}", "id_slot")
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its response was complete."""
+
+
 class _SSEScanner:
     """Finds `timings` (and `id_slot`) in an SSE stream without buffering it."""
 
@@ -248,6 +271,10 @@ class Proxy:
         self._status = status
         self._extra_metrics = extra_metrics
         self.policy = policy
+        # Set by a model pool: routes each generation request by its `model` field, and
+        # answers GET /v1/models with the configured profiles.
+        self.router: Router | None = None
+        self.models: Callable[[], dict[str, Any]] | None = None
         self.counters = ProxyCounters()
         self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=10)
         self._session: aiohttp.ClientSession | None = None
@@ -330,6 +357,8 @@ class Proxy:
     async def _handle_get(self, request: web.Request) -> web.StreamResponse:
         if request.path not in ("/health", "/v1/health") and (err := self._auth_error(request)):
             return err
+        if self.models is not None and request.path in ("/v1/models", "/models"):
+            return web.json_response(self.models())
         if err := self._not_ready():
             return err
         assert self._session is not None
@@ -395,7 +424,7 @@ class Proxy:
             validate(endpoint, body, self._n_slots())
         except _Invalid as e:
             return error_response(e.status, str(e), param=e.param)
-        if err := self._not_ready():
+        if self.router is None and (err := self._not_ready()):
             return err
         headers = {k.lower(): v for k, v in request.headers.items()}
         ua = headers.get("user-agent", "")
@@ -411,13 +440,39 @@ class Proxy:
             stream=bool(body.get("stream", False)),
             has_tools=bool(body.get("tools")),
             kind="aux" if headers.get(AUX_HEADER, "") in ("1", "true", "yes") else "agent",
+            upstream=self._upstream(),
+            policy=self.policy,
         )
+        if self.router is None:
+            return await self._prepare_and_forward(request, req, generation, t0)
+        route = await self.router(req)
+        if route.error:
+            retry = {"Retry-After": str(route.retry_after)} if route.retry_after else None
+            return error_response(
+                route.status,
+                route.error,
+                type_="not_found_error" if route.status == 404 else "unavailable_error",
+                param="model" if route.status == 404 else None,
+                headers=retry,
+            )
+        req.model, req.upstream, req.policy = route.model, route.upstream, route.policy
+        req.response_headers["X-Warmslot-Model"] = route.model
+        try:
+            return await self._prepare_and_forward(request, req, generation, t0)
+        finally:
+            if route.release is not None:
+                route.release()
+
+    async def _prepare_and_forward(
+        self, request: web.Request, req: ProxyRequest, generation: bool, t0: float
+    ) -> web.StreamResponse:
+        body = req.body
         if generation:
             body.setdefault("cache_prompt", True)
-            if self.policy is not None:
+            if req.policy is not None:
                 original = json.dumps(body)
                 try:
-                    await self.policy.prepare(req)
+                    await req.policy.prepare(req)
                 except Exception as e:  # fail-open: the request goes through untouched
                     log.exception("cache policy failed; forwarding the request untouched")
                     self.counters.bypasses += 1
@@ -437,7 +492,7 @@ class Proxy:
         self, request: web.Request, req: ProxyRequest, t0: float
     ) -> web.StreamResponse:
         assert self._session is not None
-        url = f"{self._upstream()}{req.path}"
+        url = f"{req.upstream if req.model else self._upstream()}{req.path}"
         out_headers = {"Content-Type": "application/json"}
         for k, v in req.headers.items():
             if k not in _DROP_HEADERS and k != "content-type" and not k.startswith("x-warmslot"):
@@ -448,8 +503,10 @@ class Proxy:
         ttfb: float | None = None
         error = ""
         response: web.StreamResponse
+        watcher = asyncio.ensure_future(self._watch_client(request, req))
         try:
             async with await self._post_upstream(url, payload, out_headers) as up:
+                req.notes["upstream"] = up
                 status = up.status
                 is_sse = up.content_type == "text/event-stream"
                 if is_sse and status == 200:
@@ -458,6 +515,8 @@ class Proxy:
                     )
                 else:
                     data = await up.read()
+                    if req.notes.get("client_gone"):
+                        raise _ClientGone
                     ttfb = (time.perf_counter() - t0) * 1000
                     if status == 200:
                         timings, slot = _timings_from_json(data)
@@ -471,18 +530,42 @@ class Proxy:
                         content_type=up.content_type or "application/json",
                         headers=req.response_headers,
                     )
+        except _ClientGone:
+            # Closing the upstream response makes llama-server drop the task, so an
+            # abandoned multi-minute prefill does not block the slot.
+            status, error = 499, "client disconnected"
+            response = web.Response(status=499)
         except (aiohttp.ClientError, TimeoutError) as e:
-            status = 502
-            error = f"llama-server did not answer: {e!r}"
-            response = error_response(502, f"Warmslot: {error}", type_="server_error")
+            if req.notes.get("client_gone"):
+                status, error = 499, "client disconnected"
+                response = web.Response(status=499)
+            else:
+                status = 502
+                error = f"llama-server did not answer: {e!r}"
+                response = error_response(502, f"Warmslot: {error}", type_="server_error")
+        finally:
+            watcher.cancel()
         total_ms = (time.perf_counter() - t0) * 1000
         parsed = Timings.parse(timings)
         self._account(req, status, parsed, ttfb, total_ms, error)
-        if self.policy is not None and req.endpoint in ("chat", "completions", "completion"):
+        if req.policy is not None and req.endpoint in ("chat", "completions", "completion"):
             task = asyncio.ensure_future(self._completed(req, parsed, status))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
         return response
+
+    async def _watch_client(self, request: web.Request, req: ProxyRequest) -> None:
+        """Notice a client that hangs up while llama-server is still working (a long
+        prefill sends nothing for minutes) and close the upstream response."""
+        while True:
+            await asyncio.sleep(0.25)
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                req.notes["client_gone"] = True
+                up = req.notes.get("upstream")
+                if isinstance(up, aiohttp.ClientResponse):
+                    up.close()
+                return
 
     async def _post_upstream(
         self, url: str, payload: bytes, headers: dict[str, str]
@@ -517,13 +600,20 @@ class Proxy:
         ttfb: float | None = None
         status = 200
         error = ""
+        client_gone = False
         try:
             async for chunk in up.content.iter_any():
                 if ttfb is None:
                     ttfb = (time.perf_counter() - t0) * 1000
                 scanner.feed(chunk)
-                await response.write(chunk)
+                try:
+                    await response.write(chunk)
+                except (ConnectionError, RuntimeError):
+                    client_gone = True  # the client went away, not llama-server
+                    break
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+            if req.notes.get("client_gone"):
+                raise _ClientGone from e
             # Upstream died mid-stream: end the client's stream cleanly with an error event.
             status = 502
             error = f"llama-server stopped mid-stream: {e!r}"
@@ -533,23 +623,8 @@ class Proxy:
             }
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await response.write(f"data: {json.dumps(event)}\n\n".encode())
-        except (ConnectionResetError, asyncio.CancelledError):
-            # The client went away; closing `up` (on return) stops llama-server's work.
-            status = 499
-            error = "client disconnected"
-            if scanner.id_slot is not None:
-                req.slot = scanner.id_slot
-            raise
-        finally:
-            if status == 499:
-                self._account(
-                    req,
-                    status,
-                    Timings.parse(scanner.timings),
-                    ttfb,
-                    (time.perf_counter() - t0) * 1000,
-                    error,
-                )
+        if client_gone or req.notes.get("client_gone"):
+            raise _ClientGone
         with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write_eof()
         up.close()  # llama-server closes it after a stream anyway: never pool it
@@ -560,9 +635,9 @@ class Proxy:
         return response, scanner.timings, ttfb, status, error
 
     async def _completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
-        assert self.policy is not None
+        assert req.policy is not None
         try:
-            await self.policy.completed(req, timings, status)
+            await req.policy.completed(req, timings, status)
         except Exception:
             log.exception("cache policy failed after request %s", req.request_id)
 

@@ -25,6 +25,7 @@ from core.events import (
     BuildProgress,
     CacheEvent,
     Event,
+    ModelEvent,
     Notice,
     PressureChanged,
     PressureSample,
@@ -254,6 +255,17 @@ class Telemetry:
                     "tokens": event.tokens,
                     "bytes": event.bytes,
                     "details": json.dumps(event.details, default=str),
+                },
+            )
+        elif isinstance(event, ModelEvent):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "models",
+                    "kind": event.kind,
+                    "reason": f"{event.model}: {event.reason}",
+                    "details": json.dumps(event.numbers, default=str),
                 },
             )
         elif isinstance(event, ServerStateChanged):

@@ -52,7 +52,7 @@ def register(mgr: CacheManager) -> None:
     if mgr.pressure.sampler is None:
         mgr.pressure.sampler = Sampler(
             core.paths.state_dir,
-            lambda: core.supervisor.pid if core.supervisor is not None else None,
+            lambda: mgr.server.pid if mgr.server is not None else None,
             clock=mgr.clock.monotonic,
         )
     sw = mgr.sweeps

@@ -44,6 +44,7 @@ from core.sweeps import Sweeps
 
 if TYPE_CHECKING:
     from core.engine import Core
+    from core.server.supervisor import Supervisor
 
 log = logging.getLogger("warmslot.cache")
 
@@ -65,8 +66,12 @@ class DiskTier:
 class CacheManager:
     """Implements `core.proxy.CachePolicy` on top of the core's supervisor and telemetry."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Core, server: Supervisor | None = None, *, model: str = "") -> None:
         self.core = core
+        # The llama-server this manager works on: the core's (primary) supervisor unless
+        # a model pool gives each loaded model its own.
+        self._server = server
+        self.model = model  # the model profile's name; "" for the primary server
         s = core.settings
         self.clock: Clock = getattr(core, "clock", None) or RealClock()
         self.slots = SlotMap(
@@ -143,8 +148,12 @@ class CacheManager:
             log.error("cache job failed: %r", task.exception(), exc_info=task.exception())
 
     @property
+    def server(self) -> Supervisor | None:
+        return self._server if self._server is not None else self.core.supervisor
+
+    @property
     def client(self) -> LlamaClient | None:
-        sup = self.core.supervisor
+        sup = self.server
         base = sup.base_url if sup is not None else None
         if base is None:
             return None
@@ -164,9 +173,9 @@ class CacheManager:
         return self._store
 
     def _on_event(self, event: Event) -> None:
-        if not isinstance(event, ServerStateChanged):
+        if not isinstance(event, ServerStateChanged) or event.model != self.model:
             return
-        sup = self.core.supervisor
+        sup = self.server
         if event.state == "ready" and sup is not None and sup.run_id != self._run_id:
             self._run_id = sup.run_id
             self.slots.reset()
@@ -191,7 +200,7 @@ class CacheManager:
 
     async def _learn_identity(self) -> None:
         client = self.client
-        sup = self.core.supervisor
+        sup = self.server
         assert client is not None and sup is not None and sup.resolved is not None
         props = await client.props()
         patches = tuple(str(p) for p in props.get(PATCH_FIELD, []) or [])
@@ -716,7 +725,7 @@ class CacheManager:
         )
 
     def _server_slot_dir(self) -> Path:
-        sup = self.core.supervisor
+        sup = self.server
         if sup is not None and sup.resolved is not None and sup.resolved.slot_dir is not None:
             return sup.resolved.slot_dir
         return self.core.paths.slot_dir
@@ -892,6 +901,32 @@ class CacheManager:
     async def rewarm(self, fingerprint: str) -> dict[str, Any]:
         """Re-warm a prefix in its slot, or restore/prewarm it into a free slot."""
         return await bg.rewarm(self, fingerprint)
+
+    async def warmed(self) -> None:
+        """Wait until the warm-up after the last start (restore + verify, or prewarm) is done."""
+        task = self._ready_task
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+
+    async def save_for_unload(self, timeout: float = 120.0) -> dict[str, Any]:
+        """Before the server is unloaded: finish the saves under way, then save every prefix
+        its slots hold that is not on disk yet (only when the disk tier is valid)."""
+        await self.warmed()
+        if self._jobs:
+            await asyncio.wait(set(self._jobs), timeout=timeout)
+        if not self.disk.usable or self.identity is None or self.client is None:
+            return {"saved": 0, "on_disk": 0, "reason": self.disk.reason}
+        saved = 0
+        for fp in dict.fromkeys(s.prefix_fp for s in self.slots.slots if s.prefix_fp):
+            info = self.by_fp.get(fp)
+            if info is None or fp in self._persisting or self.store.for_fingerprint(fp):
+                continue
+            self._persisting.add(fp)
+            await self._persist(info)
+            saved += 1
+        on_disk = len(self.store.all(self.launch_id))
+        return {"saved": saved, "on_disk": on_disk, "reason": self.disk.reason}
 
     async def close(self) -> None:
         if self._ready_task is not None:

@@ -311,7 +311,7 @@ class Retention:
 
     def current_identity(self) -> str | None:
         """The running (or last resolved) server's slot directory name."""
-        sup = self.mgr.core.supervisor
+        sup = self.mgr.server
         if sup is None or sup.resolved is None or sup.resolved.slot_dir is None:
             return None
         return sup.resolved.slot_dir.name

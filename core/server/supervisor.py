@@ -155,7 +155,11 @@ class Supervisor:
         resolve: Resolver,
         emit: Callable[[Event], None],
         clock: Callable[[], float] = time.monotonic,
+        name: str = "",
+        log_path: Path | None = None,
     ) -> None:
+        self.name = name  # the model profile it serves; "" for the primary server
+        self._log_path = log_path if log_path is not None else paths.server_log
         self._paths = paths
         self._settings = settings
         self._resolve = resolve
@@ -296,6 +300,7 @@ class Supervisor:
                     reason=reason,
                     pid=self.pid,
                     port=self.port,
+                    model=self.name,
                 )
             )
 
@@ -383,7 +388,7 @@ class Supervisor:
         self.no_repack_active = no_repack
         self.run_id = uuid.uuid4().hex[:12]
         if self._logfile is None:
-            self._logfile = _LogFile(self._paths.server_log)
+            self._logfile = _LogFile(self._log_path)
         self._logfile.write(f"==== warmslot: launching run {self.run_id}: {' '.join(argv)}")
         log.info("launching llama-server: %s", " ".join(argv))
         proc = await asyncio.create_subprocess_exec(
@@ -442,7 +447,7 @@ class Supervisor:
             f"llama-server failed to start: {reason}"
             + (f" (exit code {code})" if code is not None and sig is None else "")
             + (f" (killed by signal {signal.Signals(sig).name})" if sig else ""),
-            hint=f"see the server log: {self._paths.server_log}",
+            hint=f"see the server log: {self._log_path}",
         )
         if sig is not None and sig in {int(s) for s in _CRASH_SIGNALS}:
             err.crash_signal = sig  # type: ignore[attr-defined]

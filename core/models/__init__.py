@@ -1,0 +1,1 @@
+"""Several models under one memory budget: profiles, the arbiter, the pool."""

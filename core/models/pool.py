@@ -1,0 +1,455 @@
+"""The model pool: one supervised llama-server and one cache manager per loaded model.
+
+The primary profile is the core's own supervisor (and cache manager); every other
+profile gets its own when it is first needed. Loads and unloads go through the
+arbiter (core.models.arbiter) and are serialized; each decision is a `ModelEvent`
+with its reason and numbers. Before a model is unloaded its cache manager saves
+the prefixes its slots hold (when its disk tier is valid); after it loads again
+the manager restores and verifies them before the first request is let through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from core.cache import prefix as pfx
+from core.config import ServerSettings
+from core.errors import WarmslotError
+from core.events import ModelEvent
+from core.models import arbiter, profiles
+from core.models.profiles import MIB, Footprint, Profile
+from core.proxy import ProxyRequest, Route
+from core.server import devices, model
+from core.server.supervisor import Resolved, ServerState, Supervisor
+
+if TYPE_CHECKING:
+    from core.cache.manager import CacheManager
+    from core.engine import Core
+
+log = logging.getLogger("warmslot.models")
+VRAM_MARGIN = 1024 * MIB  # per GPU, like the fit planner's
+
+
+class ModelUnavailable(WarmslotError):
+    """A model could not be loaded (the arbiter refused it, or its server failed)."""
+
+
+@dataclass
+class Entry:
+    profile: Profile
+    server: Supervisor | None = None
+    manager: CacheManager | None = None
+    footprint: Footprint | None = None
+    inflight: int = 0
+    last_used: float = 0.0
+    calls: dict[str, int] = field(default_factory=lambda: {"agent": 0, "aux": 0})
+    loads: int = 0
+    unloads: int = 0
+    last_decision: str = ""
+
+    @property
+    def loaded(self) -> bool:
+        s = self.server
+        return s is not None and s.state in (ServerState.READY, ServerState.STARTING)
+
+    @property
+    def ready(self) -> bool:
+        return self.server is not None and self.server.state is ServerState.READY
+
+
+ServerFactory = Callable[[Profile], Supervisor]
+
+
+class ModelPool:
+    """Owns the loaded models; the proxy's router."""
+
+    def __init__(
+        self,
+        core: Core,
+        *,
+        server_factory: ServerFactory | None = None,
+        budget: arbiter.Budget | None = None,
+        pressure_level: Callable[[], str] | None = None,
+    ) -> None:
+        self.core = core
+        self.clock = core.clock
+        self._server_factory = server_factory or self._make_server
+        self._budget = budget
+        self._pressure_level = pressure_level
+        self._ops = asyncio.Lock()  # one load or unload at a time
+        self._loading: dict[str, asyncio.Task[Entry]] = {}
+        self.entries: dict[str, Entry] = {}
+        self.decisions: list[dict[str, Any]] = []
+        self.routed_side = 0
+        for prof in profiles.profiles(core.settings):
+            e = Entry(prof, last_used=self.clock.monotonic())
+            if prof.primary:
+                e.server = core.supervisor
+                e.manager = _as_manager(core.policy)
+            self.entries[prof.name] = e
+
+    # ------------------------------------------------------------ plumbing
+    @property
+    def primary(self) -> Entry:
+        return next(e for e in self.entries.values() if e.profile.primary)
+
+    def _emit(self, kind: str, name: str, reason: str, numbers: dict[str, Any]) -> None:
+        self.decisions.append(
+            {"ts": self.clock.time(), "kind": kind, "model": name, "reason": reason}
+        )
+        del self.decisions[:-50]
+        log.info("model %s: %s — %s", name, kind, reason)
+        self.core.emit(ModelEvent(kind=kind, model=name, reason=reason, numbers=numbers))
+
+    def _make_server(self, prof: Profile) -> Supervisor:
+        core = self.core
+
+        def settings() -> ServerSettings:
+            return profiles.server_settings(core.settings, prof)
+
+        async def resolve() -> Resolved:
+            return await core.resolve_for(settings())
+
+        return Supervisor(
+            paths=core.paths,
+            settings=settings,
+            resolve=resolve,
+            emit=core.emit,
+            name=prof.name,
+            log_path=core.paths.log_dir / f"llama-server.{_safe(prof.name)}.log",
+        )
+
+    def _make_manager(self, prof: Profile, server: Supervisor) -> CacheManager | None:
+        primary = _as_manager(self.core.policy)
+        if primary is None:
+            return None  # cache management is off for the whole core
+        from core.cache.manager import CacheManager
+
+        return CacheManager(self.core, server, model=prof.name)
+
+    async def budget(self) -> arbiter.Budget:
+        """The budget: configured, else free VRAM per GPU and available RAM at first use."""
+        if self._budget is None:
+            s = self.core.settings.pool
+            loop = asyncio.get_running_loop()
+            gpus = await loop.run_in_executor(None, devices.read_gpus)
+            host = await loop.run_in_executor(None, devices.read_host, self.core.paths.state_dir)
+            used = await self._used_now()
+            vram = tuple(
+                s.vram_budget_mib * MIB
+                if s.vram_budget_mib
+                else max(0, g.free_bytes + used[0][i] - VRAM_MARGIN)
+                for i, g in enumerate(gpus)
+            )
+            ram = s.ram_budget_mib * MIB if s.ram_budget_mib else host.ram_available + used[1]
+            self._budget = arbiter.Budget(vram, max(0, ram - s.ram_floor_mib * MIB))
+        return self._budget
+
+    async def _used_now(self) -> tuple[list[int], int]:
+        vram = [0] * 16
+        ram = 0
+        for e in self.entries.values():
+            if e.loaded:
+                fp = await self.footprint(e)
+                for i, b in enumerate(fp.vram[:16]):
+                    vram[i] += b
+                ram += fp.ram
+        return vram, ram
+
+    async def footprint(self, e: Entry) -> Footprint:
+        mib = e.profile.source.footprint_mib
+        if e.footprint is None and mib:
+            e.footprint = Footprint((), mib * MIB, "configured (footprint_mib)")
+        if e.footprint is None:
+            settings = profiles.server_settings(self.core.settings, e.profile)
+            paths = self.core.paths
+
+            def compute() -> Footprint:
+                path = model.resolve(paths, settings.model).path
+                try:
+                    return profiles.footprint(
+                        e.profile,
+                        settings,
+                        path,
+                        devices.read_gpus(),
+                        devices.read_host(paths.state_dir),
+                    )
+                except Exception as exc:  # unreadable metadata: the file size is a floor
+                    log.warning("fit planner failed for %s: %r", e.profile.name, exc)
+                    return Footprint((), Path(path).stat().st_size, f"file size ({exc!r})")
+
+            e.footprint = await asyncio.get_running_loop().run_in_executor(None, compute)
+        return e.footprint
+
+    def _view(self) -> list[arbiter.Loaded]:
+        return [
+            arbiter.Loaded(
+                name=e.profile.name,
+                priority=e.profile.priority,
+                footprint=e.footprint or Footprint((), 0, "unknown"),
+                inflight=e.inflight,
+                last_used=e.last_used,
+                primary=e.profile.primary,
+                ttl_s=e.profile.ttl_s,
+            )
+            for e in self.entries.values()
+            if e.loaded
+        ]
+
+    # ------------------------------------------------------------ load / unload
+    async def ensure(self, name: str) -> Entry:
+        """Make `name` loaded and warm (restored + verified); raise ModelUnavailable."""
+        e = self.entries[name]
+        if e.ready and name not in self._loading:
+            return e
+        task = self._loading.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._load(e))
+            self._loading[name] = task
+            task.add_done_callback(lambda _t: self._loading.pop(name, None))
+        return await asyncio.shield(task)
+
+    async def _load(self, e: Entry) -> Entry:
+        name = e.profile.name
+        async with self._ops:
+            if e.ready:
+                return e
+            need = await self.footprint(e)
+            for other in self.entries.values():
+                if other.loaded:
+                    await self.footprint(other)
+            budget = await self.budget()
+            self._emit("load_requested", name, "a request needs it", {"need": need.as_dict()})
+            d = arbiter.admit(name, need, e.profile.priority, self._view(), budget)
+            self._emit(d.action, name, d.reason, d.numbers)
+            e.last_decision = d.reason
+            if d.action != "admit":
+                raise ModelUnavailable(f"model {name!r} cannot be loaded: {d.reason}")
+            for victim in d.evict:
+                await self._unload_locked(
+                    self.entries[victim], f"making room for {name}", d.numbers
+                )
+            if e.server is None:
+                e.server = self._server_factory(e.profile)
+                e.manager = self._make_manager(e.profile, e.server)
+            try:
+                await e.server.start("pool")
+            except WarmslotError as exc:
+                self._emit("load_failed", name, str(exc), {})
+                raise ModelUnavailable(f"model {name!r} failed to start: {exc}") from exc
+            if e.manager is not None:
+                await e.manager.warmed()  # restore + verify before the first request
+            e.loads += 1
+            e.last_used = self.clock.monotonic()
+            self._emit(
+                "loaded",
+                name,
+                "ready" + (" and its saved prefixes restored" if e.manager else ""),
+                {"footprint": need.as_dict(), "port": e.server.port},
+            )
+            return e
+
+    async def unload(self, name: str, reason: str = "requested") -> bool:
+        async with self._ops:
+            e = self.entries[name]
+            if not e.loaded:
+                return False
+            if e.inflight:
+                self._emit("keep", name, f"not unloaded: {e.inflight} request(s) in flight", {})
+                return False
+            await self._unload_locked(e, reason, {})
+            return True
+
+    async def _unload_locked(self, e: Entry, reason: str, numbers: dict[str, Any]) -> None:
+        name = e.profile.name
+        assert e.inflight == 0, "never unload a model with requests in flight"
+        fp = e.footprint.as_dict() if e.footprint else {}
+        self._emit("unload", name, reason, {**numbers, "footprint": fp})
+        if e.manager is not None and self.core.settings.pool.save_before_unload:
+            try:
+                saved = await e.manager.save_for_unload()
+                self._emit("saved_before_unload", name, str(saved.get("reason", "")), saved)
+            except Exception as exc:
+                log.exception("saving %s before unload failed", name)
+                self._emit("saved_before_unload", name, f"failed: {exc!r}", {})
+        assert e.server is not None
+        await e.server.stop("pool")
+        e.unloads += 1
+        self._emit("unloaded", name, reason, {"freed": fp})
+
+    async def sweep(self) -> list[arbiter.Decision]:
+        """Idle unloads (TTL) and unloads under critical pressure; returns what was done."""
+        async with self._ops:
+            now = self.clock.monotonic()
+            level = self._pressure_level() if self._pressure_level else self._level()
+            view = self._view()
+            done: dict[str, arbiter.Decision] = {}
+            for d in [
+                *arbiter.pressure_unloads(view, level, now),
+                *arbiter.idle_unloads(view, now),
+            ]:
+                e = self.entries[d.model]
+                if d.model in done or e.inflight or not e.loaded:
+                    continue
+                await self._unload_locked(e, d.reason, d.numbers)
+                done[d.model] = d
+            return list(done.values())
+
+    def _level(self) -> str:
+        mgr = _as_manager(self.core.policy)
+        return mgr.pressure.level if mgr is not None else "nominal"
+
+    async def preload(self, name: str) -> bool:
+        """Load `name` ahead of need, only under nominal pressure."""
+        d = arbiter.may_preload(
+            self._level() if self._pressure_level is None else self._pressure_level()
+        )
+        self._emit("preload" if d.action == "admit" else "refuse", name, d.reason, d.numbers)
+        if d.action != "admit":
+            return False
+        await self.ensure(name)
+        return True
+
+    async def run(self) -> None:
+        """The idle/pressure sweep, every `pool.idle_check_s` until cancelled."""
+        while True:
+            await self.clock.sleep(self.core.settings.pool.idle_check_s)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("model pool sweep failed")
+
+    async def close(self) -> None:
+        """Stop every non-primary model (the core stops the primary)."""
+        for task in list(self._loading.values()):
+            task.cancel()
+        for e in self.entries.values():
+            if e.profile.primary:
+                continue
+            if e.manager is not None:
+                with contextlib.suppress(Exception):
+                    await e.manager.close()
+            if e.server is not None:
+                await e.server.close()
+
+    # ------------------------------------------------------------ routing
+    async def route(self, req: ProxyRequest) -> Route:
+        """Pick the model for a request (by `model`), load it if needed, count it in flight."""
+        s = self.core.settings.pool
+        asked = req.body.get("model")
+        e = self.entries.get(asked) if isinstance(asked, str) else None
+        if e is None:
+            if s.strict_models and asked:
+                return Route(
+                    status=404,
+                    error=f"Warmslot: model {asked!r} is not configured (GET /v1/models lists "
+                    "them)",
+                )
+            e = self.primary
+        side = next((x for x in self.entries.values() if x.profile.role == "side"), None)
+        if (
+            s.side_calls
+            and side is not None
+            and e.profile.primary
+            and req.endpoint == "chat"
+            and self._is_aux(req)
+        ):
+            req.kind = "aux"
+            req.notes["routed_to_side"] = side.profile.name
+            self.routed_side += 1
+            e = side
+        name = e.profile.name
+        try:
+            await asyncio.wait_for(self.ensure(name), s.load_timeout_s)
+        except TimeoutError:
+            return Route(
+                status=503,
+                error=f"Warmslot: model {name!r} is still loading; retry shortly",
+                retry_after=5,
+            )
+        except ModelUnavailable as exc:
+            return Route(status=503, error=f"Warmslot: {exc}", retry_after=30)
+        assert e.server is not None
+        upstream = e.server.base_url
+        if upstream is None:
+            return Route(status=503, error=f"Warmslot: model {name!r} is not ready", retry_after=2)
+        e.inflight += 1
+        e.last_used = self.clock.monotonic()
+        e.calls["aux" if req.kind == "aux" else "agent"] += 1
+        policy = e.manager if e.manager is not None or not e.profile.primary else self.core.policy
+
+        def release() -> None:
+            e.inflight = max(0, e.inflight - 1)
+            e.last_used = self.clock.monotonic()
+
+        return Route(model=name, upstream=upstream, policy=policy, release=release)
+
+    def _is_aux(self, req: ProxyRequest) -> bool:
+        if req.kind == "aux":
+            return True
+        mgr = self.primary.manager
+        tools_seen = mgr.client_tools.get(req.client, False) if mgr is not None else False
+        if req.has_tools and mgr is not None:
+            mgr.client_tools[req.client] = True
+        why = pfx.classify_aux(req.body, req.has_tools, tools_seen)
+        if why:
+            req.notes["aux_reason"] = why
+        return bool(why)
+
+    # ------------------------------------------------------------ status
+    def models_list(self) -> dict[str, Any]:
+        """The body of GET /v1/models: every profile, loaded or not."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": e.profile.name,
+                    "object": "model",
+                    "owned_by": "warmslot",
+                    "warmslot": {"role": e.profile.role, "loaded": e.loaded},
+                }
+                for e in self.entries.values()
+            ],
+        }
+
+    def status(self) -> list[dict[str, Any]]:
+        out = []
+        now = self.clock.monotonic()
+        for e in self.entries.values():
+            p = e.profile
+            out.append(
+                {
+                    "name": p.name,
+                    "role": p.role,
+                    "primary": p.primary,
+                    "priority": p.priority,
+                    "ttl_s": p.ttl_s,
+                    "state": e.server.state.value if e.server is not None else "unloaded",
+                    "loading": p.name in self._loading,
+                    "port": e.server.port if e.server is not None and e.loaded else None,
+                    "inflight": e.inflight,
+                    "idle_s": round(now - e.last_used, 1),
+                    "footprint": e.footprint.as_dict() if e.footprint else None,
+                    "calls": dict(e.calls),
+                    "loads": e.loads,
+                    "unloads": e.unloads,
+                    "last_decision": e.last_decision,
+                }
+            )
+        return out
+
+
+def _as_manager(policy: Any) -> CacheManager | None:
+    from core.cache.manager import CacheManager
+
+    return policy if isinstance(policy, CacheManager) else None
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
