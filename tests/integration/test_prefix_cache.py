@@ -215,3 +215,37 @@ def test_divergence_is_diagnosed_and_shown_in_status(tiny32k: Path, tmp_path: Pa
         assert status["clients"][0]["client"] == "opencode"
     finally:
         core.stop()
+
+
+def test_client_hanging_up_during_prefill_is_recorded_and_frees_the_slot(
+        tiny32k: Path, tmp_path: Path) -> None:
+    """A client that gives up while llama-server is still prefilling (no byte sent yet)
+    is a 499, not an upstream failure, and its slot is not left marked busy."""
+    import asyncio
+
+    import aiohttp
+
+    core = Core(Paths.under(tmp_path / "h"), _settings(tiny32k), policy_factory=policy_factory)
+    core.start(wait_ready=True, timeout=120)
+    try:
+        assert core.proxy is not None
+        url = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
+        long_prompt = "alpha beta gamma delta epsilon zeta eta theta " * 600
+
+        async def give_up() -> None:
+            async with aiohttp.ClientSession() as s:
+                with pytest.raises(TimeoutError):
+                    async with s.post(url, json={"messages": [{"role": "user",
+                                                               "content": long_prompt}],
+                                                 "stream": True, "max_tokens": 50},
+                                      timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                        await r.read()
+
+        asyncio.run(give_up())
+        row = wait_until(lambda: next(iter(core.query("recent_requests", limit=1).result(5)),
+                                      None), 60, message="the request was recorded")
+        assert row["status"] == 499 and row["error"] == "client disconnected"
+        mgr = _manager(core)
+        assert core.call(lambda: [s.inflight for s in mgr.slots.slots]).result(5) == [0, 0]
+    finally:
+        core.stop()
