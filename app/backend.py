@@ -9,6 +9,12 @@ and the tests use it to draw real query results without a running server.
 Commands the GUI knows about but the core may not provide yet (pin/evict/re-warm
 a saved state, build/cancel a build) are looked up by name: `supports(name)`
 says whether the core has them, so the views can disable their buttons.
+
+``server_status()`` is what the views poll: the server and cache parts of the
+status without the all-time telemetry aggregates (``Core.status()`` computes
+totals and per-client numbers over every stored request, about 1.4 s at a
+million rows). It uses ``Core.server_status()`` when the core has it and falls
+back to ``Core.status()`` otherwise.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class Backend(Protocol):
 
     def status(self) -> concurrent.futures.Future[dict[str, Any]]: ...
 
+    def server_status(self) -> concurrent.futures.Future[dict[str, Any]]: ...
+
     def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]: ...
 
     def supports(self, command: str) -> bool: ...
@@ -87,6 +95,16 @@ class CoreBackend:
 
     def status(self) -> concurrent.futures.Future[dict[str, Any]]:
         fut: concurrent.futures.Future[dict[str, Any]] = self._guard(self.core.status)
+        return fut
+
+    @property
+    def has_light_status(self) -> bool:
+        return self.supports("server_status")
+
+    def server_status(self) -> concurrent.futures.Future[dict[str, Any]]:
+        """Server and cache state without telemetry aggregates (see the module doc)."""
+        make = self.core.server_status if self.has_light_status else self.core.status
+        fut: concurrent.futures.Future[dict[str, Any]] = self._guard(make)
         return fut
 
     def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
@@ -177,6 +195,9 @@ class TelemetryBackend:
             return {**self.snapshot, **status_from_telemetry(self._tel(), self.clock())}
 
         return self._pool.submit(run)
+
+    def server_status(self) -> concurrent.futures.Future[dict[str, Any]]:
+        return done_future(dict(self.snapshot))
 
     def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
         if name not in QUERIES:

@@ -15,6 +15,7 @@ in the tray tooltip, its menu and the Overview tab.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from app.backend import Backend
 from app.bridge import Bridge
 from app.qt import QObject, QTimer, Signal
 from app.state import AppState, TrayState, derive_state
-from app.tasks import Tasks
+from app.tasks import Tasks, gather
 from core.errors import BinaryNotFound, WarmslotError
 from core.events import BuildProgress, CacheEvent, Notice, ServerExited, ServerStateChanged
 
@@ -70,6 +71,7 @@ class Controller(QObject):
         self._start_after_build = False
         self._status_inflight = False
         self._status_again = False
+        self._status_started = 0.0
         self._closing = False
         self._warm_seen = 0
         self._core_waiters: list[Callable[[], None]] | None = None
@@ -106,6 +108,8 @@ class Controller(QObject):
             progress=self._progress,
             can_cancel_build=self.backend.supports("cancel_build"),
         )
+        if self._progress is not None and state.tray is TrayState.STOPPED:
+            state = _with(state, tray=TrayState.STARTING)  # our start is under way
         if self._progress is not None and state.tray in (
             TrayState.WARM,
             TrayState.COLD,
@@ -141,7 +145,7 @@ class Controller(QObject):
             self._soon.start()
 
     def refresh_status(self) -> None:
-        """Ask the core for its status (no-op while one is in flight)."""
+        """Ask the core for its state and the last hour's numbers (one request at a time)."""
         if self._closing:
             return
         if not self.core.running:
@@ -152,21 +156,30 @@ class Controller(QObject):
             self._status_again = True
             return
         self._status_inflight = True
-        self.tasks.watch(self.backend.status(), self._got_status, self._status_failed, owner=self)
+        self._status_started = time.monotonic()
+        fut = gather(
+            {
+                "status": self.backend.server_status(),
+                "hour": self.backend.query("totals", since=time.time() - 3600),
+            }
+        )
+        self.tasks.watch(fut, self._got_status, owner=self)
 
-    def _got_status(self, st: dict[str, Any]) -> None:
+    def _got_status(self, got: dict[str, Any]) -> None:
         self._status_inflight = False
-        self.status = st
-        self.statusChanged.emit(st)
+        # Poll gently when the core is slow to answer (a huge history, a busy disk).
+        took_ms = (time.monotonic() - self._status_started) * 1000
+        self._poll.setInterval(int(max(STATUS_POLL_MS, 5 * took_ms)))
+        st, hour = got.get("status"), got.get("hour")
+        if isinstance(st, BaseException):
+            log.debug("status failed: %r", st)
+        else:
+            self.status = {**st, "last_hour": hour if isinstance(hour, dict) else {}}
+            self.statusChanged.emit(self.status)
         self._recompute()
         if self._status_again:
             self._status_again = False
             self.refresh_status()
-
-    def _status_failed(self, exc: BaseException) -> None:
-        self._status_inflight = False
-        log.debug("status failed: %r", exc)
-        self._recompute()
 
     # ------------------------------------------------------------ core lifecycle
     def start_core(self, then: Callable[[], None] | None = None) -> None:

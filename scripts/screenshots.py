@@ -155,7 +155,7 @@ def main() -> int:
             dash.tabs.setCurrentIndex(i)
             page = dash.current_page()
             if page.title == "Memory":
-                page.window.setCurrentIndex(3)  # type: ignore[attr-defined]  # 24 h: bands
+                page.period.setCurrentIndex(3)  # type: ignore[attr-defined]  # 24 h: bands
             if page.title == "Cache":
                 wait_refreshed(page)
                 page.saved.selectRow(0)  # type: ignore[attr-defined]

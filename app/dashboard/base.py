@@ -66,7 +66,7 @@ class Tab(QtWidgets.QWidget):
 
     # ------------------------------------------------------------ to implement
     def requests(self) -> dict[str, Request]:
-        """key → (query name or "status", keyword arguments)."""
+        """key → (telemetry query name, "status" or "server_status"; keyword arguments)."""
         return {}
 
     def apply(self, results: dict[str, Any]) -> None:
@@ -78,18 +78,28 @@ class Tab(QtWidgets.QWidget):
         return self._inflight
 
     def refresh(self) -> None:
+        """Refresh now; if one is running, once more right after it (user-initiated)."""
         if self._inflight:
             self._again = True
             return
         reqs = self.requests()
         self.last_requests = reqs
-        backend = self.ctx.backend
-        futures = {
-            key: backend.status() if name == "status" else backend.query(name, **kwargs)
-            for key, (name, kwargs) in reqs.items()
-        }
+        futures = {key: self._submit(name, kwargs) for key, (name, kwargs) in reqs.items()}
         self._inflight = True
         self.ctx.tasks.watch(gather(futures), self._got, owner=self)
+
+    def refresh_if_idle(self) -> None:
+        """Refresh unless one is running (timers and events: never queue up work)."""
+        if not self._inflight:
+            self.refresh()
+
+    def _submit(self, name: str, kwargs: dict[str, Any]) -> Any:
+        backend = self.ctx.backend
+        if name == "status":
+            return backend.status()
+        if name == "server_status":
+            return backend.server_status()
+        return backend.query(name, **kwargs)
 
     def _got(self, results: dict[str, Any]) -> None:
         self._inflight = False

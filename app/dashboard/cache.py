@@ -94,7 +94,7 @@ class CacheTab(Tab):
         self._update_buttons()
 
     def requests(self) -> dict[str, Request]:
-        return {"status": ("status", {})}
+        return {"status": ("server_status", {})}
 
     # ------------------------------------------------------------ drawing
     def apply(self, results: dict[str, Any]) -> None:

@@ -83,12 +83,12 @@ class MemoryTab(Tab):
         super().__init__(ctx, parent)
         row = QtWidgets.QHBoxLayout()
         row.addWidget(QtWidgets.QLabel("Window:"))
-        self.window = QtWidgets.QComboBox()
+        self.period = QtWidgets.QComboBox()
         for label, secs in WINDOWS.items():
-            self.window.addItem(label, secs)
-        self.window.setCurrentIndex(1)
-        self.window.currentIndexChanged.connect(lambda _i: self.refresh())
-        row.addWidget(self.window)
+            self.period.addItem(label, secs)
+        self.period.setCurrentIndex(1)
+        self.period.currentIndexChanged.connect(lambda _i: self.refresh())
+        row.addWidget(self.period)
         row.addStretch(1)
         self.level_label = QtWidgets.QLabel("")
         row.addWidget(self.level_label)
@@ -114,10 +114,10 @@ class MemoryTab(Tab):
         self._gpu_lines: list[int] = []
 
     def requests(self) -> dict[str, Request]:
-        span = int(self.window.currentData())
+        span = int(self.period.currentData())
         return {
             "series": ("pressure_series", {"since": self.ctx.clock() - span}),
-            "status": ("status", {}),
+            "status": ("server_status", {}),
         }
 
     def apply(self, results: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from app import fmt
 from app.charts import TimeChart
 from app.dashboard.base import Request, Tab, ViewContext
+from app.dashboard.buckets import BucketCache
 from app.dashboard.reuse import window
 from app.icons import state_icon
 from app.qt import Qt, QtWidgets
@@ -48,6 +49,8 @@ class OverviewTab(Tab):
     def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(ctx, parent)
         self.app_state: AppState | None = None
+        self.buckets = BucketCache()
+        self.day_window = (0.0, 0.0)
         # State row: icon, words, buttons.
         top = QtWidgets.QHBoxLayout()
         self.icon = QtWidgets.QLabel()
@@ -138,10 +141,13 @@ class OverviewTab(Tab):
     def requests(self) -> dict[str, Request]:
         now = self.ctx.clock()
         since, until, _ = window("hour", now)
+        self.day_window = (since, until)
+        q_since = self.buckets.query_since("hour", since, now)
         return {
-            "status": ("status", {}),
+            "status": ("server_status", {}),
+            "hour": ("totals", {"since": now - 3600}),
             "today": ("totals", {"since": fmt.start_of_day(now)}),
-            "day": ("hit_rate", {"bucket": "hour", "since": since, "until": until}),
+            "day": ("hit_rate", {"bucket": "hour", "since": q_since, "until": until}),
         }
 
     def show_state(self, st: AppState) -> None:
@@ -173,15 +179,18 @@ class OverviewTab(Tab):
         if st is not None:
             self._facts(st)
             if self.ctx.controller is None:
-                self.show_state(derive_state(st))
-            hour = st.get("last_hour") or {}
+                self.show_state(derive_state({**st, "last_hour": results.get("hour") or {}}))
+        hour = results.get("hour")
+        if hour is not None:
             self.cards["hit_hour"].set(
                 fmt.pct(hour.get("hit_ratio")), f"{hour.get('requests', 0)} requests"
             )
         day = results.get("day")
         if day is not None:
-            kw = self.last_requests["day"][1]
-            self.day.set_x_range(kw["since"], kw["until"])
+            since, until = self.day_window
+            q_since = self.last_requests["day"][1]["since"]
+            day = self.buckets.merge("hour", since, q_since, day, self.ctx.clock())
+            self.day.set_x_range(since, until)
             pts = [(r["bucket"], r["hit_ratio"] * 100) for r in day if r["hit_ratio"] is not None]
             if pts:
                 self.day.show_chart()

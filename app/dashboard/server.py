@@ -124,7 +124,7 @@ class ServerTab(Tab):
             bridge.build.connect(self.show_build)
 
     def requests(self) -> dict[str, Request]:
-        return {"status": ("status", {}), "runs": ("server_runs", {"limit": 20})}
+        return {"status": ("server_status", {}), "runs": ("server_runs", {"limit": 20})}
 
     def apply(self, results: dict[str, Any]) -> None:
         if "status" in results:

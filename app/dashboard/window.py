@@ -73,7 +73,7 @@ class Dashboard(QtWidgets.QMainWindow):
         self._soon.setSingleShot(True)
         self._soon.setInterval(SOON_MS)
         self._soon.timeout.connect(self.refresh_current)
-        self.tabs.currentChanged.connect(lambda _i: self.refresh_current())
+        self.tabs.currentChanged.connect(lambda _i: self._tab_changed())
         if ctx.bridge is not None:
             for sig in (
                 ctx.bridge.request,
@@ -98,6 +98,11 @@ class Dashboard(QtWidgets.QMainWindow):
         return self._order[self.tabs.currentIndex()]
 
     def refresh_current(self) -> None:
+        """Timers and events: refresh the visible tab unless it is still refreshing."""
+        if self.isVisible():
+            self.current_page().refresh_if_idle()
+
+    def _tab_changed(self) -> None:
         if self.isVisible():
             self.current_page().refresh()
 

@@ -55,13 +55,22 @@ def test_reuse_charts_equal_the_queries(
     tab = ReuseTab(offline)
     qtbot.addWidget(tab)
     tab.bucket.setCurrentIndex(tab.bucket.findData(bucket))
+    qtbot.waitUntil(lambda: not tab.busy)
+    tab.buckets.clear()
     refreshed(qtbot, tab)
-
     since, until, size = window(bucket, NOW)
     assert tab.last_requests["hit"] == (
         "hit_rate",
         {"bucket": bucket, "since": since, "until": until},
     )
+    # The next refresh asks only for the buckets that were not final yet (finished
+    # ones are cached); what is drawn must still equal the whole window's query.
+    refreshed(qtbot, tab)
+    name, kw = tab.last_requests["hit"]
+    assert name == "hit_rate" and kw["bucket"] == bucket and kw["until"] == until
+    assert since < kw["since"] <= NOW and (kw["since"] - since) % size == 0
+    detail = max(since, NOW - 86400)
+    assert tab.last_requests["ttfb"] == ("ttfb", {"since": detail})
     rows = expected.hit_rate(bucket=bucket, since=since, until=until)
     assert rows, "the known data has requests in every window"
     # Hit rate line: one point per bucket with requests, y = hit ratio in percent.
@@ -80,12 +89,12 @@ def test_reuse_charts_equal_the_queries(
         assert top[2 * i][1] - cached[2 * i][1] == r["new"]
         assert cached[2 * i + 1] == (b + size, r["cached"])
 
-    t = expected.ttfb(since=since)
+    t = expected.ttfb(since=detail)
     assert tab.ttfb.bars() == [
         (f"warm (n={t['warm_n']:,})", round(t["warm"], 1)),
         (f"cold (n={t['cold_n']:,})", round(t["cold"], 1)),
     ]
-    clients = [c for c in expected.per_client(since=since) if c["hit_ratio"] is not None]
+    clients = [c for c in expected.per_client(since=detail) if c["hit_ratio"] is not None]
     assert tab.clients.bars() == [
         (f"{c['client']} ({c['requests']:,})", round(c["hit_ratio"] * 100, 1)) for c in clients
     ]
