@@ -3,13 +3,14 @@
 - ``warmslot bench overhead [--requests N] [--json] [--model PATH]``: the latency
   the proxy adds (see `core.bench.overhead`).
 - ``warmslot bench trace``: an opencode-shaped trace, bare llama-server vs
-  Warmslot (see `core.bench.tracebench`), when that module is present.
+  Warmslot (see `core.bench.tracebench`).
+- ``warmslot bench swap``: two models under one budget, plain reload vs swap-aware
+  save/restore (see `core.bench.swap`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import Any
 
 
@@ -33,11 +34,10 @@ def register(subparsers: Any) -> None:
         help="attach the prefix-cache manager to the proxy (default: the plain proxy)",
     )
     p.set_defaults(func=_cmd_overhead)
-    try:
-        trace = importlib.import_module("core.bench.tracebench")
-    except ImportError:
-        return
-    trace.add_parser(sub)
+    from core.bench import swap, tracebench
+
+    tracebench.add_parser(sub)
+    swap.add_parser(sub)
 
 
 def _cmd_overhead(args: argparse.Namespace) -> int:

@@ -1,0 +1,232 @@
+"""`warmslot bench swap`: two models that do not fit together, alternating requests.
+
+Both arms run in one invocation on the same binary and models, with a RAM budget
+that fits one model at a time, so every request for the other model swaps:
+
+- **plain** — unload/reload only (the cache manager off), what a model swapper does;
+- **swap-aware** — Warmslot saves each model's prefix before unloading it and
+  restores (and verifies) it after loading it again, before the request runs.
+
+Reported per arm: prompt tokens the requests had to evaluate, tokens reused,
+prefill seconds and wall seconds, over the requests after each model's first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from core.bench.trace import make_trace
+from core.config import ModelProfile, Settings
+from core.engine import Core
+from core.paths import Paths
+
+
+def _post(port: int, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        data: dict[str, Any] = json.loads(resp.read())
+        return data
+
+
+def _settle(core: Core, timeout: float = 600) -> None:
+    """Wait until every loaded model's cache work and the pool's loading are done."""
+    pool = core.pool
+    deadline = time.monotonic() + timeout
+
+    async def idle() -> bool:
+        if pool is None:
+            return True
+        managers = [e.manager for e in pool.entries.values() if e.manager is not None]
+        return all(m.idle() for m in managers) and not pool._loading
+
+    while not core.submit(idle()).result(30):
+        if time.monotonic() > deadline:
+            raise TimeoutError("background cache work did not finish")
+        time.sleep(0.05)
+
+
+def settings_for_swap(
+    model_a: str, model_b: str, *, ctx: int, budget_mib: int, cache: bool
+) -> Settings:
+    s = Settings().replace("server.model", model_a).replace("proxy.port", 0)
+    s = s.replace("server.ctx_per_slot", ctx).replace("cache.enabled", cache)
+    s.models = [
+        ModelProfile(name="a", role="text"),
+        ModelProfile(name="b", model=model_b, priority=100),
+    ]
+    s.pool.ram_floor_mib = 0
+    s.pool.ram_budget_mib = budget_mib
+    s.pool.vram_budget_mib = 1  # keep the plan on the host: the budget is what swaps
+    return s
+
+
+def budget_for_one(model_a: str, model_b: str, ctx: int, state_dir: Path) -> int:
+    """A RAM budget (MiB) that fits the larger model alone but not both."""
+    from core.models import profiles
+    from core.server import devices
+
+    s = settings_for_swap(model_a, model_b, ctx=ctx, budget_mib=0, cache=True)
+    host = devices.read_host(state_dir)
+    mib = [
+        profiles.footprint(p, profiles.server_settings(s, p), Path(m), [], host).ram // profiles.MIB
+        for p, m in zip(profiles.profiles(s), (model_a, model_b), strict=True)
+    ]
+    return int(max(mib) + min(mib) // 2)
+
+
+def run_arm(
+    name: str,
+    model_a: str,
+    model_b: str,
+    *,
+    rounds: int,
+    scale: float,
+    ctx: int,
+    budget_mib: int,
+    home: Path,
+    log: Any = None,
+) -> dict[str, Any]:
+    from core.cache.manager import policy_factory
+
+    s = settings_for_swap(
+        model_a, model_b, ctx=ctx, budget_mib=budget_mib, cache=name == "swap-aware"
+    )
+    # Each round opens a new agent session on each model (the user switching models
+    # between tasks): what survives a swap is the stable prefix the sessions share.
+    trace = [
+        r
+        for r in make_trace(sessions=rounds, turns=1, scale=scale, restart_before_session=None)
+        if r.kind == "agent"
+    ]
+    core = Core(Paths.under(home), s, policy_factory=policy_factory)
+    core.start(wait_ready=True, timeout=300)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    try:
+        assert core.proxy is not None
+        for i, r in enumerate(trace):
+            for model in ("a", "b"):
+                headers = {**r.headers, "x-session-id": f"{model}-{r.session}"}
+                data = _post(core.proxy.port, {**r.body, "model": model}, headers)
+                t = data.get("timings") or {}
+                rows.append(
+                    {
+                        "round": i,
+                        "model": model,
+                        "cache_n": int(t.get("cache_n", 0)),
+                        "prompt_n": int(t.get("prompt_n", 0)),
+                        "prompt_ms": float(t.get("prompt_ms", 0.0)),
+                    }
+                )
+                if log is not None:
+                    log(
+                        f"  {name:<10} round {i} model {model}: cache_n {rows[-1]['cache_n']:>6}"
+                        f" prompt_n {rows[-1]['prompt_n']:>6} {rows[-1]['prompt_ms']:>8.0f} ms"
+                    )
+                _settle(core)
+        events = core.query("recent_events", limit=500, category="models").result(30)
+    finally:
+        core.stop()
+    swapped = [r for r in rows if r["round"] > 0]  # every one of these followed a swap
+    cached = sum(r["cache_n"] for r in swapped)
+    new = sum(r["prompt_n"] for r in swapped)
+    return {
+        "run": name,
+        "requests_after_swap": len(swapped),
+        "prompt_tokens": new,
+        "cached_tokens": cached,
+        "hit": cached / (cached + new) if cached + new else None,
+        "prefill_s": round(sum(r["prompt_ms"] for r in swapped) / 1000, 3),
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "loads": sum(1 for e in events if e["kind"] == "loaded"),
+        "requests": rows,
+    }
+
+
+def run(
+    model_a: str,
+    model_b: str,
+    *,
+    rounds: int = 4,
+    scale: float = 0.5,
+    ctx: int = 24576,
+    workdir: Path | None = None,
+    log: Any = None,
+) -> list[dict[str, Any]]:
+    base = workdir or Path(tempfile.mkdtemp(prefix="warmslot-swap-"))
+    try:
+        budget = budget_for_one(model_a, model_b, ctx, base)
+        return [
+            run_arm(
+                name,
+                model_a,
+                model_b,
+                rounds=rounds,
+                scale=scale,
+                ctx=ctx,
+                budget_mib=budget,
+                home=base / name,
+                log=log,
+            )
+            for name in ("plain", "swap-aware")
+        ]
+    finally:
+        if workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    def pct(v: float | None) -> str:
+        return "—" if v is None else f"{v * 100:.1f} %"
+
+    rows = [
+        ("", *[r["run"] for r in results]),
+        ("requests after a swap", *[str(r["requests_after_swap"]) for r in results]),
+        ("prompt tokens evaluated", *[str(r["prompt_tokens"]) for r in results]),
+        ("prompt tokens reused", *[str(r["cached_tokens"]) for r in results]),
+        ("hit rate", *[pct(r["hit"]) for r in results]),
+        ("prefill seconds", *[f"{r['prefill_s']:.2f}" for r in results]),
+        ("model loads", *[str(r["loads"]) for r in results]),
+        ("wall seconds", *[f"{r['wall_s']:.1f}" for r in results]),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{r[0]:<{width}}  " + "  ".join(f"{c:>11}" for c in r[1:]) for r in rows)
+
+
+def add_parser(bench_sub: Any) -> None:
+    p = bench_sub.add_parser(
+        "swap", help="two models, one memory budget: plain reload vs swap-aware save/restore"
+    )
+    p.add_argument(
+        "--model-a",
+        required=True,
+        help="first GGUF (dense models show the "
+        "disk tier; sliding-window ones need the checkpoint patch)",
+    )
+    p.add_argument("--model-b", required=True, help="second GGUF")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--scale", type=float, default=0.5, help="trace size (1.0 = opencode)")
+    p.add_argument("--ctx", type=int, default=24576, help="context per slot")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    results = run(
+        args.model_a, args.model_b, rounds=args.rounds, scale=args.scale, ctx=args.ctx, log=log
+    )
+    print(json.dumps(results, indent=2) if args.json else format_table(results))
+    return 0
