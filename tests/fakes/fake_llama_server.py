@@ -45,7 +45,7 @@ def crash() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGSEGV)
-    time.sleep(5)  # pragma: no cover - the signal ends us first
+    block_forever()  # pragma: no cover - the signal ends us first
 
 
 def block_forever() -> None:
@@ -144,11 +144,12 @@ def serve(host: str, port: int, crash_after: float | None) -> None:
     if crash_after is not None:
 
         def later() -> None:
-            time.sleep(crash_after)
             log("E", "srv", "fake: crashing now")
             crash()
 
-        threading.Thread(target=later, daemon=True).start()
+        timer = threading.Timer(crash_after, later)
+        timer.daemon = True
+        timer.start()
     server.serve_forever()
 
 
