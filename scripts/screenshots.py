@@ -154,6 +154,8 @@ def main() -> int:
         for i in range(dash.tabs.count()):
             dash.tabs.setCurrentIndex(i)
             page = dash.current_page()
+            if page.title == "Reuse":
+                page.bucket.setCurrentIndex(1)  # type: ignore[attr-defined]  # hour buckets
             if page.title == "Memory":
                 page.period.setCurrentIndex(3)  # type: ignore[attr-defined]  # 24 h: bands
             if page.title == "Cache":

@@ -40,6 +40,7 @@ class ReuseTab(Tab):
     def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(ctx, parent)
         self.buckets = BucketCache()
+        self.tokens_divisor = 1.0  # the token chart shows tokens / this
         self.span: tuple[float, float, int] = (0.0, 0.0, 60)
         row = QtWidgets.QHBoxLayout()
         row.addWidget(QtWidgets.QLabel("Show:"))
@@ -145,7 +146,15 @@ class ReuseTab(Tab):
                 cached.append((x, float(r["cached"]) if r else 0.0))
                 new.append((x, float(r["new"]) if r else 0.0))
             b += size
-        self.tokens.set_stacked({"cached": cached, "new": new})
+        top = max((c + n for (_, c), (_, n) in zip(cached, new, strict=True)), default=0.0)
+        self.tokens_divisor, unit = (
+            (1e6, "millions") if top >= 2e6 else (1e3, "thousands") if top >= 2e4 else (1.0, "")
+        )
+        d = self.tokens_divisor
+        self.tokens.axis_y.setTitleText(f"tokens ({unit})" if unit else "tokens")
+        self.tokens.set_stacked(
+            {"cached": [(x, y / d) for x, y in cached], "new": [(x, y / d) for x, y in new]}
+        )
         self.tokens.fit_y()
         total_c = sum(r["cached"] for r in rows)
         total = sum(r["total"] for r in rows)
