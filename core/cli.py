@@ -224,7 +224,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"model:       ✘ {e.user_message()}")
     st = fetch_status(paths)
     print(f"running:     {'yes, ' + st['server']['state'] if st else 'no'}")
-    for mod_name in ("core.cache.manager",):
+    for mod_name in ("core.cache.inventory",):
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:

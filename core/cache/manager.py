@@ -29,7 +29,15 @@ import aiohttp
 from core.cache import background as bg
 from core.cache import prefix as pfx
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename, template_hash
+from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive
+from core.cache.probe import (
+    PROBE_SUFFIX,
+    REUSE_SLACK,
+    check_answer,
+    probe_answer,
+    probe_request,
+)
 from core.cache.retention import Retention
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore, file_sha256
@@ -48,10 +56,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("warmslot.cache")
 
-PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
-PROBE_TOKENS = 4
-LOGPROB_TOLERANCE = 1e-3  # measured: restored dense states reproduce log-probs exactly
-REUSE_SLACK = 1  # the server re-evaluates the last cached token when nothing is new
+IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after a start
+
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
 PATCH_FIELD = "warmslot_patches"
 PATCH_CHECKPOINTS = "slot-checkpoints"  # a patch level that makes SWA/hybrid files valid
@@ -95,6 +101,9 @@ class CacheManager:
         self._jobs: set[asyncio.Task[Any]] = set()
         self._run_id = ""
         self._ready_task: asyncio.Task[None] | None = None
+        # Set once the identity of the (re)started server is learned (or failed): a
+        # request arriving right after "ready" waits for it rather than go unmanaged.
+        self._identity_known = asyncio.Event()
         self._probe_suffix: list[int] | None = None
         # Background work (core.cache.background): pressure gates, retention, keep-alive.
         self.pressure = PressureMonitor(
@@ -179,6 +188,7 @@ class CacheManager:
         if event.state == "ready" and sup is not None and sup.run_id != self._run_id:
             self._run_id = sup.run_id
             self.slots.reset()
+            self._identity_known.clear()
             self._ready_task = asyncio.ensure_future(self._after_ready())
         elif event.state in ("starting", "stopped", "failed"):
             self.slots.reset()
@@ -194,6 +204,8 @@ class CacheManager:
             log.exception("could not read the server identity; cache management paused")
             self._emit("identity_failed", f"could not read server identity: {e!r}")
             return
+        finally:
+            self._identity_known.set()
         if not self.core.settings.cache.enabled:
             return
         await self._warm_known()
@@ -335,6 +347,9 @@ class CacheManager:
     # ------------------------------------------------------------ request path
     async def prepare(self, req: ProxyRequest) -> None:
         settings = self.core.settings.cache
+        if settings.enabled and self._ready_task is not None and not self._identity_known.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._identity_known.wait(), IDENTITY_WAIT_S)
         client = self.client
         if not settings.enabled or client is None or self.identity is None:
             return
@@ -375,7 +390,10 @@ class CacheManager:
         req.response_headers["X-Warmslot-Slot"] = str(slot)
         req.response_headers["X-Warmslot-Kind"] = req.kind
         if self.template_warning and (req.has_tools or req.kind == "agent"):
-            req.response_headers["X-Warmslot-Warning"] = self.template_warning[:200]
+            header = self.template_warning.replace("…", "...")
+            req.response_headers["X-Warmslot-Warning"] = header.encode("ascii", "replace").decode()[
+                :200
+            ]
         if info is not None:
             req.response_headers["X-Warmslot-Prefix"] = f"{info.fingerprint[:16]}:{info.n_tokens}"
 
@@ -582,26 +600,6 @@ class CacheManager:
         )
 
     # ------------------------------------------------------------ warm / save / restore
-    def _probe_body(self, info_tokens: list[int], slot: int) -> dict[str, Any]:
-        assert self._probe_suffix is not None
-        return {
-            "prompt": info_tokens + self._probe_suffix,
-            "n_predict": PROBE_TOKENS,
-            "temperature": 0.0,
-            "top_k": 1,
-            "samplers": ["top_k"],
-            "n_probs": 1,
-            "id_slot": slot,
-            "cache_prompt": True,
-            "seed": 0,
-            "response_fields": ["completion_probabilities", "timings", "tokens_cached"],
-        }
-
-    @staticmethod
-    def _probe_answer(resp: dict[str, Any]) -> tuple[list[int], list[float]]:
-        probs = resp.get("completion_probabilities") or []
-        return [int(p["id"]) for p in probs], [float(p["logprob"]) for p in probs]
-
     async def _prewarm(self, info: pfx.PrefixInfo, slot: int, *, reason: str) -> Timings | None:
         """Fill `slot` with exactly the prefix (n_predict 0 keeps only the prompt in KV)."""
         client = self.client
@@ -686,8 +684,9 @@ class CacheManager:
             )
             return
         await self._wait_idle(exclude=slot)
-        answer = await client.completion(self._probe_body(info.tokens, slot))
-        tokens, logprobs = self._probe_answer(answer)
+        assert self._probe_suffix is not None
+        answer = await client.completion(probe_request(info.tokens, self._probe_suffix, slot))
+        tokens, logprobs = probe_answer(answer)
         now = self.clock.time()
         rec = StateRecord(
             filename=name,
@@ -789,36 +788,10 @@ class CacheManager:
         suffix, prefix_tokens = probe.get("suffix"), probe.get("prefix")
         if not suffix or not prefix_tokens or "tokens" not in probe:
             return "no known-answer probe recorded"
-        body = {
-            "n_predict": PROBE_TOKENS,
-            "temperature": 0.0,
-            "top_k": 1,
-            "samplers": ["top_k"],
-            "n_probs": 1,
-            "id_slot": slot,
-            "cache_prompt": True,
-            "seed": 0,
-            "return_tokens": False,
-            "response_fields": ["completion_probabilities", "timings"],
-        }
-        body["prompt"] = list(prefix_tokens) + list(suffix)
         await self._wait_idle(exclude=slot)
-        resp = await client.completion(body)
+        resp = await client.completion(probe_request(prefix_tokens, suffix, slot))
         t = Timings.parse(resp.get("timings"))
-        if t is None or t.cache_n < rec.prefix_n - REUSE_SLACK:
-            return (
-                f"reuse probe: cache_n {t.cache_n if t else None}, expected "
-                f"≥ {rec.prefix_n - REUSE_SLACK}"
-            )
-        got_tokens, got_lp = self._probe_answer(resp)
-        if got_tokens != probe["tokens"]:
-            return f"probe answer changed: tokens {got_tokens} ≠ {probe['tokens']}"
-        worst = max(
-            (abs(a - b) for a, b in zip(got_lp, probe["logprobs"], strict=False)), default=0.0
-        )
-        if worst > LOGPROB_TOLERANCE:
-            return f"probe log-probs moved by {worst:.4g} (> {LOGPROB_TOLERANCE})"
-        return None
+        return check_answer(resp, t.cache_n if t else None, rec.prefix_n, probe)
 
     # ------------------------------------------------------------ status / lifecycle
     def idle(self) -> bool:
@@ -946,56 +919,6 @@ def _render_body(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k in keep}
 
 
-def format_inventory(st: dict[str, Any]) -> str:
-    lines = [f"WARNING: {st['template_warning']}"] if st.get("template_warning") else []
-    lines += [
-        f"cache: identity {st['identity']}; disk tier "
-        f"{'on' if st['disk_tier']['usable'] else 'off'} — {st['disk_tier']['reason']}"
-    ]
-    for s in st["slots"]:
-        role = " (side calls)" if s["id"] == st["aux_slot"] else ""
-        lines.append(
-            f"  slot {s['id']}{role}: {s['tokens']} tokens, prefix "
-            f"{s['prefix'] or '—'}, session {s['session'] or '—'}{bg.expiry_text(s)}"
-        )
-    for p in st["prefixes"]:
-        lines.append(
-            f"  prefix {p['fingerprint']} {p['client']}: {p['tokens']} tokens "
-            f"({p['share'] * 100:.0f} % of the prompt, {p['source']})"
-        )
-    for r in st["saved"][:10]:
-        lines.append(
-            f"  saved {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
-            f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {r['verified']}"
-            f"{bg.expiry_text(r)}"
-        )
-    if st["divergences"]:
-        d = st["divergences"][0]
-        lines.append(f"  last divergence ({d['client']}): {d['reason']}")
-        if d.get("where"):
-            w = d["where"]
-            lines.append(
-                f"    at token {w.get('token_index')}: …{w['before'][-40:]!r} "
-                f"then {w['old'][:40]!r} → {w['new'][:40]!r}"
-            )
-    return "\n".join(lines)
-
-
 def policy_factory(core: Core) -> CacheManager:
     """Entry point the CLI and the tray use to attach the cache manager to a core."""
     return CacheManager(core)
-
-
-def doctor_lines(paths: Any, settings: Any, status: dict[str, Any] | None) -> list[str]:
-    """Lines for `warmslot doctor`: the chat template check of the running server."""
-    cache = (status or {}).get("cache") or {}
-    warning = cache.get("template_warning")
-    if warning:
-        return [
-            f"template:    ✘ {warning}",
-            "             → set server.chat_template_file (for Gemma 3: "
-            "resources/templates/gemma3-tools.jinja)",
-        ]
-    if status is None:
-        return ["template:    (checked once a request with tools runs through a running server)"]
-    return ["template:    ✔ no dropped tools seen"]

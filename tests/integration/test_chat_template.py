@@ -75,7 +75,7 @@ def test_template_that_drops_tools_is_reported(tmp_path: Path, gemma_model: Path
         status = core.status().result(10)
         assert "tool bash" in status["cache"]["template_warning"]
         assert "WARNING" in status["cache"]["text"]
-        from core.cache.manager import doctor_lines
+        from core.cache.inventory import doctor_lines
 
         assert "✘" in doctor_lines(core.paths, core.settings, status)[0]
         notices = core.query("recent_events", category="notice").result(10)

@@ -1,0 +1,57 @@
+"""The cache inventory as text (`warmslot status`) and the doctor's template line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.cache import background as bg
+
+
+def format_inventory(st: dict[str, Any]) -> str:
+    lines = [f"WARNING: {st['template_warning']}"] if st.get("template_warning") else []
+    lines += [
+        f"cache: identity {st['identity']}; disk tier "
+        f"{'on' if st['disk_tier']['usable'] else 'off'} — {st['disk_tier']['reason']}"
+    ]
+    for s in st["slots"]:
+        role = " (side calls)" if s["id"] == st["aux_slot"] else ""
+        lines.append(
+            f"  slot {s['id']}{role}: {s['tokens']} tokens, prefix "
+            f"{s['prefix'] or '—'}, session {s['session'] or '—'}{bg.expiry_text(s)}"
+        )
+    for p in st["prefixes"]:
+        lines.append(
+            f"  prefix {p['fingerprint']} {p['client']}: {p['tokens']} tokens "
+            f"({p['share'] * 100:.0f} % of the prompt, {p['source']})"
+        )
+    for r in st["saved"][:10]:
+        lines.append(
+            f"  saved {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
+            f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {r['verified']}"
+            f"{bg.expiry_text(r)}"
+        )
+    if st["divergences"]:
+        d = st["divergences"][0]
+        lines.append(f"  last divergence ({d['client']}): {d['reason']}")
+        if d.get("where"):
+            w = d["where"]
+            lines.append(
+                f"    at token {w.get('token_index')}: …{w['before'][-40:]!r} "
+                f"then {w['old'][:40]!r} → {w['new'][:40]!r}"
+            )
+    return "\n".join(lines)
+
+
+def doctor_lines(paths: Any, settings: Any, status: dict[str, Any] | None) -> list[str]:
+    """Lines for `warmslot doctor`: the chat template check of the running server."""
+    cache = (status or {}).get("cache") or {}
+    warning = cache.get("template_warning")
+    if warning:
+        return [
+            f"template:    ✘ {warning}",
+            "             → set server.chat_template_file (for Gemma 3: "
+            "resources/templates/gemma3-tools.jinja)",
+        ]
+    if status is None:
+        return ["template:    (checked once a request with tools runs through a running server)"]
+    return ["template:    ✔ no dropped tools seen"]
