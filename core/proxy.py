@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -684,19 +685,28 @@ class Proxy:
             await asyncio.wait(set(self._inflight), timeout=timeout)
 
 
+_ID_SLOT_RE = re.compile(rb'"id_slot":\s*(\d+)')
+
+
 def _timings_from_json(data: bytes) -> tuple[dict[str, Any] | None, int | None]:
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None, None
-    if not isinstance(obj, dict):
-        return None, None
-    slot = obj.get("id_slot")
-    timings = obj.get("timings")
-    return (
-        timings if isinstance(timings, dict) else None,
-        slot if isinstance(slot, int) and slot >= 0 else None,
-    )
+    """`timings` and `id_slot` of a completed response, without parsing all of it.
+
+    Responses can be large (``/completion`` echoes the prompt); ``timings`` is a flat
+    object of numbers, so it is cut out and parsed alone.
+    """
+    timings: dict[str, Any] | None = None
+    start = data.rfind(b'"timings":')
+    if start >= 0:
+        begin = data.find(b"{", start)
+        end = data.find(b"}", begin)
+        if begin >= 0 and end > begin:
+            try:
+                parsed = json.loads(data[begin : end + 1])
+            except ValueError:
+                parsed = None
+            timings = parsed if isinstance(parsed, dict) else None
+    m = _ID_SLOT_RE.search(data)
+    return timings, int(m.group(1)) if m else None
 
 
 def _error_text(data: bytes) -> str:

@@ -86,6 +86,7 @@ class CacheManager:
         self.prefixes: dict[str, pfx.PrefixInfo] = {}  # shape key → prefix
         self.by_fp: dict[str, pfx.PrefixInfo] = {}
         self.learn: dict[str, list[tuple[str, list[int]]]] = {}  # tools key → first turns
+        self._no_prefix: set[tuple[str, str]] = set()  # (shape, session) without a prefix
         self.client_tools: dict[str, bool] = {}
         self.identity: ServerIdentity | None = None
         self.disk = DiskTier(False, "server not started yet")
@@ -413,6 +414,8 @@ class CacheManager:
         group = self.learn.setdefault(tkey, [])
         if known is not None and any(s == session for s, _ in group):
             return known
+        if (key, session) in self._no_prefix:
+            return None  # this session's shape was rendered before and had none
         rendered = await client.apply_template(_render_body(body))
         self._check_template(req, rendered)
         full = await client.tokenize(rendered, add_special=True)
@@ -438,6 +441,11 @@ class CacheManager:
             tokens, source = learned, "learned"
         if known is not None and known.n_tokens >= len(tokens):
             return known
+        if len(tokens) < pfx.MIN_PREFIX_TOKENS and known is None:
+            # Remember, so later turns of this session skip the render round trips.
+            if len(self._no_prefix) > 10_000:
+                self._no_prefix.clear()
+            self._no_prefix.add((key, session))
         if len(tokens) < pfx.MIN_PREFIX_TOKENS:
             self._emit(
                 "no_boundary",
