@@ -6,9 +6,10 @@ file on its own thread (a sqlite connection belongs to its thread) and answers
 ``status()`` from a fixed snapshot: the screenshot script, the chart benchmark
 and the tests use it to draw real query results without a running server.
 
-Commands the GUI knows about but the core may not provide yet (pin/evict/re-warm
-a saved state, build/cancel a build) are looked up by name: `supports(name)`
-says whether the core has them, so the views can disable their buttons.
+Commands are looked up on the core by name (``pin``, ``evict``, ``rewarm``,
+``start_server`` …); `supports(name)` says whether this core has one, so a view
+can disable a button for a command the core does not offer (yet), such as
+``build_server`` and ``cancel_build``.
 
 ``server_status()`` is what the views poll: the server and cache parts of the
 status without the all-time telemetry aggregates (``Core.status()`` computes
@@ -44,7 +45,7 @@ QUERIES = (
 )
 
 # Core methods the GUI calls when they exist (see docs/gui.md, "Core API the GUI expects").
-CACHE_COMMANDS = ("pin_state", "evict_state", "rewarm_state")
+CACHE_COMMANDS = ("pin", "evict", "rewarm")
 BUILD_COMMANDS = ("build_server", "cancel_build")
 
 

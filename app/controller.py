@@ -96,7 +96,7 @@ class Controller(QObject):
         return self._progress is not None
 
     def _recompute(self) -> None:
-        pressure = self.bridge.pressure_level
+        pressure = self.bridge.pressure_level or _status_pressure(self.status)
         build = self.bridge.build_state
         state = derive_state(
             self.status if self.core.running else None,
@@ -347,6 +347,13 @@ class Controller(QObject):
         if ev.level == "error":
             text = f"{ev.text}\n→ {ev.hint}" if ev.hint else ev.text
             self.notify.emit("Warmslot", text, "error")
+
+
+def _status_pressure(status: dict[str, Any] | None) -> str:
+    """The pressure level the cache manager reports in its status, if any."""
+    cache = (status or {}).get("cache")
+    p = cache.get("pressure") if isinstance(cache, dict) else None
+    return str(p.get("level") or "") if isinstance(p, dict) else ""
 
 
 def _with(state: AppState, **changes: Any) -> AppState:

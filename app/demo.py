@@ -227,19 +227,21 @@ def events(now: float) -> list[Any]:
             ts=now - 2600,
         ),
         CacheEvent(
-            kind="evict",
+            kind="evicted",
             reason="disk cap 8.0 GiB reached; least recently used",
             fingerprint=fp[3],
             tokens=3100,
             bytes=310_000_000,
+            details={"rule": "cap"},
             ts=now - 4000,
         ),
         CacheEvent(
-            kind="expired",
+            kind="evicted",
             reason="TTL class short (5 min) elapsed",
             fingerprint=fp[2],
             tokens=900,
             bytes=90_000_000,
+            details={"rule": "ttl"},
             ts=now - 1800,
         ),
         CacheEvent(
@@ -333,6 +335,8 @@ def status(now: float) -> dict[str, Any]:
                     "tokens": 23410,
                     "inflight": 1,
                     "kind": "agent",
+                    "ttl_class": "long",
+                    "expires_in_s": 3480.0,
                 },
                 {
                     "id": 1,
@@ -341,6 +345,8 @@ def status(now: float) -> dict[str, Any]:
                     "tokens": 9120,
                     "inflight": 0,
                     "kind": "agent",
+                    "ttl_class": "long",
+                    "expires_in_s": 1190.0,
                 },
                 {
                     "id": 2,
@@ -422,6 +428,12 @@ def status(now: float) -> dict[str, Any]:
                 },
             ],
             "divergences": [],
-            "disk_cap_bytes": 8 * GiB,
+            "disk": {
+                "used_bytes": 3_220_000_000,
+                "cap_bytes": 8 * GiB,
+                "cap_source": "cache.disk_cap_mb",
+            },
+            "pressure": {"level": "nominal", "causes": [], "ram_available_pct": 34.0},
+            "paused": [],
         },
     }

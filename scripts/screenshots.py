@@ -131,7 +131,7 @@ def main() -> int:
             db,
             snapshot=snapshot,
             clock=lambda: now,
-            commands={"pin_state": print, "evict_state": print, "rewarm_state": print},
+            commands={"pin": print, "evict": print, "rewarm": print},
         )
         tasks = Tasks()
         bridge = Bridge()

@@ -11,9 +11,9 @@ from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import Qt, QtWidgets
 
 NEEDS = {
-    "pin_state": "Core.pin_state(filename, pinned) → Future",
-    "evict_state": "Core.evict_state(filename) → Future",
-    "rewarm_state": "Core.rewarm_state(filename) → Future",
+    "pin": "Core.pin(filename, pinned) → Future",
+    "evict": "Core.evict(filename) → Future",
+    "rewarm": "Core.rewarm(fingerprint) → Future",
 }
 
 
@@ -23,12 +23,18 @@ def ttl_seconds(settings: Any, ttl_class: str) -> float | None:
 
 
 def expiry_text(state: dict[str, Any], settings: Any, now: float) -> str:
+    """Time to expiry: the core's own figure (`expires_in_s`) when it gives one."""
     if state.get("pinned"):
         return "never (pinned)"
-    ttl = ttl_seconds(settings, str(state.get("ttl_class", "")))
-    if ttl is None or not state.get("last_used"):
-        return "—"
-    left = state["last_used"] + ttl - now
+    if "expires_in_s" in state:
+        left = state["expires_in_s"]
+        if left is None:
+            return "never"
+    else:
+        ttl = ttl_seconds(settings, str(state.get("ttl_class", "")))
+        if ttl is None or not state.get("last_used"):
+            return "—"
+        left = state["last_used"] + ttl - now
     return "due now" if left <= 0 else f"in {fmt.duration(left)}"
 
 
@@ -43,7 +49,8 @@ class CacheTab(Tab):
 
         self.outer.addWidget(QtWidgets.QLabel("<b>Slots</b>"))
         self.slots = table(
-            ["slot", "role", "session", "prefix", "tokens", "in flight", "last request"], stretch=2
+            ["slot", "role", "session", "prefix", "tokens", "in flight", "last request", "expires"],
+            stretch=2,
         )
         self.slots.setMaximumHeight(140)
         self.outer.addWidget(self.slots)
@@ -58,8 +65,8 @@ class CacheTab(Tab):
         self.evict_button.setObjectName("evict")
         self.rewarm_button.setObjectName("rewarm")
         self.pin_button.clicked.connect(self._toggle_pin)
-        self.evict_button.clicked.connect(lambda: self._run("evict_state", self.selected_file()))
-        self.rewarm_button.clicked.connect(lambda: self._run("rewarm_state", self.selected_file()))
+        self.evict_button.clicked.connect(lambda: self._run("evict", self.selected_file()))
+        self.rewarm_button.clicked.connect(self._rewarm_saved)
         for b in (self.pin_button, self.evict_button, self.rewarm_button):
             head.addWidget(b)
         self.outer.addLayout(head)
@@ -81,17 +88,28 @@ class CacheTab(Tab):
         self.saved.itemSelectionChanged.connect(self._update_buttons)
         self.outer.addWidget(self.saved, 2)
 
-        self.outer.addWidget(QtWidgets.QLabel("<b>Known prefixes</b>"))
+        head2 = QtWidgets.QHBoxLayout()
+        head2.addWidget(QtWidgets.QLabel("<b>Known prefixes</b>"))
+        head2.addStretch(1)
+        self.rewarm_prefix_button = QtWidgets.QPushButton("Re-warm prefix")
+        self.rewarm_prefix_button.setObjectName("rewarm_prefix")
+        self.rewarm_prefix_button.clicked.connect(
+            lambda: self._run("rewarm", self.selected_prefix())
+        )
+        head2.addWidget(self.rewarm_prefix_button)
+        self.outer.addLayout(head2)
         self.prefixes = table(
             ["fingerprint", "client", "tokens", "share of prompt", "found by", "warm in slot"],
             stretch=1,
         )
+        self.prefixes.itemSelectionChanged.connect(self._update_prefix_button)
         self.outer.addWidget(self.prefixes, 1)
         self.action_label = QtWidgets.QLabel("")
         self.action_label.setStyleSheet("color: #555;")
         self.outer.addWidget(self.action_label)
         self._saved_rows: list[dict[str, Any]] = []
         self._update_buttons()
+        self._update_prefix_button()
 
     def requests(self) -> dict[str, Request]:
         return {"status": ("server_status", {})}
@@ -114,16 +132,23 @@ class CacheTab(Tab):
                 t.setRowCount(0)
             self._saved_rows = []
             self._update_buttons()
+            self._update_prefix_button()
             return
         now = self.ctx.clock()
         settings = self.ctx.backend.settings
         disk = cache.get("disk_tier") or {}
         used = sum(int(s.get("bytes") or 0) for s in cache.get("saved") or [])
+        paused = cache.get("paused") or []
         self.summary.setText(
             f"Cache {'on' if cache.get('enabled', True) else 'off'} · server identity "
             f"{cache.get('identity') or '—'} · disk tier "
             f"{'on' if disk.get('usable') else 'off'}: {disk.get('reason', '—')} · "
             f"{len(cache.get('saved') or [])} saved states, {fmt.size(used)}"
+            + (
+                f"<br><span style='color:#873800'>Paused: {'; '.join(paused)}</span>"
+                if paused
+                else ""
+            )
         )
         aux = cache.get("aux_slot")
         fill(
@@ -137,6 +162,9 @@ class CacheTab(Tab):
                     s.get("tokens", 0),
                     s.get("inflight", 0),
                     s.get("kind") or "—",
+                    f"{s['ttl_class']}, {expiry_text(s, settings, now)}"
+                    if s.get("ttl_class")
+                    else "—",
                 ]
                 for s in cache["slots"]
             ],
@@ -166,6 +194,7 @@ class CacheTab(Tab):
             for r, s in enumerate(self._saved_rows):
                 if s["file"] == keep:
                     self.saved.selectRow(r)
+        keep_prefix = self.selected_prefix()
         held = {s.get("prefix"): s["id"] for s in cache["slots"] if s.get("prefix")}
         fill(
             self.prefixes,
@@ -181,7 +210,12 @@ class CacheTab(Tab):
                 for p in cache.get("prefixes") or []
             ],
         )
+        if keep_prefix:
+            for r, p in enumerate(cache.get("prefixes") or []):
+                if p.get("fingerprint") == keep_prefix:
+                    self.prefixes.selectRow(r)
         self._update_buttons()
+        self._update_prefix_button()
 
     # ------------------------------------------------------------ actions
     def selected_file(self) -> str | None:
@@ -200,9 +234,9 @@ class CacheTab(Tab):
         backend = self.ctx.backend
         self.pin_button.setText("Unpin" if sel and sel.get("pinned") else "Pin")
         for button, cmd in (
-            (self.pin_button, "pin_state"),
-            (self.evict_button, "evict_state"),
-            (self.rewarm_button, "rewarm_state"),
+            (self.pin_button, "pin"),
+            (self.evict_button, "evict"),
+            (self.rewarm_button, "rewarm"),
         ):
             if not backend.supports(cmd):
                 button.setEnabled(False)
@@ -220,7 +254,31 @@ class CacheTab(Tab):
     def _toggle_pin(self) -> None:
         sel = self._selected_state()
         if sel is not None:
-            self._run("pin_state", sel["file"], not sel.get("pinned"))
+            self._run("pin", sel["file"], not sel.get("pinned"))
+
+    def _rewarm_saved(self) -> None:
+        sel = self._selected_state()
+        if sel is not None:
+            self._run("rewarm", sel["fingerprint"])
+
+    def selected_prefix(self) -> str | None:
+        rows = self.prefixes.selectionModel().selectedRows()
+        if not rows:
+            return None
+        item = self.prefixes.item(rows[0].row(), 0)
+        return item.text() if item is not None else None
+
+    def _update_prefix_button(self) -> None:
+        b = self.rewarm_prefix_button
+        if not self.ctx.backend.supports("rewarm"):
+            b.setEnabled(False)
+            b.setToolTip(f"Not available: this core has no {NEEDS['rewarm']}")
+        elif self.selected_prefix() is None:
+            b.setEnabled(False)
+            b.setToolTip("Select a prefix first")
+        else:
+            b.setEnabled(True)
+            b.setToolTip("Re-warm it in its slot, or restore/prewarm it into a free slot")
 
     def _run(self, cmd: str, *args: Any) -> None:
         if not args or args[0] is None:

@@ -12,8 +12,7 @@ from app.qt import QtGui, QtWidgets
 
 CATEGORIES = ["all", "cache", "server", "pressure", "notice", "build"]
 KNOWN_KINDS = [
-    "evict",
-    "expired",
+    "evicted",
     "invalidated",
     "save",
     "save_failed",
@@ -21,11 +20,19 @@ KNOWN_KINDS = [
     "restore_rejected",
     "prewarm_hit",
     "prewarm_cold",
+    "rewarm",
+    "keepalive",
+    "pinned",
+    "unpinned",
     "divergence",
     "displaced",
     "prefix_learned",
+    "server_identity",
+    "identity_failed",
     "ready",
     "failed",
+    "low",
+    "critical",
     "error",
     "warning",
 ]
@@ -37,7 +44,16 @@ SINCE = {
     "everything": 0,
 }
 LIMIT = 500
-BAD = {"invalidated", "restore_rejected", "save_failed", "failed", "error", "evict", "expired"}
+BAD = {
+    "invalidated",
+    "restore_rejected",
+    "save_failed",
+    "identity_failed",
+    "failed",
+    "error",
+    "evicted",
+    "critical",
+}
 
 
 class EventsTab(Tab):

@@ -174,16 +174,24 @@ class MemoryTab(Tab):
             self.disk_bar.setValue(0)
             self.disk_label.setText("No cache inventory (the cache manager is not running).")
             return
-        used = sum(int(s.get("bytes") or 0) for s in cache["saved"])
-        cap = cache.get("disk_cap_bytes")
+        n = len(cache["saved"])
+        disk = cache.get("disk") or {}
+        used = disk.get("used_bytes")
+        if used is None:
+            used = sum(int(s.get("bytes") or 0) for s in cache["saved"])
+        cap = disk.get("cap_bytes") or cache.get("disk_cap_bytes")
+        source = disk.get("cap_source", "")
         if cap is None:
             mb = self.ctx.backend.settings.cache.disk_cap_mb
             cap = mb * 2**20 if mb else None
-        n = len(cache["saved"])
+            source = "cache.disk_cap_mb" if mb else ""
         if cap:
             self.disk_bar.setValue(min(1000, int(used / cap * 1000)))
             self.disk_bar.setFormat(f"{used / cap * 100:.1f} %")
-            self.disk_label.setText(f"{fmt.size(used)} in {n} saved states, cap {fmt.size(cap)}")
+            self.disk_label.setText(
+                f"{fmt.size(used)} in {n} saved states, cap {fmt.size(cap)}"
+                + (f" ({source})" if source else "")
+            )
         else:
             self.disk_bar.setValue(0)
             self.disk_bar.setFormat("")

@@ -188,7 +188,7 @@ def known_events() -> list[Any]:
             details={"client": "opencode"},
             ts=NOW - 2990,
         ),
-        CacheEvent(kind="evict", reason="disk cap reached", bytes=123456, ts=NOW - 600),
+        CacheEvent(kind="evicted", reason="disk cap reached", bytes=123456, ts=NOW - 600),
         CacheEvent(
             kind="divergence",
             reason="reused 500 tokens; expected ≥ 990",
@@ -234,8 +234,7 @@ def offline(qtbot: Any, known_db: Path) -> Iterator[Any]:
 
     calls: list[tuple[str, tuple[Any, ...]]] = []
     commands = {
-        name: (lambda *a, n=name: calls.append((n, a)))
-        for name in ("pin_state", "evict_state", "rewarm_state")
+        name: (lambda *a, n=name: calls.append((n, a))) for name in ("pin", "evict", "rewarm")
     }
     backend = TelemetryBackend(
         known_db, snapshot=demo.status(NOW), clock=lambda: NOW, commands=commands

@@ -218,6 +218,9 @@ def test_server_tab_runs_log_and_build(qtbot: Any, offline: Any, expected: Any) 
 
 
 def test_cache_tab_actions(qtbot: Any, offline: Any) -> None:
+    snap = offline.backend.snapshot["cache"]
+    snap["saved"][2]["expires_in_s"] = 600.0  # the core's own figure wins when it gives one
+    snap["slots"][0].update(ttl_class="long", expires_in_s=1800.0)
     tab = CacheTab(offline)
     qtbot.addWidget(tab)
     refreshed(qtbot, tab)
@@ -225,12 +228,32 @@ def test_cache_tab_actions(qtbot: Any, offline: Any) -> None:
     assert len(saved) == 4
     assert saved[0][5] == "never (pinned)" and saved[0][6] == "yes"
     assert saved[1][5] == "in 23.3 h"  # extended TTL (24 h) minus 43 min since last use
+    assert saved[2][5] == "in 10 min"
+    assert cell_texts(tab.slots)[0][7] == "long, in 30 min"
     assert not tab.pin_button.isEnabled()  # nothing selected yet
     tab.saved.selectRow(0)
     assert tab.pin_button.text() == "Unpin" and tab.pin_button.isEnabled()
     qtbot.mouseClick(tab.pin_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: bool(offline.calls))
-    assert offline.calls[0] == ("pin_state", (saved[0][0], False))
+    qtbot.waitUntil(lambda: len(offline.calls) == 1)
+    qtbot.waitUntil(lambda: not tab.busy)  # a done command refreshes the tab
+    tab.saved.selectRow(1)
+    qtbot.mouseClick(tab.rewarm_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: len(offline.calls) == 2)
+    qtbot.waitUntil(lambda: not tab.busy)
+    tab.saved.selectRow(1)
+    qtbot.mouseClick(tab.evict_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: len(offline.calls) == 3)
+    qtbot.waitUntil(lambda: not tab.busy)
+    tab.prefixes.selectRow(2)
+    qtbot.mouseClick(tab.rewarm_prefix_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: len(offline.calls) == 4)
+    assert offline.calls == [
+        ("pin", (saved[0][0], False)),
+        ("rewarm", (saved[1][1],)),
+        ("evict", (saved[1][0],)),
+        ("rewarm", (cell_texts(tab.prefixes)[2][0],)),
+    ]
+    qtbot.waitUntil(lambda: "done" in tab.action_label.text() and not tab.busy)
     tab.saved.selectRow(3)  # saved for another server: cannot be re-warmed here
     assert not tab.rewarm_button.isEnabled()
     assert len(cell_texts(tab.slots)) == 4 and cell_texts(tab.slots)[3][1] == "side calls"
@@ -242,10 +265,12 @@ def test_cache_actions_disabled_without_core_api(qtbot: Any, offline: Any) -> No
     qtbot.addWidget(tab)
     refreshed(qtbot, tab)
     tab.saved.selectRow(0)
+    tab.prefixes.selectRow(0)
     for button, name in (
-        (tab.pin_button, "pin_state"),
-        (tab.evict_button, "evict_state"),
-        (tab.rewarm_button, "rewarm_state"),
+        (tab.pin_button, "Core.pin("),
+        (tab.evict_button, "Core.evict("),
+        (tab.rewarm_button, "Core.rewarm("),
+        (tab.rewarm_prefix_button, "Core.rewarm("),
     ):
         assert not button.isEnabled()
         assert name in button.toolTip()
