@@ -60,13 +60,39 @@ IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after 
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
 PATCH_FIELD = "warmslot_patches"
-PATCH_CHECKPOINTS = "slot-checkpoints"  # a patch level that makes SWA/hybrid files valid
+# Patch levels a patched server lists in GET /props (docs/patches.md); exact strings.
+PATCH_CHECKPOINTS = "slot-checkpoints-v1"  # SWA/hybrid slot files restore their checkpoints
+PATCH_SWA_FULL = "swa-full-state-v1"  # with --swa-full, files keep every SWA cell
 
 
 @dataclass
 class DiskTier:
     usable: bool
     reason: str
+
+
+def disk_tier_for(
+    *, swa: bool, recurrent: bool, swa_full: bool, patches: tuple[str, ...]
+) -> DiskTier:
+    """Whether saved slot files can be valid for this model on this server."""
+    if swa and swa_full and PATCH_SWA_FULL not in patches:
+        return DiskTier(
+            False,
+            "sliding-window model with --swa-full on a server without "
+            f"Warmslot's {PATCH_SWA_FULL} patch: a restore would silently change "
+            "the output (reference §0.2); using RAM cache and re-warming",
+        )
+    if (swa or recurrent) and PATCH_CHECKPOINTS not in patches:
+        kind = "sliding-window" if swa else "recurrent/hybrid"
+        return DiskTier(
+            False,
+            f"{kind} model on a server without Warmslot's checkpoint "
+            "patch: slot files restore no reuse or wrong state "
+            "(reference §0.1–0.2); using RAM cache and re-warming",
+        )
+    if swa or recurrent:
+        return DiskTier(True, "patched server persists checkpoints")
+    return DiskTier(True, "dense model")
 
 
 class CacheManager:
@@ -287,21 +313,15 @@ class CacheManager:
             from core.server.gguf_facts import read_facts
 
             facts = read_facts(model_path)
-            swa = any(facts.swa_layers) and facts.n_swa > 0
-            recurrent = any(facts.recurrent_layers)
         except Exception as e:  # unknown metadata: trust only the verification
             log.warning("could not read model metadata (%r); relying on verification", e)
             return DiskTier(True, "model type unknown; every restore is verified")
-        if (swa or recurrent) and not any(p.startswith(PATCH_CHECKPOINTS) for p in patches):
-            kind = "sliding-window" if swa else "recurrent/hybrid"
-            return DiskTier(
-                False,
-                f"{kind} model on a server without Warmslot's checkpoint "
-                "patch: slot files restore no reuse or wrong state "
-                "(reference §0.1–0.2); using RAM cache and re-warming",
-            )
-        return DiskTier(
-            True, "dense model" if not (swa or recurrent) else "patched server persists checkpoints"
+        swa_full = self.server is not None and "--swa-full" in self.server.argv
+        return disk_tier_for(
+            swa=any(facts.swa_layers) and facts.n_swa > 0,
+            recurrent=any(facts.recurrent_layers),
+            swa_full=swa_full,
+            patches=patches,
         )
 
     async def _warm_known(self) -> None:

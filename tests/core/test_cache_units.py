@@ -152,3 +152,21 @@ def test_dropped_tools_detected_but_json_escaping_is_not_a_drop() -> None:
     assert pfx.dropped_parts(body, "You are a helpful agent. please edit it") == ["tool edit"]
     assert pfx.dropped_parts(body, "<tools>Performs exact string replacements") == [
         "tool edit", "system message"]
+
+
+@pytest.mark.parametrize("swa,recurrent,swa_full,patches,usable", [
+    (False, False, False, (), True),                      # dense: any build
+    (True, False, False, (), False),                      # Gemma 3 on a stock server
+    (True, False, False, ("slot-checkpoints-v1",), True),
+    (True, False, True, ("slot-checkpoints-v1",), False),  # --swa-full needs full SWA state
+    (True, False, True, ("slot-checkpoints-v1", "swa-full-state-v1"), True),
+    (False, True, False, (), False),                      # hybrid / recurrent
+    (False, True, False, ("slot-checkpoints-v2",), False),  # exact strings only
+])
+def test_disk_tier_needs_the_patch_for_sliding_window_and_hybrid_models(
+        swa: bool, recurrent: bool, swa_full: bool, patches: tuple[str, ...],
+        usable: bool) -> None:
+    from core.cache.manager import disk_tier_for
+
+    tier = disk_tier_for(swa=swa, recurrent=recurrent, swa_full=swa_full, patches=patches)
+    assert tier.usable is usable and tier.reason
