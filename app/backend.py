@@ -13,7 +13,7 @@ can disable a button for a command the core does not offer (yet), such as
 
 ``server_status()`` is what the views poll: the server and cache parts of the
 status without the all-time telemetry aggregates (``Core.status()`` computes
-totals and per-client numbers over every stored request, about 1.4 s at a
+totals and per-client numbers over every stored request, about 1.1 s at a
 million rows). It uses ``Core.server_status()`` when the core has it and falls
 back to ``Core.status()`` otherwise.
 """

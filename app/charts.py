@@ -55,7 +55,7 @@ class ChartPanel(QtWidgets.QWidget):
         self.chart = chart
         self.view = QtCharts.QChartView(chart)
         self.view.setRenderHint(QtGui.QPainter.RenderHint.Antialiasing)
-        self.view.setMinimumHeight(180)
+        self.view.setMinimumHeight(150)
         self.message = QtWidgets.QLabel()
         self.message.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.message.setWordWrap(True)

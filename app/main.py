@@ -107,8 +107,10 @@ class App(QObject):
             QUIT: self.quit,
         }
         self.tray: Tray | None = None
+        # Quitting always goes through `quit` (the core must stop first), never Qt's
+        # "last window closed".
+        qapp.setQuitOnLastWindowClosed(False)
         if tray_available:
-            qapp.setQuitOnLastWindowClosed(False)
             self.tray = Tray(self.controller, self.handlers, self)
         single.messageReceived.connect(self._message)
         if self.tray is None or open_dashboard:
@@ -241,12 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     if app is None:
         return 0
     # Let Ctrl-C reach Python while Qt's loop runs: quit cleanly, like the menu's Quit.
-    signal.signal(signal.SIGINT, lambda *_: app.quit())
-    signal.signal(signal.SIGTERM, lambda *_: app.quit())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: QTimer.singleShot(0, app.quit))
     tick = QTimer()
     tick.start(300)
     tick.timeout.connect(lambda: None)
-    return int(qapp.exec())
+    code = int(qapp.exec())
+    if app.core.running:  # the loop ended some other way (session logout): stop in stages
+        app.core.stop()
+    return code
 
 
 if __name__ == "__main__":

@@ -61,7 +61,11 @@ class OverviewTab(Tab):
         f.setBold(True)
         self.state_label.setFont(f)
         self.detail_label = QtWidgets.QLabel("")
-        self.detail_label.setWordWrap(True)
+        # No word wrap: a height-for-width label would make the scroll area use the
+        # charts' preferred heights and show a needless scroll bar.
+        self.detail_label.setSizePolicy(
+            QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred
+        )
         self.detail_label.setStyleSheet("color: #555;")
         words = QtWidgets.QVBoxLayout()
         words.addWidget(self.state_label)
@@ -108,6 +112,7 @@ class OverviewTab(Tab):
                 ("slots", "Slots"),
                 ("server", "llama-server"),
                 ("disk", "Disk tier"),
+                ("pressure", "Memory pressure"),
             )
         ):
             w = QtWidgets.QLabel("—")
@@ -251,3 +256,14 @@ class OverviewTab(Tab):
         self.facts["disk"].setText(
             ("on — " if disk.get("usable") else "off — ") + disk.get("reason", "") if disk else "—"
         )
+        p = cache.get("pressure") if isinstance(cache.get("pressure"), dict) else {}
+        paused = cache.get("paused") or []
+        if p:
+            causes = "; ".join(p.get("causes") or [])
+            self.facts["pressure"].setText(
+                f"{p.get('level', '?')}"
+                + (f" ({causes})" if causes else "")
+                + (f" — paused: {'; '.join(paused)}" if paused else "")
+            )
+        else:
+            self.facts["pressure"].setText("— (no samples yet)")
