@@ -403,7 +403,7 @@ class CacheManager:
             info.last_used = time.time()
             req.notes["prefix_fp"] = info.fingerprint
             req.notes["prefix_n"] = info.n_tokens
-            await self._ensure_slot(info, slot)
+            await self._ensure_slot(info, slot, session)
         body["id_slot"] = slot
         body["cache_prompt"] = True
         self.slots.begin(slot)
@@ -524,19 +524,33 @@ class CacheManager:
                 )
             )
 
-    async def _ensure_slot(self, info: pfx.PrefixInfo, slot: int) -> None:
+    async def _ensure_slot(self, info: pfx.PrefixInfo, slot: int, session: str = "") -> None:
         """Make the slot hold the prefix before the request runs, if that can be done cheaply."""
         st = self.slots.slots[slot]
         if st.prefix_fp == info.fingerprint:
             return  # warm
-        if st.inflight or st.tokens_hint:
-            return  # its content may still be needed: never restore over it
+        if st.inflight:
+            return  # its content is in use: never restore over it
+        if st.tokens_hint and (
+            not session or st.session_of_last == session or self._extends(st.prefix_fp, info)
+        ):
+            # This session's own conversation (or a longer prefix it starts with) is there:
+            # the request reuses it. Content another session left behind (a released slot
+            # now given to this one) would be overwritten by the request anyway, so the
+            # prefix is restored over it.
+            return
         rec = self.store.for_fingerprint(info.fingerprint) if self.disk.usable else None
         if rec is None:
             return  # the request warms it; `completed` persists it
         async with self._lock(slot):
             with contextlib.suppress(VerificationFailed):
                 await self._restore(rec, slot)
+
+    def _extends(self, held_fp: str, info: pfx.PrefixInfo) -> bool:
+        """Whether the prefix `held_fp` starts with all of `info`'s tokens."""
+        held = self.by_fp.get(held_fp) if held_fp else None
+        n = info.n_tokens
+        return held is not None and held.n_tokens >= n and held.tokens[:n] == info.tokens
 
     async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
         slot = req.slot
@@ -878,6 +892,8 @@ class CacheManager:
             ],
             "divergences": list(self.divergences)[:5],
             "template_warning": self.template_warning,
+            # True while the restore / prewarm after a (re)start still runs.
+            "warming": self._ready_task is not None and not self._ready_task.done(),
         }
         bg.extend_status(self, out)
         out["text"] = format_inventory(out) + "\n" + bg.format_background(out)
