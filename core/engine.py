@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core import config as config_mod
+from core.cli_fit import request_from_settings
 from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
 from core.errors import CacheError, CoreStopped, WarmslotError
@@ -39,6 +40,10 @@ from core.paths import Paths, resources_dir
 from core.proxy import CachePolicy, Proxy
 from core.server import discover, model
 from core.server.argv import LaunchInputs, build_argv, kv_relevant
+from core.server.devices import read_gpus, read_host
+from core.server.fit import FitPlan, format_plan, plan_argv
+from core.server.fit import plan as plan_fit
+from core.server.gguf_facts import read_facts
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.telemetry import Telemetry
 
@@ -66,6 +71,7 @@ def launch_id(
     binary: discover.ServerBinary,
     mdl: model.ModelFile,
     template: Path | None = None,
+    plan_args: tuple[str, ...] = (),
 ) -> str:
     """Identity of what a saved slot file depends on at launch: binary, model, KV
     flags and the chat template's content.
@@ -75,7 +81,10 @@ def launch_id(
     prefix fingerprint once it runs.)
     """
     argv = build_argv(
-        server, LaunchInputs(binary=binary.path, model=mdl.path, port=0, slot_dir=Path())
+        server,
+        LaunchInputs(
+            binary=binary.path, model=mdl.path, port=0, slot_dir=Path(), plan_args=plan_args
+        ),
     )
     template_hash = ""
     if template is not None:
@@ -112,6 +121,8 @@ class Core:
         self.proxy: Proxy | None = None
         self.policy: CachePolicy | None = None
         self.pool: ModelPool | None = None  # only when [[models]] profiles are configured
+        self.fit_plan: FitPlan | None = None  # the primary's memory plan, launched with
+        self._build_cancel: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0
 
@@ -254,15 +265,39 @@ class Core:
         binary = await loop.run_in_executor(None, discover.require, self.paths, s.binary)
         mdl = await loop.run_in_executor(None, model.resolve, self.paths, s.model)
         template = chat_template_for(s, mdl)
-        plan: tuple[str, ...] = ()
+        plan: list[str] = []
+        fit_plan = await loop.run_in_executor(None, self._plan_fit, s, mdl)
+        if fit_plan is not None:
+            plan += plan_argv(fit_plan)
+            if s == self._primary_settings():
+                self.fit_plan = fit_plan
         if template is not None and not s.chat_template_file:
-            plan = ("--jinja", "--chat-template-file", str(template))
+            plan += ["--jinja", "--chat-template-file", str(template)]
         return Resolved(
             binary=binary,
             model=mdl,
-            plan_args=plan,
-            slot_dir=self.paths.slot_dir / launch_id(s, binary, mdl, template),
+            plan_args=tuple(plan),
+            slot_dir=self.paths.slot_dir / launch_id(s, binary, mdl, template, tuple(plan)),
         )
+
+    def _plan_fit(self, s: ServerSettings, mdl: model.ModelFile) -> FitPlan | None:
+        """The memory plan for these settings (its flags join the launch), or None if
+        the model's metadata cannot be planned for: the launch then uses the settings."""
+        try:
+            facts = read_facts(mdl.path)
+            result = plan_fit(
+                facts, read_gpus(), read_host(self.paths.state_dir), request_from_settings(s)
+            )
+        except Exception as e:
+            log.warning("no fit plan for %s (%r); launching with the settings alone", mdl.path, e)
+            return None
+        if not result.fits:
+            log.warning(
+                "the fit plan says %s does not fit: %s",
+                mdl.path.name,
+                "; ".join(result.gave_up) or "see `warmslot fit`",
+            )
+        return result
 
     async def _housekeeping(self) -> None:
         """Flush telemetry every second; prune old rows hourly."""
@@ -383,6 +418,60 @@ class Core:
 
         return self.submit(run())
 
+    def build_server(self) -> concurrent.futures.Future[Any]:
+        """Build llama-server from source with Warmslot's patches (the pinned llama.cpp,
+        cached by its inputs); progress arrives as `BuildProgress` events. Resolves to the
+        build record; discovery then finds it in the build cache."""
+        return self.submit(self._build_server())
+
+    async def _build_server(self) -> Any:
+        from core.server import build as build_mod
+
+        if self._build_cancel is not None:
+            raise WarmslotError("a build is already running")
+        self._build_cancel = asyncio.Event()
+        try:
+            return await build_mod.build(
+                build_mod.BuildRequest(),
+                self.paths,
+                on_progress=self.emit,
+                cancel=self._build_cancel,
+                record=self._record_build,
+            )
+        finally:
+            self._build_cancel = None
+
+    def cancel_build(self) -> concurrent.futures.Future[bool]:
+        """Cancel a running build (its temp dir is removed); True if one was running."""
+
+        async def cancel() -> bool:
+            if self._build_cancel is None:
+                return False
+            self._build_cancel.set()
+            return True
+
+        return self.submit(cancel())
+
+    def _record_build(self, row: dict[str, Any]) -> None:
+        if self.telemetry is None or not row.get("build_id"):
+            return
+        self.telemetry.upsert(
+            "builds",
+            {
+                "build_id": row["build_id"],
+                "ts": time.time(),
+                "outcome": row.get("outcome"),
+                "duration_s": row.get("duration_s"),
+                "log_path": row.get("log_path"),
+                "inputs": json.dumps(row, default=str),
+            },
+            "build_id",
+        )
+
+    def server_status(self) -> concurrent.futures.Future[dict[str, Any]]:
+        """`status()` without the telemetry history (cheap enough to poll every second)."""
+        return self.submit(self._status_async(history=False))
+
     def status(self) -> concurrent.futures.Future[dict[str, Any]]:
         """Everything `warmslot status` and the tray show, as a JSON-able dict."""
         return self.submit(self._status_async())
@@ -429,9 +518,9 @@ class Core:
         return self.submit(apply())
 
     # ------------------------------------------------------------ status
-    async def _status_async(self) -> dict[str, Any]:
+    async def _status_async(self, *, history: bool = True) -> dict[str, Any]:
         assert self.supervisor is not None and self.proxy is not None
-        tel = self.telemetry
+        tel = self.telemetry if history else None
         hour_ago = time.time() - 3600
         out: dict[str, Any] = {
             "warmslot": {
@@ -440,7 +529,12 @@ class Core:
                 "proxy": f"http://{self.proxy.host}:{self.proxy.port}",
                 "config": str(self.paths.config_file),
             },
-            "server": self.supervisor.snapshot(),
+            "server": {
+                **self.supervisor.snapshot(),
+                "fit": None
+                if self.fit_plan is None
+                else {"plan": self.fit_plan.to_dict(), "text": format_plan(self.fit_plan)},
+            },
             "totals": tel.totals() if tel else {},
             "last_hour": tel.totals(hour_ago) if tel else {},
             "clients": tel.per_client() if tel else [],
