@@ -35,6 +35,8 @@ class RunResult:
     server_prompt_tokens: float = 0.0
     server_prompt_seconds: float = 0.0
     wall_s: float = 0.0
+    cache_events: dict[str, int] = field(default_factory=dict)
+    rejections: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         agent = [r for r in self.requests if r["kind"] == "agent"]
@@ -58,6 +60,8 @@ class RunResult:
             "server_prompt_tokens": int(self.server_prompt_tokens),
             "server_prefill_s": round(self.server_prompt_seconds, 3),
             "wall_s": round(self.wall_s, 2),
+            "cache_events": dict(self.cache_events),
+            "rejections": list(self.rejections),
         }
 
 
@@ -142,6 +146,10 @@ def replay(
     result.server_prompt_tokens += tok
     result.server_prompt_seconds += sec
     result.wall_s = time.perf_counter() - t0
+    for e in core.query("recent_events", limit=1000, category="cache").result(30):
+        result.cache_events[e["kind"]] = result.cache_events.get(e["kind"], 0) + 1
+        if e["kind"] == "restore_rejected":
+            result.rejections.append(e["reason"])
     return result
 
 

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("warmslot.cache")
 
+SCRATCH_WAIT_S = 120.0  # longest a background save waits for the scratch slot to be idle
 IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after a start
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
@@ -698,9 +699,19 @@ class CacheManager:
                 self._emit("persist_skipped", why, fp=info.fingerprint)
                 return
             slot = self._scratch_slot()
+            deadline = time.monotonic() + SCRATCH_WAIT_S
+            while slot is None and time.monotonic() < deadline:
+                # The scratch slot is busy (a side call): wait for it rather than give up.
+                await asyncio.sleep(0.25)
+                slot = self._scratch_slot()
             client = self.client
             if slot is None or client is None or self.identity is None:
-                self._emit("persist_skipped", "no idle scratch slot", fp=info.fingerprint)
+                self._emit(
+                    "persist_skipped",
+                    f"no idle scratch slot within {SCRATCH_WAIT_S:.0f} s;"
+                    " the next request with this prefix tries again",
+                    fp=info.fingerprint,
+                )
                 return
             async with self._lock(slot):
                 await self._persist_in(info, slot, client)
@@ -728,7 +739,7 @@ class CacheManager:
         await self._wait_idle(exclude=slot)
         assert self._probe_suffix is not None
         answer = await client.completion(probe_request(info.tokens, self._probe_suffix, slot))
-        tokens, logprobs = probe_answer(answer)
+        tokens, logprobs, margins = probe_answer(answer)
         now = self.clock.time()
         rec = StateRecord(
             filename=name,
@@ -751,6 +762,7 @@ class CacheManager:
                 "suffix": self._probe_suffix,
                 "tokens": tokens,
                 "logprobs": logprobs,
+                "margins": margins,
             },
         )
         self.store.add(rec)

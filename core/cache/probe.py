@@ -16,6 +16,7 @@ PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
 PROBE_TOKENS = 4
 LOGPROB_TOLERANCE = 1e-3  # measured: restored dense states reproduce log-probs exactly
 REUSE_SLACK = 1  # the server re-evaluates the last cached token when nothing is new
+TIE_MARGIN = 1e-2  # a best token leading by less than this is a coin toss between layouts
 
 
 def probe_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> dict[str, Any]:
@@ -26,7 +27,7 @@ def probe_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> di
         "temperature": 0.0,
         "top_k": 1,
         "samplers": ["top_k"],
-        "n_probs": 1,
+        "n_probs": 2,
         "id_slot": slot,
         "cache_prompt": True,
         "seed": 0,
@@ -34,24 +35,44 @@ def probe_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> di
     }
 
 
-def probe_answer(resp: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """The greedy tokens and their log-probs from a probe's response."""
+def probe_answer(resp: dict[str, Any]) -> tuple[list[int], list[float], list[float]]:
+    """The greedy tokens, their log-probs, and each step's margin over the runner-up."""
     probs = resp.get("completion_probabilities") or []
-    return [int(p["id"]) for p in probs], [float(p["logprob"]) for p in probs]
+    tokens = [int(p["id"]) for p in probs]
+    logprobs = [float(p["logprob"]) for p in probs]
+    margins = []
+    for p in probs:
+        top = sorted((float(t["logprob"]) for t in p.get("top_logprobs") or []), reverse=True)
+        margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return tokens, logprobs, margins
 
 
 def check_answer(
     resp: dict[str, Any], cache_n: int | None, prefix_n: int, reference: dict[str, Any]
 ) -> str | None:
-    """Why a probe after restore fails against the recorded reference, or None."""
+    """Why a probe after restore fails against the recorded reference, or None.
+
+    Where the reference's best token led its runner-up by less than `TIE_MARGIN`,
+    the arithmetic noise of a different batch or cell layout may pick either: the
+    check accepts either and stops there, since the continuation legitimately
+    differs after a tie. Everything before it must match exactly.
+    """
     if cache_n is None or cache_n < prefix_n - REUSE_SLACK:
         return f"reuse probe: cache_n {cache_n}, expected ≥ {prefix_n - REUSE_SLACK}"
-    tokens, logprobs = probe_answer(resp)
-    if tokens != reference["tokens"]:
-        return f"probe answer changed: tokens {tokens} ≠ {reference['tokens']}"
-    worst = max(
-        (abs(a - b) for a, b in zip(logprobs, reference["logprobs"], strict=False)), default=0.0
-    )
-    if worst > LOGPROB_TOLERANCE:
-        return f"probe log-probs moved by {worst:.4g} (> {LOGPROB_TOLERANCE})"
+    tokens, logprobs, _ = probe_answer(resp)
+    ref_tokens, ref_lps = reference["tokens"], reference["logprobs"]
+    margins = reference.get("margins") or [float("inf")] * len(ref_tokens)
+    if len(tokens) != len(ref_tokens):
+        return f"probe answer changed: {len(tokens)} tokens, expected {len(ref_tokens)}"
+    for i, (got, want) in enumerate(zip(tokens, ref_tokens, strict=True)):
+        tie = margins[i] < TIE_MARGIN
+        if got != want and not tie:
+            return f"probe answer changed at token {i}: {tokens} ≠ {ref_tokens}"
+        if got == want and abs(logprobs[i] - ref_lps[i]) > LOGPROB_TOLERANCE:
+            return (
+                f"probe log-probs moved by {abs(logprobs[i] - ref_lps[i]):.4g} "
+                f"(> {LOGPROB_TOLERANCE}) at token {i}"
+            )
+        if tie:
+            break  # after a near-tie the continuation may differ
     return None

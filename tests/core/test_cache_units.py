@@ -170,3 +170,31 @@ def test_disk_tier_needs_the_patch_for_sliding_window_and_hybrid_models(
 
     tier = disk_tier_for(swa=swa, recurrent=recurrent, swa_full=swa_full, patches=patches)
     assert tier.usable is usable and tier.reason
+
+
+def _resp(steps: list[tuple[int, float, float]]) -> dict[str, object]:
+    """A probe response: (token, logprob, runner-up logprob) per step."""
+    return {"completion_probabilities": [
+        {"id": t, "logprob": lp, "top_logprobs": [{"id": t, "logprob": lp},
+                                                  {"id": t + 1, "logprob": lp2}]}
+        for t, lp, lp2 in steps]}
+
+
+def test_probe_check_exact_ties_and_changes() -> None:
+    from core.cache.probe import check_answer, probe_answer
+
+    ref_resp = _resp([(5, -0.1, -3.0), (7, -0.2, -0.2005), (9, -0.3, -2.0)])
+    tokens, lps, margins = probe_answer(ref_resp)
+    ref = {"tokens": tokens, "logprobs": lps, "margins": margins}
+    assert check_answer(ref_resp, 100, 100, ref) is None
+    # Reuse too low: the restored state did not hold the prefix.
+    assert "reuse probe" in (check_answer(ref_resp, 10, 100, ref) or "")
+    # A clear first token changed: rejected.
+    assert "changed at token 0" in (check_answer(_resp([(6, -0.1, -3.0), (7, -0.2, -0.3),
+                                                        (9, -0.3, -2.0)]), 100, 100, ref) or "")
+    # Same tokens, log-prob moved: rejected (a restore that silently computes differently).
+    moved = _resp([(5, -0.15, -3.0), (7, -0.2, -0.2005), (9, -0.3, -2.0)])
+    assert "log-probs moved" in (check_answer(moved, 100, 100, ref) or "")
+    # Step 1 was a near-tie in the reference: either token is fine, the rest may differ.
+    flipped = _resp([(5, -0.1, -3.0), (8, -0.2003, -0.2004), (2, -1.0, -1.5)])
+    assert check_answer(flipped, 100, 100, ref) is None
