@@ -27,7 +27,6 @@ import os
 import random
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import test_cache
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(3600)]
 
@@ -134,19 +134,21 @@ class Server:
         self.log = log
         with log.open("wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}), see {log}")
+        proc = self.proc
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({proc.returncode}), see {log}")
             try:
-                if self.request("GET", "/health")[0] == 200:
-                    break
+                return self.request("GET", "/health")[0] == 200
             except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"llama-server did not get ready, see {log}")
-            time.sleep(0.2)
+                return False
+
+        try:
+            wait_until(healthy, 180, interval=0.2, message=f"llama-server ready, see {log}")
+        except AssertionError:
+            self.stop()
+            raise
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body).encode()
