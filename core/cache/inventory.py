@@ -22,7 +22,7 @@ def format_inventory(st: dict[str, Any]) -> str:
     for p in st["prefixes"]:
         lines.append(
             f"  prefix {p['fingerprint']} {p['client']}: {p['tokens']} tokens "
-            f"({p['share'] * 100:.0f} % of the prompt, {p['source']})"
+            f"({_share(p['share'])} of the prompt, {p['source']})"
         )
     for r in st["saved"][:10]:
         lines.append(
@@ -55,3 +55,7 @@ def doctor_lines(paths: Any, settings: Any, status: dict[str, Any] | None) -> li
     if status is None:
         return ["template:    (checked once a request with tools runs through a running server)"]
     return ["template:    ✔ no dropped tools seen"]
+
+
+def _share(share: float | None) -> str:
+    return "—" if share is None else f"{share * 100:.0f} %"

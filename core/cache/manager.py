@@ -32,8 +32,10 @@ from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename, 
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive
 from core.cache.probe import (
+    LOGPROB_TOLERANCE,
     PROBE_SUFFIX,
     REUSE_SLACK,
+    SWA_LOGPROB_TOLERANCE,
     check_answer,
     probe_answer,
     probe_request,
@@ -70,6 +72,11 @@ PATCH_SWA_FULL = "swa-full-state-v1"  # with --swa-full, files keep every SWA ce
 class DiskTier:
     usable: bool
     reason: str
+    # How far a restored state's probe log-probs may move. Dense models and full SWA
+    # state reproduce them exactly; a sliding-window ring buffer restored in another
+    # cell order sums in another order (measured up to ~0.15, greedy tokens equal —
+    # reference §5), so only the tokens are held exact there.
+    logprob_tolerance: float = LOGPROB_TOLERANCE
 
 
 def disk_tier_for(
@@ -92,6 +99,13 @@ def disk_tier_for(
             "(reference §0.1–0.2); using RAM cache and re-warming",
         )
     if swa or recurrent:
+        if swa and not swa_full:
+            return DiskTier(
+                True,
+                "patched server persists checkpoints (sliding-window ring: "
+                f"probe log-probs within {SWA_LOGPROB_TOLERANCE})",
+                SWA_LOGPROB_TOLERANCE,
+            )
         return DiskTier(True, "patched server persists checkpoints")
     return DiskTier(True, "dense model")
 
@@ -845,7 +859,13 @@ class CacheManager:
         await self._wait_idle(exclude=slot)
         resp = await client.completion(probe_request(prefix_tokens, suffix, slot))
         t = Timings.parse(resp.get("timings"))
-        return check_answer(resp, t.cache_n if t else None, rec.prefix_n, probe)
+        return check_answer(
+            resp,
+            t.cache_n if t else None,
+            rec.prefix_n,
+            probe,
+            tolerance=self.disk.logprob_tolerance,
+        )
 
     # ------------------------------------------------------------ status / lifecycle
     def idle(self) -> bool:
@@ -884,7 +904,10 @@ class CacheManager:
                     "client": i.client,
                     "tokens": i.n_tokens,
                     "source": i.source,
-                    "share": round(i.n_tokens / max(1, i.meta.get("rendered_tokens", 1)), 4),
+                    # Unknown for prefixes reloaded from disk until a request renders again.
+                    "share": round(i.n_tokens / i.meta["rendered_tokens"], 4)
+                    if i.meta.get("rendered_tokens")
+                    else None,
                 }
                 for i in self.by_fp.values()
             ],

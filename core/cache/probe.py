@@ -15,6 +15,10 @@ from typing import Any
 PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
 PROBE_TOKENS = 4
 LOGPROB_TOLERANCE = 1e-3  # measured: restored dense states reproduce log-probs exactly
+# Sliding-window models without --swa-full: cached vs cold log-probs differ by up to
+# ~0.15 from the ring buffer's summation order (reference §5); measured 0.10 after a
+# patched restore of Gemma 3 270M. Greedy tokens still must match.
+SWA_LOGPROB_TOLERANCE = 0.25
 REUSE_SLACK = 1  # the server re-evaluates the last cached token when nothing is new
 TIE_MARGIN = 1e-2  # a best token leading by less than this is a coin toss between layouts
 
@@ -48,7 +52,12 @@ def probe_answer(resp: dict[str, Any]) -> tuple[list[int], list[float], list[flo
 
 
 def check_answer(
-    resp: dict[str, Any], cache_n: int | None, prefix_n: int, reference: dict[str, Any]
+    resp: dict[str, Any],
+    cache_n: int | None,
+    prefix_n: int,
+    reference: dict[str, Any],
+    *,
+    tolerance: float = LOGPROB_TOLERANCE,
 ) -> str | None:
     """Why a probe after restore fails against the recorded reference, or None.
 
@@ -68,10 +77,10 @@ def check_answer(
         tie = margins[i] < TIE_MARGIN
         if got != want and not tie:
             return f"probe answer changed at token {i}: {tokens} ≠ {ref_tokens}"
-        if got == want and abs(logprobs[i] - ref_lps[i]) > LOGPROB_TOLERANCE:
+        if got == want and abs(logprobs[i] - ref_lps[i]) > tolerance:
             return (
                 f"probe log-probs moved by {abs(logprobs[i] - ref_lps[i]):.4g} "
-                f"(> {LOGPROB_TOLERANCE}) at token {i}"
+                f"(> {tolerance}) at token {i}"
             )
         if tie:
             break  # after a near-tie the continuation may differ

@@ -198,3 +198,22 @@ def test_probe_check_exact_ties_and_changes() -> None:
     # Step 1 was a near-tie in the reference: either token is fine, the rest may differ.
     flipped = _resp([(5, -0.1, -3.0), (8, -0.2003, -0.2004), (2, -1.0, -1.5)])
     assert check_answer(flipped, 100, 100, ref) is None
+
+
+def test_sliding_window_ring_gets_a_measured_tolerance_but_exact_tokens() -> None:
+    from core.cache.manager import disk_tier_for
+    from core.cache.probe import LOGPROB_TOLERANCE, check_answer, probe_answer
+
+    ring = disk_tier_for(swa=True, recurrent=False, swa_full=False,
+                         patches=("slot-checkpoints-v1",))
+    exact = disk_tier_for(swa=True, recurrent=False, swa_full=True,
+                          patches=("slot-checkpoints-v1", "swa-full-state-v1"))
+    assert exact.logprob_tolerance == LOGPROB_TOLERANCE < ring.logprob_tolerance
+    ref_resp = _resp([(5, -0.5, -3.0), (9, -0.3, -2.0)])
+    tokens, lps, margins = probe_answer(ref_resp)
+    ref = {"tokens": tokens, "logprobs": lps, "margins": margins}
+    noisy = _resp([(5, -0.6014, -3.0), (9, -0.31, -2.0)])  # measured: 0.10 after restore
+    assert check_answer(noisy, 50, 50, ref, tolerance=ring.logprob_tolerance) is None
+    assert check_answer(noisy, 50, 50, ref, tolerance=exact.logprob_tolerance) is not None
+    other = _resp([(6, -0.5, -3.0), (9, -0.3, -2.0)])
+    assert check_answer(other, 50, 50, ref, tolerance=ring.logprob_tolerance) is not None
