@@ -53,6 +53,20 @@ Subscriber = Callable[[Event], None]
 PolicyFactory = Callable[["Core"], CachePolicy | None]
 
 
+def _drop_flag(argv: list[str], flag: str) -> list[str]:
+    """`argv` without `flag` and its value."""
+    out: list[str] = []
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == flag:
+            skip = True
+        else:
+            out.append(token)
+    return out
+
+
 DEMO_TEMPLATE = "templates/gemma3-tools.jinja"
 
 
@@ -266,9 +280,10 @@ class Core:
         mdl = await loop.run_in_executor(None, model.resolve, self.paths, s.model)
         template = chat_template_for(s, mdl)
         plan: list[str] = []
-        fit_plan = await loop.run_in_executor(None, self._plan_fit, s, mdl)
+        fit_plan, gpus_seen = await loop.run_in_executor(None, self._plan_fit, s, mdl)
         if fit_plan is not None:
-            plan += plan_argv(fit_plan)
+            flags = plan_argv(fit_plan)
+            plan += flags if gpus_seen else _drop_flag(flags, "-ngl")
             if s == self._primary_settings():
                 self.fit_plan = fit_plan
         if template is not None and not s.chat_template_file:
@@ -280,24 +295,27 @@ class Core:
             slot_dir=self.paths.slot_dir / launch_id(s, binary, mdl, template, tuple(plan)),
         )
 
-    def _plan_fit(self, s: ServerSettings, mdl: model.ModelFile) -> FitPlan | None:
+    def _plan_fit(self, s: ServerSettings, mdl: model.ModelFile) -> tuple[FitPlan | None, bool]:
         """The memory plan for these settings (its flags join the launch), or None if
-        the model's metadata cannot be planned for: the launch then uses the settings."""
+        the model's metadata cannot be planned for: the launch then uses the settings.
+        Also whether NVML saw a GPU: without one (CPU only, or a GPU NVML cannot see —
+        AMD via Vulkan/HIP, Apple Metal) the layer count is left to llama-server."""
+        gpus = read_gpus()
         try:
             facts = read_facts(mdl.path)
             result = plan_fit(
-                facts, read_gpus(), read_host(self.paths.state_dir), request_from_settings(s)
+                facts, gpus, read_host(self.paths.state_dir), request_from_settings(s)
             )
         except Exception as e:
             log.warning("no fit plan for %s (%r); launching with the settings alone", mdl.path, e)
-            return None
+            return None, bool(gpus)
         if not result.fits:
             log.warning(
                 "the fit plan says %s does not fit: %s",
                 mdl.path.name,
                 "; ".join(result.gave_up) or "see `warmslot fit`",
             )
-        return result
+        return result, bool(gpus)
 
     async def _housekeeping(self) -> None:
         """Flush telemetry every second; prune old rows hourly."""
