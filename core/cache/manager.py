@@ -20,7 +20,6 @@ import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,14 +27,12 @@ import aiohttp
 
 from core.cache import background as bg
 from core.cache import prefix as pfx
-from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename, template_hash
+from core.cache import warmup
+from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive
 from core.cache.probe import (
-    LOGPROB_TOLERANCE,
-    PROBE_SUFFIX,
     REUSE_SLACK,
-    SWA_LOGPROB_TOLERANCE,
     check_answer,
     probe_answer,
     probe_request,
@@ -43,12 +40,13 @@ from core.cache.probe import (
 from core.cache.retention import Retention
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore, file_sha256
+from core.cache.warmup import DiskTier as DiskTier
+from core.cache.warmup import disk_tier_for as disk_tier_for
 from core.clock import Clock, RealClock
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, Event, Notice, ServerStateChanged
 from core.pressure import PressureMonitor
 from core.proxy import ProxyRequest
-from core.server.argv import kv_relevant
 from core.server.client import LlamaClient, Timings
 from core.sweeps import Sweeps
 
@@ -62,52 +60,6 @@ SCRATCH_WAIT_S = 120.0  # longest a background save waits for the scratch slot t
 IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after a start
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
-PATCH_FIELD = "warmslot_patches"
-# Patch levels a patched server lists in GET /props (docs/patches.md); exact strings.
-PATCH_CHECKPOINTS = "slot-checkpoints-v1"  # SWA/hybrid slot files restore their checkpoints
-PATCH_SWA_FULL = "swa-full-state-v1"  # with --swa-full, files keep every SWA cell
-
-
-@dataclass
-class DiskTier:
-    usable: bool
-    reason: str
-    # How far a restored state's probe log-probs may move. Dense models and full SWA
-    # state reproduce them exactly; a sliding-window ring buffer restored in another
-    # cell order sums in another order (measured up to ~0.15, greedy tokens equal —
-    # reference §5), so only the tokens are held exact there.
-    logprob_tolerance: float = LOGPROB_TOLERANCE
-
-
-def disk_tier_for(
-    *, swa: bool, recurrent: bool, swa_full: bool, patches: tuple[str, ...]
-) -> DiskTier:
-    """Whether saved slot files can be valid for this model on this server."""
-    if swa and swa_full and PATCH_SWA_FULL not in patches:
-        return DiskTier(
-            False,
-            "sliding-window model with --swa-full on a server without "
-            f"Warmslot's {PATCH_SWA_FULL} patch: a restore would silently change "
-            "the output (reference §0.2); using RAM cache and re-warming",
-        )
-    if (swa or recurrent) and PATCH_CHECKPOINTS not in patches:
-        kind = "sliding-window" if swa else "recurrent/hybrid"
-        return DiskTier(
-            False,
-            f"{kind} model on a server without Warmslot's checkpoint "
-            "patch: slot files restore no reuse or wrong state "
-            "(reference §0.1–0.2); using RAM cache and re-warming",
-        )
-    if swa or recurrent:
-        if swa and not swa_full:
-            return DiskTier(
-                True,
-                "patched server persists checkpoints (sliding-window ring: "
-                f"probe log-probs within {SWA_LOGPROB_TOLERANCE})",
-                SWA_LOGPROB_TOLERANCE,
-            )
-        return DiskTier(True, "patched server persists checkpoints")
-    return DiskTier(True, "dense model")
 
 
 class CacheManager:
@@ -241,7 +193,7 @@ class CacheManager:
     async def _after_ready(self) -> None:
         """Learn the server identity; restore (verified) or prewarm recent prefixes."""
         try:
-            await self._learn_identity()
+            await warmup.learn_identity(self)
         except Exception as e:
             log.exception("could not read the server identity; cache management paused")
             self._emit("identity_failed", f"could not read server identity: {e!r}")
@@ -250,135 +202,15 @@ class CacheManager:
             self._identity_known.set()
         if not self.core.settings.cache.enabled:
             return
-        await self._warm_known()
-
-    async def _learn_identity(self) -> None:
-        client = self.client
-        sup = self.server
-        assert client is not None and sup is not None and sup.resolved is not None
-        props = await client.props()
-        patches = tuple(str(p) for p in props.get(PATCH_FIELD, []) or [])
-        self.identity = ServerIdentity(
-            model=sup.resolved.model.identity,
-            binary=sup.resolved.binary.identity,
-            kv_flags=kv_relevant(sup.argv),
-            chat_template=template_hash(str(props.get("chat_template", ""))),
-            patches=patches,
-        )
-        n = int(props.get("total_slots", self.core.settings.server.slots))
-        if n != self.slots.n_slots:
-            self.slots = SlotMap(
-                n, reserve_aux=self.core.settings.cache.aux_slot, clock=self.clock.monotonic
-            )
-        self.disk = self._disk_tier(sup.resolved.model.path, patches)
-        self._probe_suffix = await client.tokenize(PROBE_SUFFIX)
-        # Prefixes learned under an older identity are re-fingerprinted for this one.
-        for info in list(self.prefixes.values()):
-            info.fingerprint = fingerprint(self.identity, info.tokens)
-        self.by_fp = {i.fingerprint: i for i in self.prefixes.values()}
-        self._load_saved()
-        self._emit(
-            "server_identity",
-            "server ready",
-            identity=self.identity.short,
-            disk_tier=self.disk.usable,
-            disk_reason=self.disk.reason,
-            patches=list(patches),
-        )
+        await warmup.warm_known(self)
 
     @property
     def launch_id(self) -> str:
         """The server's slot directory name: one per binary, model and KV-relevant flags."""
         return self._server_slot_dir().name
 
-    def _load_saved(self) -> None:
-        """Know the prefixes saved for this server; drop those its identity invalidates."""
-        assert self.identity is not None
-        for rec in self.store.all(self.launch_id):
-            tokens = rec.probe.get("prefix")
-            if not isinstance(tokens, list):
-                tokens = []
-            fp = fingerprint(self.identity, tokens) if tokens else ""
-            if fp != rec.fingerprint:
-                freed = self.store.delete(rec)
-                self._emit(
-                    "invalidated",
-                    "saved for a different server identity (chat "
-                    "template, build or flags changed); it will be rebuilt once",
-                    fp=rec.fingerprint,
-                    tokens=rec.n_tokens,
-                    nbytes=freed,
-                )
-                continue
-            if fp not in self.by_fp:
-                self.by_fp[fp] = pfx.PrefixInfo(
-                    key="",
-                    tokens=tokens,
-                    text="",
-                    source=rec.source,
-                    client=rec.client,
-                    fingerprint=fp,
-                    first_seen=rec.created,
-                )
-
-    def _disk_tier(self, model_path: Path, patches: tuple[str, ...]) -> DiskTier:
-        if not self.core.settings.cache.persist:
-            return DiskTier(False, "persistence is off (cache.persist)")
-        try:
-            from core.server.gguf_facts import read_facts
-
-            facts = read_facts(model_path)
-        except Exception as e:  # unknown metadata: trust only the verification
-            log.warning("could not read model metadata (%r); relying on verification", e)
-            return DiskTier(True, "model type unknown; every restore is verified")
-        swa_full = self.server is not None and "--swa-full" in self.server.argv
-        return disk_tier_for(
-            swa=any(facts.swa_layers) and facts.n_swa > 0,
-            recurrent=any(facts.recurrent_layers),
-            swa_full=swa_full,
-            patches=patches,
-        )
-
-    async def _warm_known(self) -> None:
-        """After a (re)start: bring back the most recently used prefixes.
-
-        Restored from disk and verified where the disk tier is valid, else (and for
-        sliding-window models on a stock server) prewarmed from their tokens.
-        """
-        assert self.identity is not None
-        targets = [s.id for s in self.slots.primary_slots][:RESTORE_AT_START]
-        saved = {r.fingerprint: r for r in self.store.all(self.launch_id)}
-        infos = sorted(
-            self.by_fp.values(),
-            key=lambda i: (
-                not getattr(saved.get(i.fingerprint), "pinned", False),
-                -max(i.last_used, getattr(saved.get(i.fingerprint), "last_used", 0)),
-            ),
-        )[: len(targets)]
-        for slot, info in zip(targets, infos, strict=False):
-            if self.slots.slots[slot].inflight:
-                continue
-            async with self._lock(slot):
-                rec = saved.get(info.fingerprint)
-                if rec is not None:
-                    await self._restore_or_prewarm(rec, slot)
-                else:
-                    await self._prewarm(info, slot, reason="after server start")
-
     async def _restore_or_prewarm(self, rec: StateRecord, slot: int) -> None:
-        if not self.pressure.allows_prewarm(rec.pinned):
-            why = self.pressure.paused().get("prewarm", "")
-            self._emit("prewarm_skipped", why, fp=rec.fingerprint, slot=slot)
-            return
-        info = self.by_fp.get(rec.fingerprint)
-        if self.disk.usable:
-            try:
-                await self._restore(rec, slot)
-                return
-            except VerificationFailed:
-                pass  # recorded; fall through to a cold prewarm when we know the tokens
-        if info is not None:
-            await self._prewarm(info, slot, reason="after server start")
+        await warmup.restore_or_prewarm(self, rec, slot)
 
     # ------------------------------------------------------------ request path
     async def prepare(self, req: ProxyRequest) -> None:
