@@ -19,42 +19,14 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from core.bench.common import post_json, settle
 from core.bench.trace import make_trace
 from core.config import ModelProfile, Settings
 from core.engine import Core
 from core.paths import Paths
-
-
-def _post(port: int, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    with urllib.request.urlopen(req, timeout=900) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
-        return data
-
-
-def _settle(core: Core, timeout: float = 600) -> None:
-    """Wait until every loaded model's cache work and the pool's loading are done."""
-    pool = core.pool
-    deadline = time.monotonic() + timeout
-
-    async def idle() -> bool:
-        if pool is None:
-            return True
-        managers = [e.manager for e in pool.entries.values() if e.manager is not None]
-        return all(m.idle() for m in managers) and not pool._loading
-
-    while not core.submit(idle()).result(30):
-        if time.monotonic() > deadline:
-            raise TimeoutError("background cache work did not finish")
-        time.sleep(0.05)
 
 
 def settings_for_swap(
@@ -119,7 +91,11 @@ def run_arm(
         for i, r in enumerate(trace):
             for model in ("a", "b"):
                 headers = {**r.headers, "x-session-id": f"{model}-{r.session}"}
-                data = _post(core.proxy.port, {**r.body, "model": model}, headers)
+                data = post_json(
+                    f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
+                    {**r.body, "model": model},
+                    headers,
+                )
                 t = data.get("timings") or {}
                 rows.append(
                     {
@@ -135,7 +111,7 @@ def run_arm(
                         f"  {name:<10} round {i} model {model}: cache_n {rows[-1]['cache_n']:>6}"
                         f" prompt_n {rows[-1]['prompt_n']:>6} {rows[-1]['prompt_ms']:>8.0f} ms"
                     )
-                _settle(core)
+                settle(core)
         events = core.query("recent_events", limit=500, category="models").result(30)
     finally:
         core.stop()

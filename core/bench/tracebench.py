@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.bench.common import post_json, settle
 from core.bench.trace import TraceRequest, make_trace
 from core.config import Settings
 from core.engine import Core
 from core.paths import Paths
+from core.server.client import parse_metrics
 
 
 @dataclass
@@ -65,45 +67,16 @@ class RunResult:
         }
 
 
-def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers}
-    )
-    with urllib.request.urlopen(req, timeout=900) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
-        return data
-
-
 def _server_metrics(core: Core) -> tuple[float, float]:
     sup = core.supervisor
     if sup is None or sup.base_url is None:
         return 0.0, 0.0
     with urllib.request.urlopen(f"{sup.base_url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
+        values = parse_metrics(resp.read().decode())
     return (
         values.get("llamacpp:prompt_tokens_total", 0.0),
         values.get("llamacpp:prompt_seconds_total", 0.0),
     )
-
-
-def _wait(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def _settle(core: Core) -> None:
-    """Wait until Warmslot's background cache work (persist, restore) is done."""
-    idle = getattr(core.policy, "idle", None)
-    if idle is not None:
-        _wait(idle, 600, "background cache work")
 
 
 def replay(
@@ -114,17 +87,17 @@ def replay(
     restarted = False
     for r in trace:
         if r.restart_before:
-            _settle(core)
+            settle(core)
             tok, sec = _server_metrics(core)
             result.server_prompt_tokens += tok
             result.server_prompt_seconds += sec
             core.restart_server().result(600)
-            _settle(core)
+            settle(core)
             restarted = True
         sup = core.supervisor
         assert sup is not None and core.proxy is not None
         base = f"http://127.0.0.1:{core.proxy.port}" if through_proxy else sup.base_url
-        data = _post(f"{base}/v1/chat/completions", r.body, r.headers)
+        data = post_json(f"{base}/v1/chat/completions", r.body, r.headers)
         t = data.get("timings") or {}
         row = {
             "session": r.session,
@@ -141,7 +114,7 @@ def replay(
                 f"  {name:<8} {r.session[:8]} {r.kind:<5} turn {r.turn}: cache_n "
                 f"{row['cache_n']:>6} prompt_n {row['prompt_n']:>6} {row['prompt_ms']:>8.0f} ms"
             )
-    _settle(core)
+    settle(core)
     tok, sec = _server_metrics(core)
     result.server_prompt_tokens += tok
     result.server_prompt_seconds += sec

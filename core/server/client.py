@@ -64,6 +64,19 @@ class SlotInfo:
     n_prompt_tokens: int  # tokens currently cached in the slot
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text (llama-server's `/metrics`) as ``{name: value}``."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
 class LlamaClient:
     """Calls to one llama-server at `base_url`, over a shared aiohttp session."""
 
@@ -117,16 +130,7 @@ class LlamaClient:
 
     async def metrics(self) -> dict[str, float]:
         """`GET /metrics` parsed into ``{name: value}`` (needs ``--metrics``)."""
-        text = await self._call("GET", "/metrics", expect_json=False)
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                try:
-                    out[name] = float(value)
-                except ValueError:
-                    continue
-        return out
+        return parse_metrics(await self._call("GET", "/metrics", expect_json=False))
 
     async def tokenize(
         self, content: str, *, add_special: bool = False, parse_special: bool = True
