@@ -25,7 +25,8 @@ from core.errors import ConfigError, WarmslotError
 from core.paths import Paths
 
 __version__ = "0.1.0"
-_OPTIONAL_COMMANDS = ("core.cli_fit", "core.cli_build", "core.bench.cli")
+# Subcommands that live in their own modules; each has `register(subparsers)`.
+_COMMAND_MODULES = ("core.cli_fit", "core.cli_build", "core.bench.cli")
 
 
 def setup_logging(paths: Paths, verbose: bool = False) -> None:
@@ -96,12 +97,10 @@ def _report_start(fut: Any) -> None:
 
 
 def _policy_factory() -> Any:
-    """The prefix-cache manager, when available (core.cache.manager)."""
-    try:
-        mod = importlib.import_module("core.cache.manager")
-    except ImportError:
-        return None
-    return getattr(mod, "policy_factory", None)
+    """The prefix-cache manager (imported here: `serve` is the only command needing it)."""
+    from core.cache.manager import policy_factory
+
+    return policy_factory
 
 
 # ------------------------------------------------------------------ status
@@ -224,15 +223,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"model:       ✘ {e.user_message()}")
     st = fetch_status(paths)
     print(f"running:     {'yes, ' + st['server']['state'] if st else 'no'}")
-    for mod_name in ("core.cache.inventory",):
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        doctor = getattr(mod, "doctor_lines", None)
-        if doctor is not None:
-            for line in doctor(paths, settings, st):
-                print(line)
+    from core.cache.inventory import doctor_lines
+
+    for line in doctor_lines(paths, settings, st):
+        print(line)
     return 1 if problems else 0
 
 
@@ -296,12 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("value", nargs="?")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_config)
-    for mod_name in _OPTIONAL_COMMANDS:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        mod.register(sub)
+    for mod_name in _COMMAND_MODULES:
+        importlib.import_module(mod_name).register(sub)
     return p
 
 
