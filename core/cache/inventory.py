@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from core.cache import background as bg
@@ -13,6 +14,9 @@ def format_inventory(st: dict[str, Any]) -> str:
         f"cache: identity {st['identity']}; disk tier "
         f"{'on' if st['disk_tier']['usable'] else 'off'} — {st['disk_tier']['reason']}"
     ]
+    boot = boot_rewarm_text(st.get("boot_rewarm"))
+    if boot:
+        lines.append(f"  {boot}")
     for s in st["slots"]:
         role = " (side calls)" if s["id"] == st["aux_slot"] else ""
         lines.append(
@@ -40,6 +44,34 @@ def format_inventory(st: dict[str, Any]) -> str:
                 f"then {w['old'][:40]!r} → {w['new'][:40]!r}"
             )
     return "\n".join(lines)
+
+
+def boot_rewarm_text(boot: dict[str, Any] | None) -> str:
+    """The boot re-warm's progress in words ("" before a server has started)."""
+    if not boot or boot.get("state") == "idle":
+        return ""
+    total = boot["total"]
+    if boot["state"] == "running":
+        now = f" (slot {boot['current_slot']} now)" if boot.get("current_slot") is not None else ""
+        return (
+            f"re-warming recently used prefixes after the server start: "
+            f"{boot['done']} of {total} done{now}"
+        )
+    if total == 0:
+        return "boot re-warm: no known prefixes to re-warm after the server start"
+    when = boot.get("finished_at")
+    at = time.strftime(" at %H:%M:%S", time.localtime(when)) if when else ""
+    took = ""
+    if when and boot.get("started_at"):
+        took = f" in {when - boot['started_at']:.1f} s"
+    extra = [
+        f"{boot[k]} {word}"
+        for k, word in (("skipped", "skipped"), ("failed", "failed"))
+        if boot.get(k)
+    ]
+    return f"boot re-warm finished{at}{took}: {boot['warmed']} of {total} prefixes warm" + (
+        f", {', '.join(extra)}" if extra else ""
+    )
 
 
 def doctor_lines(paths: Any, settings: Any, status: dict[str, Any] | None) -> list[str]:

@@ -4,8 +4,11 @@ For each chat request it finds the stable prefix (from the server's own
 rendering and tokenizer), fingerprints it, pins the session to a slot, keeps
 side calls off the primary slots, and makes sure the slot holds the prefix —
 already warm, restored from disk and verified, or warmed by the request itself
-and then persisted in the background. After every server (re)start it restores
-the most recently used prefixes (verified) or prewarms them.
+and then persisted in the background. Every learned prefix's definition (its
+tokens) is kept in the index (`core.cache.definitions`), so after every server
+(re)start — and after Warmslot itself restarts — the most recently used
+prefixes are restored (verified) or prewarmed, without holding up client
+requests (`core.cache.boot`).
 
 Nothing here may break a request: the proxy catches any exception from
 `prepare` and forwards the request untouched (fail-open). A restored state is
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections import deque
 from pathlib import Path
@@ -28,6 +32,8 @@ import aiohttp
 from core.cache import background as bg
 from core.cache import prefix as pfx
 from core.cache import warmup
+from core.cache.boot import BootRewarm
+from core.cache.definitions import DefinitionStore
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive
@@ -88,6 +94,7 @@ class CacheManager:
         self._session: aiohttp.ClientSession | None = None
         self._client: LlamaClient | None = None
         self._store: StateStore | None = None
+        self._definitions: DefinitionStore | None = None
         # Held while Warmslot itself uses a slot (restore + verify, build + save + probe):
         # a request for that slot waits, so nothing slips in between our steps.
         self._locks: dict[int, asyncio.Lock] = {}
@@ -99,6 +106,7 @@ class CacheManager:
         # request arriving right after "ready" waits for it rather than go unmanaged.
         self._identity_known = asyncio.Event()
         self._probe_suffix: list[int] | None = None
+        self.boot = BootRewarm(self._emit, self.clock.time)  # progress of the boot re-warm
         # Background work (core.cache.background): pressure gates, retention, keep-alive.
         self.pressure = PressureMonitor(
             lambda: core.settings.pressure,
@@ -175,6 +183,38 @@ class CacheManager:
             )
         return self._store
 
+    @property
+    def definitions(self) -> DefinitionStore | None:
+        """The learned prefix definitions (None while the core has no database)."""
+        if self._definitions is None and self.core.telemetry is not None:
+            self._definitions = DefinitionStore(
+                self.core.telemetry.db, monotonic=self.clock.monotonic
+            )
+        return self._definitions
+
+    def remember(self, info: pfx.PrefixInfo) -> None:
+        """Keep a newly known prefix's definition across restarts (never fails a request)."""
+        book, ident = self.definitions, self.identity
+        if book is None or ident is None:
+            return
+        try:
+            d = warmup.definition_of(info, ident)
+            book.save(d, info.fingerprint)
+        except (ValueError, sqlite3.Error):
+            log.exception("could not store the definition of prefix %s", info.fingerprint[:16])
+            return
+        info.meta["definition"] = d.id
+
+    def _touch(self, info: pfx.PrefixInfo) -> None:
+        """Note a use of a prefix (written in batches, see core.cache.definitions)."""
+        def_id = info.meta.get("definition")
+        book = self.definitions
+        if def_id and book is not None:
+            try:
+                book.touch(str(def_id), info.last_used)
+            except sqlite3.Error:
+                log.exception("could not note the use of prefix %s", info.fingerprint[:16])
+
     def _on_event(self, event: Event) -> None:
         if not isinstance(event, ServerStateChanged) or event.model != self.model:
             return
@@ -183,6 +223,8 @@ class CacheManager:
             self._run_id = sup.run_id
             self.slots.reset()
             self._identity_known.clear()
+            if self._ready_task is not None and not self._ready_task.done():
+                self._ready_task.cancel()  # the warm-up of a server that is gone
             self._ready_task = asyncio.ensure_future(self._after_ready())
         elif event.state in ("starting", "stopped", "failed"):
             self.slots.reset()
@@ -244,10 +286,13 @@ class CacheManager:
                 slot=slot,
                 client=req.client,
             )
+        # Never wait for the boot re-warm of another prefix: skip or stop it.
+        self.boot.claim(slot, info.fingerprint if info is not None else "")
         async with self._lock(slot):  # wait for Warmslot's own work on this slot
             pass
         if info is not None:
             info.last_used = time.time()
+            self._touch(info)
             req.notes["prefix_fp"] = info.fingerprint
             req.notes["prefix_n"] = info.n_tokens
             await self._ensure_slot(info, slot, session)
@@ -333,6 +378,7 @@ class CacheManager:
             meta={"rendered_tokens": len(full), "head_n": len(head)},
         )
         self.prefixes[key] = info
+        self.remember(info)
         if info.fingerprint not in self.by_fp:
             self.by_fp[info.fingerprint] = info
             share = round(len(tokens) / max(1, len(full)), 4)
@@ -761,6 +807,7 @@ class CacheManager:
             "template_warning": self.template_warning,
             # True while the restore / prewarm after a (re)start still runs.
             "warming": self._ready_task is not None and not self._ready_task.done(),
+            "boot_rewarm": self.boot.snapshot(),
         }
         bg.extend_status(self, out)
         out["text"] = format_inventory(out) + "\n" + bg.format_background(out)
@@ -815,6 +862,9 @@ class CacheManager:
     async def close(self) -> None:
         if self._ready_task is not None:
             self._ready_task.cancel()
+        if self._definitions is not None and self.core.telemetry is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._definitions.flush()  # the uses noted since the last write
         for task in list(self._jobs):
             task.cancel()
         if self._jobs:

@@ -7,6 +7,10 @@ a row in the ``states`` table (in the telemetry database, owned by the core
 thread) with its fingerprint, size, sha256, TTL class and the known-answer
 probe recorded at save time. A row is only written after the file is complete
 and hashed; a file without a row is not ours and is never touched.
+
+The same migrations also create the ``prefixes`` table: the definitions of
+learned prefixes (their tokens), kept with or without a disk tier so that a
+restart can re-warm them (see `core.cache.definitions`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,29 @@ def m001_states(db: sqlite_utils.Database) -> None:
         pk="filename",
     )
     cast(Table, db["states"]).create_index(["fingerprint"])
+
+
+@migrations()
+def m002_prefixes(db: sqlite_utils.Database) -> None:
+    """Learned prefix definitions (core.cache.definitions): what to re-warm after a restart."""
+    cast(Table, db["prefixes"]).create(
+        {
+            "id": str,  # sha256 of model, template and tokens (first 32 hex digits)
+            "model": str,  # model file identity
+            "template": str,  # sha256 of the chat template the server rendered with
+            "shape_key": str,
+            "client": str,
+            "source": str,
+            "tokens": str,  # JSON list of token ids
+            "n_tokens": int,
+            "fingerprint": str,  # under the server identity it was last written with
+            "first_seen": float,
+            "last_used": float,
+            "meta": str,  # JSON: rendered_tokens, head_n
+        },
+        pk="id",
+    )
+    cast(Table, db["prefixes"]).create_index(["model", "template", "last_used"])
 
 
 def safe_name(name: str) -> bool:

@@ -1,6 +1,8 @@
 """What happens when a server becomes ready: learn its identity, decide whether its
-slot files can be valid (disk tier), reload the index of saved prefixes, and
-bring the most recently used ones back — restored and verified, or prewarmed.
+slot files can be valid (disk tier), reload the learned prefix definitions and
+the index of saved prefixes, and bring the most recently used ones back —
+restored and verified, or prewarmed from their tokens (the boot re-warm,
+`core.cache.boot`).
 
 Functions of the `CacheManager` they serve (split out of `core.cache.manager`).
 """
@@ -9,10 +11,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.cache import prefix as pfx
+from core.cache.boot import BootStep
+from core.cache.definitions import PrefixDefinition
 from core.cache.fingerprint import ServerIdentity, fingerprint, template_hash
 from core.cache.probe import LOGPROB_TOLERANCE, PROBE_SUFFIX, SWA_LOGPROB_TOLERANCE
 from core.cache.slots import SlotMap
@@ -26,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmslot.cache")
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
+LOAD_AT_START = 10  # most recently used prefix definitions known again after a start
 PATCH_FIELD = "warmslot_patches"
 # Patch levels a patched server lists in GET /props (docs/patches.md); exact strings.
 PATCH_CHECKPOINTS = "slot-checkpoints-v1"  # SWA/hybrid slot files restore their checkpoints
@@ -99,6 +105,7 @@ async def learn_identity(mgr: CacheManager) -> None:
     for info in list(mgr.prefixes.values()):
         info.fingerprint = fingerprint(mgr.identity, info.tokens)
     mgr.by_fp = {i.fingerprint: i for i in mgr.prefixes.values()}
+    loaded = load_definitions(mgr, slot_context(props))
     load_saved(mgr)
     mgr._emit(
         "server_identity",
@@ -107,6 +114,84 @@ async def learn_identity(mgr: CacheManager) -> None:
         disk_tier=mgr.disk.usable,
         disk_reason=mgr.disk.reason,
         patches=list(patches),
+        definitions_loaded=loaded,
+    )
+
+
+def slot_context(props: dict[str, Any]) -> int | None:
+    """Tokens one slot holds, as the server reports it (None when it does not say)."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    return n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
+
+
+def load_definitions(mgr: CacheManager, n_ctx: int | None) -> int:
+    """Know again the prefixes learned before (by an earlier run of Warmslot too).
+
+    Only definitions for this model file and chat template are loaded, the most
+    recently used first, and only those that fit a slot. Each gets the fingerprint
+    of the running server; prefixes already known (same tokens) are kept as they
+    are. Per request shape the longest prefix answers, as when it was learned.
+    Returns how many became known.
+    """
+    book = mgr.definitions
+    ident = mgr.identity
+    if book is None or ident is None:
+        return 0
+    defs = book.load(ident.model, ident.chat_template, LOAD_AT_START)
+    if book.ignored:
+        mgr._emit(
+            "definitions_ignored",
+            f"{book.ignored} stored prefix definitions were damaged; deleted",
+        )
+    loaded = 0
+    for d in defs:
+        if n_ctx is not None and d.n_tokens >= n_ctx:
+            continue  # longer than a slot of this server; kept for a server that fits it
+        info = info_for(d, fingerprint(ident, d.tokens))
+        if info.fingerprint in mgr.by_fp:
+            continue
+        mgr.by_fp[info.fingerprint] = info
+        loaded += 1
+        known = mgr.prefixes.get(d.shape_key) if d.shape_key else None
+        if d.shape_key and (known is None or known.n_tokens < info.n_tokens):
+            mgr.prefixes[d.shape_key] = info
+    return loaded
+
+
+def info_for(d: PrefixDefinition, fp: str) -> pfx.PrefixInfo:
+    """The in-memory prefix for a stored definition, fingerprinted as `fp`."""
+    return pfx.PrefixInfo(
+        key=d.shape_key,
+        tokens=list(d.tokens),
+        text="",
+        source=d.source,
+        client=d.client,
+        fingerprint=fp,
+        first_seen=d.first_seen,
+        last_used=d.last_used,
+        meta={
+            "rendered_tokens": d.rendered_tokens or None,
+            "head_n": d.head_n or None,
+            "definition": d.id,
+        },
+    )
+
+
+def definition_of(info: pfx.PrefixInfo, ident: ServerIdentity) -> PrefixDefinition:
+    """The definition to store for a prefix learned on a server of identity `ident`."""
+    meta = info.meta
+    return PrefixDefinition(
+        model=ident.model,
+        template=ident.chat_template,
+        tokens=tuple(int(t) for t in info.tokens),
+        client=info.client[:256],
+        source=info.source[:256],
+        shape_key=info.key,
+        first_seen=info.first_seen,
+        last_used=max(info.last_used, info.first_seen),
+        rendered_tokens=int(meta.get("rendered_tokens") or 0),
+        head_n=int(meta.get("head_n") or 0),
     )
 
 
@@ -130,7 +215,7 @@ def load_saved(mgr: CacheManager) -> None:
             )
             continue
         if fp not in mgr.by_fp:
-            mgr.by_fp[fp] = pfx.PrefixInfo(
+            info = pfx.PrefixInfo(
                 key="",
                 tokens=tokens,
                 text="",
@@ -139,6 +224,10 @@ def load_saved(mgr: CacheManager) -> None:
                 fingerprint=fp,
                 first_seen=rec.created,
             )
+            mgr.by_fp[fp] = info
+            # A state saved before definitions were kept: keep its definition too, so
+            # it can still be prewarmed when its file is gone or fails verification.
+            mgr.remember(info)
 
 
 def disk_tier(mgr: CacheManager, model_path: Path, patches: tuple[str, ...]) -> DiskTier:
@@ -161,13 +250,9 @@ def disk_tier(mgr: CacheManager, model_path: Path, patches: tuple[str, ...]) -> 
     )
 
 
-async def warm_known(mgr: CacheManager) -> None:
-    """After a (re)start: bring back the most recently used prefixes.
-
-    Restored from disk and verified where the disk tier is valid, else (and for
-    sliding-window models on a stock server) prewarmed from their tokens.
-    """
-    assert mgr.identity is not None
+def boot_steps(mgr: CacheManager) -> list[BootStep]:
+    """Which prefix goes into which slot after a start: pinned first, then the most
+    recently used (by request, or by its saved state), one per primary slot."""
     targets = [s.id for s in mgr.slots.primary_slots][:RESTORE_AT_START]
     saved = {r.fingerprint: r for r in mgr.store.all(mgr.launch_id)}
     infos = sorted(
@@ -177,29 +262,55 @@ async def warm_known(mgr: CacheManager) -> None:
             -max(i.last_used, getattr(saved.get(i.fingerprint), "last_used", 0)),
         ),
     )[: len(targets)]
-    for slot, info in zip(targets, infos, strict=False):
-        if mgr.slots.slots[slot].inflight:
-            continue
-        async with mgr._lock(slot):
-            rec = saved.get(info.fingerprint)
-            if rec is not None:
-                await restore_or_prewarm(mgr, rec, slot)
-            else:
-                await mgr._prewarm(info, slot, reason="after server start")
+    return [
+        BootStep(slot, info, saved.get(info.fingerprint))
+        for slot, info in zip(targets, infos, strict=False)
+    ]
 
 
-async def restore_or_prewarm(mgr: CacheManager, rec: StateRecord, slot: int) -> None:
-    """Restore (verified) a saved prefix into `slot`, else prewarm it from its tokens."""
+async def warm_known(mgr: CacheManager) -> None:
+    """After a (re)start: bring back the most recently used prefixes (the boot re-warm).
+
+    Restored from disk and verified where the disk tier is valid, else (and for
+    sliding-window models on a stock server, or prefixes never saved) prewarmed
+    from their tokens. Client requests go first (`core.cache.boot`).
+    """
+    assert mgr.identity is not None
+    await mgr.boot.run(boot_steps(mgr), partial(warm_step, mgr))
+
+
+async def warm_step(mgr: CacheManager, step: BootStep) -> bool:
+    """Warm one boot step under its slot's lock; False when skipped (busy, pressure)."""
+    if mgr.slots.slots[step.slot].inflight:
+        return False  # a request runs there already
+    async with mgr._lock(step.slot):
+        if step.saved is not None:
+            return await restore_or_prewarm(mgr, step.saved, step.slot)
+        if not mgr.pressure.allows_prewarm(False):
+            why = mgr.pressure.paused().get("prewarm", "")
+            mgr._emit("prewarm_skipped", why, fp=step.info.fingerprint, slot=step.slot)
+            return False
+        await mgr._prewarm(step.info, step.slot, reason="after server start")
+        return True
+
+
+async def restore_or_prewarm(mgr: CacheManager, rec: StateRecord, slot: int) -> bool:
+    """Restore (verified) a saved prefix into `slot`, else prewarm it from its tokens.
+
+    Returns whether the slot now holds the prefix.
+    """
     if not mgr.pressure.allows_prewarm(rec.pinned):
         why = mgr.pressure.paused().get("prewarm", "")
         mgr._emit("prewarm_skipped", why, fp=rec.fingerprint, slot=slot)
-        return
+        return False
     info = mgr.by_fp.get(rec.fingerprint)
     if mgr.disk.usable:
         try:
             await mgr._restore(rec, slot)
-            return
+            return True
         except VerificationFailed:
             pass  # recorded; fall through to a cold prewarm when we know the tokens
     if info is not None:
         await mgr._prewarm(info, slot, reason="after server start")
+        return True
+    return False

@@ -1,0 +1,199 @@
+"""The boot re-warm: after a server (re)start, put the most recently used prefixes
+back into slots while client requests are already being served.
+
+`core.cache.warmup.warm_known` plans the steps (which prefix into which slot)
+and says how to warm one (restore and verify a saved state, else prewarm from
+the prefix's tokens); `BootRewarm` runs them one after another and keeps the
+progress that `CacheManager.status()` shows as ``boot_rewarm``.
+
+A client request never waits for the re-warm of a *different* prefix. The
+request path calls `claim(slot, fingerprint)` before it waits for the slot:
+
+- the slot's re-warm has not started yet → it is skipped (the request uses
+  the slot, and warms its own prefix there if it has one);
+- the slot's re-warm is running for another prefix (or the request has none)
+  → it is cancelled: the HTTP request to llama-server is closed, which stops
+  the prefill (the server notices within about a second);
+- the slot's re-warm is running for the very prefix the request needs → the
+  request waits for it: nothing gets it a warm slot sooner.
+
+Events: ``boot_rewarm_started``, per step the warm-up's own events
+(``prewarm_hit``/``prewarm_cold``, ``restore_ok``/``restore_rejected``,
+``prewarm_skipped`` under memory pressure), ``boot_rewarm_skipped`` (a client
+request took the slot), ``boot_rewarm_failed`` (the server refused), and
+``boot_rewarm_done`` with the counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from core.cache import prefix as pfx
+from core.cache.store import StateRecord
+from core.errors import UpstreamError
+
+__all__ = ["BootRewarm", "BootStep", "Emit"]
+
+log = logging.getLogger("warmslot.cache")
+
+Emit = Callable[..., None]  # CacheManager._emit: (kind, reason, *, fp=, slot=, tokens=, **details)
+
+
+@dataclass(frozen=True)
+class BootStep:
+    """One prefix to bring back into one slot."""
+
+    slot: int
+    info: pfx.PrefixInfo
+    saved: StateRecord | None = None  # its saved state, where the disk tier has one
+
+
+@dataclass
+class _Running:
+    step: BootStep
+    task: asyncio.Task[bool]
+    preempted: bool = False
+
+
+class BootRewarm:
+    """Runs and reports the re-warm after one server start."""
+
+    def __init__(self, emit: Emit, clock: Callable[[], float] = time.time) -> None:
+        self._emit = emit
+        self._clock = clock
+        self.state = "idle"  # idle | running | done
+        self.total = 0
+        self.warmed = 0
+        self.skipped = 0
+        self.failed = 0
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self._pending: dict[int, BootStep] = {}  # slot → step not started yet
+        self._running: _Running | None = None
+
+    @property
+    def done(self) -> int:
+        """Steps finished, whatever their outcome."""
+        return self.warmed + self.skipped + self.failed
+
+    def snapshot(self) -> dict[str, Any]:
+        """The progress for `status()`."""
+        run = self._running
+        return {
+            "state": self.state,
+            "done": self.done,
+            "total": self.total,
+            "warmed": self.warmed,
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "current_slot": run.step.slot if run is not None else None,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+        }
+
+    def claim(self, slot: int, fingerprint: str) -> None:
+        """A client request needs `slot` for the prefix `fingerprint` ("" for none)."""
+        step = self._pending.pop(slot, None)
+        if step is not None:
+            self.skipped += 1
+            self._emit(
+                "boot_rewarm_skipped",
+                f"a client request needed slot {slot} before its re-warm began",
+                fp=step.info.fingerprint,
+                slot=slot,
+                tokens=step.info.n_tokens,
+            )
+        run = self._running
+        if run is not None and run.step.slot == slot and run.step.info.fingerprint != fingerprint:
+            run.preempted = True
+            run.task.cancel()
+
+    async def run(self, steps: list[BootStep], warm: Callable[[BootStep], Awaitable[bool]]) -> None:
+        """Warm each step in turn with `warm` (True: warmed, False: skipped, e.g. pressure)."""
+        self._start(steps)
+        try:
+            for step in steps:
+                if self._pending.pop(step.slot, None) is None:
+                    continue  # a request claimed the slot (counted there)
+                await self._one(step, warm)
+        except asyncio.CancelledError:
+            # Superseded by another server start, or the manager closes: not "done".
+            self._pending.clear()
+            self.state = "idle"
+            raise
+        self.state = "done"
+        self.finished_at = self._clock()
+        self._emit(
+            "boot_rewarm_done",
+            f"{self.warmed} of {self.total} prefixes re-warmed after the server start"
+            + (f", {self.skipped} skipped" if self.skipped else "")
+            + (f", {self.failed} failed" if self.failed else ""),
+            warmed=self.warmed,
+            skipped=self.skipped,
+            failed=self.failed,
+            total=self.total,
+            seconds=round(self.finished_at - (self.started_at or self.finished_at), 2),
+        )
+
+    def _start(self, steps: list[BootStep]) -> None:
+        self.state = "running"
+        self.total = len(steps)
+        self.warmed = self.skipped = self.failed = 0
+        self.started_at, self.finished_at = self._clock(), None
+        self._pending = {s.slot: s for s in steps}
+        self._running = None
+        self._emit(
+            "boot_rewarm_started",
+            f"re-warming {len(steps)} recently used prefixes after the server start",
+            total=len(steps),
+            slots=[s.slot for s in steps],
+        )
+
+    async def _one(self, step: BootStep, warm: Callable[[BootStep], Awaitable[bool]]) -> None:
+        task: asyncio.Task[bool] = asyncio.ensure_future(warm(step))
+        run = self._running = _Running(step, task)
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise
+        finally:
+            self._running = None
+        if task.cancelled():
+            self.skipped += 1
+            why = "a client request for another prefix needed the slot: the re-warm was stopped"
+            if not run.preempted:
+                why = "the re-warm was cancelled"
+            self._emit(
+                "boot_rewarm_skipped",
+                why,
+                fp=step.info.fingerprint,
+                slot=step.slot,
+                tokens=step.info.n_tokens,
+            )
+            return
+        error = task.exception()
+        if error is None:
+            if task.result():
+                self.warmed += 1
+            else:
+                self.skipped += 1
+            return
+        self.failed += 1
+        if not isinstance(error, UpstreamError):
+            log.error("boot re-warm of slot %d failed", step.slot, exc_info=error)
+        self._emit(
+            "boot_rewarm_failed",
+            f"could not re-warm slot {step.slot}: {error}",
+            fp=step.info.fingerprint,
+            slot=step.slot,
+            tokens=step.info.n_tokens,
+        )

@@ -1,0 +1,239 @@
+"""The boot re-warm against a model of llama-server: learned prefixes survive a
+restart of Warmslot, come back into their slot, and never hold up a request
+for another prefix."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.cache import warmup
+from core.cache.fingerprint import ServerIdentity
+from core.cache.inventory import format_inventory
+from core.cache.manager import DiskTier
+from core.pressure import Reading
+from core.proxy import ProxyRequest
+from tests.core.bg_support import SERVER, FakeCore, FakeLlama, FakeManager, make_manager
+
+
+class RenderingLlama(FakeLlama):
+    """FakeLlama plus a chat template, a tokenizer (one token per character) and a
+    gate that holds prefills (``n_predict`` 0, what a prewarm sends) until opened."""
+
+    gate: asyncio.Event | None = None
+
+    async def apply_template(self, body: dict[str, Any]) -> str:
+        return "".join(f"<|{m['role']}|>{m['content']}\n" for m in body["messages"])
+
+    async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.gate is not None and body.get("n_predict") == 0:
+            await self.gate.wait()
+        return await super().completion(body)
+
+
+def system(project: str) -> str:
+    words = " ".join(f"rule{i}" for i in range(60))
+    return f"You are opencode ({project}). {words}\n<env>\n  cwd: /home/{project}\n</env>\n"
+
+
+def request(session: str, project: str = "alpha") -> ProxyRequest:
+    body = {
+        "messages": [
+            {"role": "system", "content": system(project)},
+            {"role": "user", "content": f"task for {session}"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "read"}}],
+    }
+    return ProxyRequest(
+        request_id=session,
+        path="/v1/chat/completions",
+        endpoint="chat",
+        client="opencode",
+        user_agent="opencode/1.0",
+        session=session,
+        headers={},
+        body=body,
+        stream=False,
+        has_tools=True,
+    )
+
+
+def attach(core: FakeCore, identity: ServerIdentity = SERVER) -> tuple[FakeManager, RenderingLlama]:
+    """A cache manager for a freshly started server (what a new Warmslot process has)."""
+    mgr = FakeManager(core)  # type: ignore[arg-type]
+    fake = RenderingLlama(core.paths.slot_dir / "x", n_slots=core.settings.server.slots)
+    mgr.fake = fake
+    mgr.identity = identity
+    mgr.disk = DiskTier(False, "sliding-window model on a stock server")
+    return mgr, fake
+
+
+async def learn_and_stop(tmp_path: Path, *projects: str) -> tuple[FakeCore, str]:
+    """A first Warmslot learns the opencode prefix of each project (default: alpha),
+    then stops. Returns the core and the last prefix's fingerprint."""
+    core, first = make_manager(tmp_path)
+    first.fake = RenderingLlama(core.paths.slot_dir / "x", n_slots=2)
+    first.disk = DiskTier(False, "sliding-window model on a stock server")
+    fp = ""
+    for project in projects or ("alpha",):
+        req = request(f"s-{project}", project)
+        await first.prepare(req)
+        fp = str(req.notes["prefix_fp"])
+        assert fp and fp in first.by_fp
+    await first.close()
+    return core, fp
+
+
+async def boot(mgr: FakeManager, n_ctx: int | None = 4096) -> asyncio.Task[None]:
+    """What happens after the server is ready: load definitions, start the re-warm."""
+    warmup.load_definitions(mgr, n_ctx)
+    task = asyncio.ensure_future(warmup.warm_known(mgr))
+    await asyncio.sleep(0)  # the re-warm starts its first step
+    return task
+
+
+async def test_a_learned_prefix_is_rewarmed_after_warmslot_restarts(tmp_path: Path) -> None:
+    core, fp = await learn_and_stop(tmp_path)
+    mgr, fake = attach(core)
+    assert mgr.by_fp == {}  # a new process knows nothing in memory
+    await (await boot(mgr))
+    info = mgr.by_fp[fp]
+    assert info.client == "opencode" and info.source == "profile:opencode"
+    assert fake.contents[0] == info.tokens  # prewarmed into the primary slot
+    assert mgr.slots.slots[0].prefix_fp == fp
+    snap = mgr.boot.snapshot()
+    assert snap["state"] == "done" and (snap["done"], snap["total"], snap["warmed"]) == (1, 1, 1)
+    assert snap["finished_at"] is not None
+    assert [e.kind for e in core.cache_events() if e.kind.startswith("boot_rewarm")] == [
+        "boot_rewarm_started",
+        "boot_rewarm_done",
+    ]
+    assert core.cache_events("prewarm_cold")
+    # A new session of the same client and system prompt gets that prefix, warm.
+    req = request("s2")
+    await mgr.prepare(req)
+    assert req.notes["prefix_fp"] == fp and req.slot == 0
+    status = await mgr.status()
+    assert status["boot_rewarm"]["state"] == "done"
+    assert [p["fingerprint"] for p in status["prefixes"]] == [fp[:16]]
+    assert "boot re-warm finished" in status["text"] and "1 of 1 prefixes warm" in status["text"]
+
+
+async def test_only_definitions_of_the_same_model_and_template_come_back(tmp_path: Path) -> None:
+    core, fp = await learn_and_stop(tmp_path)
+    other_build = ServerIdentity(
+        model=SERVER.model, binary="b2", kv_flags=SERVER.kv_flags, chat_template="t"
+    )
+    mgr, _ = attach(core, other_build)
+    assert warmup.load_definitions(mgr, 4096) == 1
+    (info,) = mgr.by_fp.values()
+    assert info.fingerprint != fp  # re-fingerprinted for the server that runs now
+    for changed in ({"chat_template": "t2"}, {"model": "m2"}):
+        fields = {**SERVER.__dict__, **changed}
+        mgr2, _ = attach(core, ServerIdentity(**fields))
+        assert warmup.load_definitions(mgr2, 4096) == 0 and mgr2.by_fp == {}
+    mgr3, _ = attach(core)
+    assert warmup.load_definitions(mgr3, n_ctx=64) == 0  # longer than a slot holds
+
+
+async def test_a_request_for_another_prefix_stops_the_running_rewarm(tmp_path: Path) -> None:
+    core, fp = await learn_and_stop(tmp_path)
+    mgr, fake = attach(core)
+    fake.gate = asyncio.Event()  # the prewarm of alpha's prefix is "prefilling"
+    task = await boot(mgr)
+    assert mgr.boot.snapshot()["current_slot"] == 0
+    req = request("s2", project="beta")  # another prefix, for the same (only) slot
+    await asyncio.wait_for(mgr.prepare(req), 2.0)  # does not wait for the gate
+    assert req.slot == 0 and req.notes["prefix_fp"] != fp
+    await asyncio.wait_for(task, 2.0)
+    snap = mgr.boot.snapshot()
+    assert (snap["state"], snap["warmed"], snap["skipped"]) == ("done", 0, 1)
+    (skip,) = core.cache_events("boot_rewarm_skipped")
+    assert "another prefix" in skip.reason and skip.slot == 0
+    assert mgr.slots.slots[0].prefix_fp != fp  # never marked as holding alpha
+
+
+async def test_a_request_for_the_same_prefix_waits_for_its_rewarm(tmp_path: Path) -> None:
+    core, fp = await learn_and_stop(tmp_path)
+    mgr, fake = attach(core)
+    fake.gate = asyncio.Event()
+    task = await boot(mgr)
+    req = request("s2")  # same system prompt: the prefix being re-warmed
+    waiting = asyncio.ensure_future(mgr.prepare(req))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # it waits: that is the quickest way to a warm slot
+    fake.gate.set()
+    await asyncio.wait_for(waiting, 2.0)
+    await asyncio.wait_for(task, 2.0)
+    assert mgr.boot.snapshot()["warmed"] == 1
+    assert req.notes["prefix_fp"] == fp and mgr.slots.slots[0].prefix_fp == fp
+    assert not core.cache_events("boot_rewarm_skipped")
+
+
+async def test_a_slot_claimed_before_its_rewarm_starts_is_skipped(tmp_path: Path) -> None:
+    core, _ = await learn_and_stop(tmp_path, "alpha", "beta")
+    core.settings.cache.aux_slot = False  # two primary slots: two prefixes to re-warm
+    mgr, fake = attach(core)
+    fake.gate = asyncio.Event()
+    task = await boot(mgr)
+    assert mgr.boot.snapshot()["total"] == 2 and mgr.boot.snapshot()["current_slot"] == 0
+    mgr.boot.claim(1, "")  # a request takes slot 1 while slot 0 is still warming
+    fake.gate.set()
+    await asyncio.wait_for(task, 2.0)
+    snap = mgr.boot.snapshot()
+    assert (snap["done"], snap["warmed"], snap["skipped"]) == (2, 1, 1)
+    assert 1 not in fake.contents or fake.contents[1] == []  # nothing sent to slot 1
+    assert "1 skipped" in format_inventory(await mgr.status())
+
+
+async def test_under_memory_pressure_nothing_is_rewarmed(tmp_path: Path) -> None:
+    core, _ = await learn_and_stop(tmp_path)
+    mgr, fake = attach(core)
+    mgr.pressure.update(Reading(1000, 100, 0, 0, None, 1000, 500))  # RAM low
+    await (await boot(mgr))
+    snap = mgr.boot.snapshot()
+    assert (snap["state"], snap["warmed"], snap["skipped"]) == ("done", 0, 1)
+    assert core.cache_events("prewarm_skipped") and fake.contents.get(0, []) == []
+
+
+@pytest.mark.parametrize("state", ["idle", "running", "done"])
+def test_inventory_says_what_the_boot_rewarm_does(state: str) -> None:
+    boot = {
+        "state": state,
+        "done": 1,
+        "total": 2,
+        "warmed": 1,
+        "skipped": 0,
+        "failed": 1,
+        "current_slot": 1 if state == "running" else None,
+        "started_at": 100.0,
+        "finished_at": 112.5 if state == "done" else None,
+    }
+    st = {
+        "template_warning": None,
+        "identity": "abc",
+        "disk_tier": {"usable": False, "reason": "off"},
+        "slots": [],
+        "aux_slot": None,
+        "prefixes": [],
+        "saved": [],
+        "divergences": [],
+        "boot_rewarm": boot,
+    }
+    text = format_inventory(st)
+    expected = {
+        "idle": None,
+        "running": "re-warming recently used prefixes after the server start: 1 of 2 done "
+        "(slot 1 now)",
+        "done": "in 12.5 s: 1 of 2 prefixes warm, 1 failed",
+    }[state]
+    if expected is None:
+        assert "re-warm" not in text
+    else:
+        assert expected in text
