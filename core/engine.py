@@ -33,7 +33,7 @@ from core.cli_fit import request_from_settings
 from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
 from core.errors import CacheError, CoreStopped, WarmslotError
-from core.events import Event, Notice
+from core.events import Event, Notice, ServerStateChanged
 from core.models import profiles
 from core.models.pool import ModelPool
 from core.paths import Paths, resources_dir
@@ -44,6 +44,7 @@ from core.server.devices import read_gpus, read_host
 from core.server.fit import FitPlan, format_plan, plan_argv
 from core.server.fit import plan as plan_fit
 from core.server.gguf_facts import read_facts
+from core.server.provision import PATCHED_PURPOSE, Provisioner
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.telemetry import Telemetry
 
@@ -120,6 +121,7 @@ class Core:
         *,
         policy_factory: PolicyFactory | None = None,
         clock: Clock | None = None,
+        binary_check: discover.Checker | None = discover.smoke_check,
     ) -> None:
         self.paths = paths
         self.clock: Clock = clock if clock is not None else RealClock()  # sweeps, TTLs
@@ -136,7 +138,10 @@ class Core:
         self.policy: CachePolicy | None = None
         self.pool: ModelPool | None = None  # only when [[models]] profiles are configured
         self.fit_plan: FitPlan | None = None  # the primary's memory plan, launched with
-        self._build_cancel: asyncio.Event | None = None
+        # `binary_check` smoke-starts each llama-server candidate (None: trust --version,
+        # for tests whose fake servers stage launch faults on purpose).
+        self.provision = Provisioner(self.paths, self.emit, self._record_build, check=binary_check)
+        self._upgrade_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0
 
@@ -239,7 +244,7 @@ class Core:
         sup = self.supervisor
         self.proxy = Proxy(
             upstream=lambda: sup.base_url,
-            server_state=lambda: sup.state.value,
+            server_state=self._server_state_words,
             n_slots=lambda: self.settings.server.slots,
             emit=self.emit,
             api_key=lambda: self.settings.proxy.api_key,
@@ -257,6 +262,7 @@ class Core:
             self.proxy.models = self.pool.models_list
             self._tasks.append(asyncio.create_task(self.pool.run()))
         await self.proxy.start(s.proxy.host, s.proxy.port)
+        self.subscribe(self._on_server_state, (ServerStateChanged,))
         self._write_runtime()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         background = getattr(self.policy, "background", None)  # the cache manager's sweeps
@@ -276,8 +282,8 @@ class Core:
         """Find the binary and model these server settings name (off the loop)."""
         loop = asyncio.get_running_loop()
         # Probing binaries and hashing files is blocking work: keep it off the loop.
-        binary = await loop.run_in_executor(None, discover.require, self.paths, s.binary)
         mdl = await loop.run_in_executor(None, model.resolve, self.paths, s.model)
+        binary = await self.provision.binary_for(s, mdl.path)
         template = chat_template_for(s, mdl)
         plan: list[str] = []
         fit_plan, gpus_seen = await loop.run_in_executor(None, self._plan_fit, s, mdl)
@@ -353,6 +359,9 @@ class Core:
             self._stopping = False
 
     async def _teardown(self) -> None:
+        self.provision.cancel()
+        if self._upgrade_task is not None:
+            self._upgrade_task.cancel()
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
@@ -440,35 +449,84 @@ class Core:
         """Build llama-server from source with Warmslot's patches (the pinned llama.cpp,
         cached by its inputs); progress arrives as `BuildProgress` events. Resolves to the
         build record; discovery then finds it in the build cache."""
-        return self.submit(self._build_server())
-
-    async def _build_server(self) -> Any:
-        from core.server import build as build_mod
-
-        if self._build_cancel is not None:
-            raise WarmslotError("a build is already running")
-        self._build_cancel = asyncio.Event()
-        try:
-            return await build_mod.build(
-                build_mod.BuildRequest(),
-                self.paths,
-                on_progress=self.emit,
-                cancel=self._build_cancel,
-                record=self._record_build,
-            )
-        finally:
-            self._build_cancel = None
+        return self.submit(self.provision.build("building llama-server (requested)"))
 
     def cancel_build(self) -> concurrent.futures.Future[bool]:
         """Cancel a running build (its temp dir is removed); True if one was running."""
 
         async def cancel() -> bool:
-            if self._build_cancel is None:
-                return False
-            self._build_cancel.set()
-            return True
+            return self.provision.cancel()
 
         return self.submit(cancel())
+
+    # ------------------------------------------------- patched build in the background
+    def _on_server_state(self, event: Event) -> None:
+        """When the primary server is ready on a stock binary that the model's disk tier
+        needs patched, build the patched server in the background (server.build = auto)."""
+        if not isinstance(event, ServerStateChanged) or event.model or event.state != "ready":
+            return
+        if self._upgrade_task is not None and not self._upgrade_task.done():
+            return
+        self._upgrade_task = asyncio.ensure_future(self._upgrade())
+
+    async def _upgrade(self) -> None:
+        sup = self.supervisor
+        s = self._primary_settings()
+        if sup is None or sup.resolved is None or s.build != "auto" or self.provision.building:
+            return
+        binary, mdl = sup.resolved.binary, sup.resolved.model
+        loop = asyncio.get_running_loop()
+        why = await loop.run_in_executor(None, self.provision.upgrade_reason, s, binary, mdl.path)
+        if why is None:
+            return
+        self.emit(
+            Notice(
+                level="info",
+                text=f"{why}. Building the patched server in the background at idle "
+                "priority; Warmslot switches to it at the next quiet moment.",
+                hint='server.build = "off" stops this; "now" builds before starting',
+            )
+        )
+        try:
+            await self.provision.build(PATCHED_PURPOSE, background=True)
+        except asyncio.CancelledError:
+            raise
+        except WarmslotError as e:
+            self.emit(
+                Notice(
+                    level="warning",
+                    text=f"The patched llama-server could not be built: {e}",
+                    hint=e.hint or "serving goes on with the stock server, without the disk tier",
+                )
+            )
+            return
+        found = await self.provision.discover(s)
+        if found.found is None or not found.found.patched:
+            return
+        await self._wait_quiet(s.switch_idle_s)
+        self.emit(Notice(level="info", text="Switching to the patched llama-server (disk tier)."))
+        await sup.restart("switching to the patched llama-server for the disk tier")
+
+    async def _wait_quiet(self, idle_s: float) -> None:
+        """Until no request is in flight and none ended in the last `idle_s` seconds."""
+        while True:
+            idle = self.proxy.idle_for() if self.proxy is not None else idle_s
+            if idle is not None and idle >= idle_s:
+                return
+            wait = 0.5 if idle is None else max(0.1, idle_s - idle)
+            await asyncio.sleep(wait)
+
+    def _server_state_words(self) -> str:
+        """The server's state for a 503, with what is happening or went wrong."""
+        sup = self.supervisor
+        if sup is None:
+            return "stopped"
+        build = self.provision.status()
+        if build is not None and not build.get("background"):
+            return f"{sup.state.value} — {build.get('text') or 'building llama-server'}"
+        if sup.state is ServerState.FAILED and sup.state_reason:
+            return f"failed — {sup.state_reason}; see `warmslot doctor`"
+        return sup.state.value
 
     def _record_build(self, row: dict[str, Any]) -> None:
         if self.telemetry is None or not row.get("build_id"):
@@ -547,6 +605,7 @@ class Core:
                 "proxy": f"http://{self.proxy.host}:{self.proxy.port}",
                 "config": str(self.paths.config_file),
             },
+            "build": self.provision.status(),
             "server": {
                 **self.supervisor.snapshot(),
                 "fit": None

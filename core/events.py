@@ -150,6 +150,12 @@ class BuildProgress(Event):
     step: str
     done: bool = False
     ok: bool | None = None
+    steps_done: int = 0  # compile steps finished / in all (0 when the build tool says not)
+    steps_total: int = 0
+    elapsed_s: float = 0.0
+    eta_s: float | None = None  # from the last build's time, then this one's pace
+    purpose: str = ""  # why it runs, in words ("no llama-server works on this CPU" …)
+    background: bool = False  # serving goes on meanwhile (the patched build for the disk tier)
 
 
 @dataclass(frozen=True)

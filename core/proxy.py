@@ -281,6 +281,10 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
+        # For "is now a quiet moment?" (switching to a new server build): requests being
+        # handled, and when the last one ended.
+        self._active = 0
+        self._last_done = time.monotonic()
         self.app = web.Application(client_max_size=max_body_mb * 1024 * 1024)
         for path in JSON_ROUTES:
             self.app.router.add_post(path, self._handle_json)
@@ -408,7 +412,21 @@ class Proxy:
             text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
         )
 
+    def idle_for(self) -> float | None:
+        """Seconds since the last generation request ended; None while one runs."""
+        if self._active:
+            return None
+        return time.monotonic() - self._last_done
+
     async def _handle_json(self, request: web.Request) -> web.StreamResponse:
+        self._active += 1
+        try:
+            return await self._handle_json_counted(request)
+        finally:
+            self._active -= 1
+            self._last_done = time.monotonic()
+
+    async def _handle_json_counted(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         if err := self._auth_error(request):
             return err

@@ -26,10 +26,12 @@ import pytest
 from core.config import Settings
 from core.engine import Core
 from core.paths import Paths
-from tests.fixtures.tinymodel import make_tiny_model
+from core.server import discover
+from core.server.tinymodel import make_tiny_model
 from tests.helpers import server_descendants
 
 MakeCore = Callable[..., Core]
+TEST_BINARY_ENV = "WARMSLOT_TEST_SERVER"  # the binary `server_binary` chose (for subprocesses)
 
 
 def test_cache() -> Path:
@@ -52,6 +54,43 @@ def _no_orphan_servers() -> Iterator[None]:
             p.kill()
     if left:
         pytest.fail(f"llama-server processes outlived their tests: {[p.pid for p in left]}")
+
+
+def test_home() -> Paths:
+    """Warmslot folders for the test session's own llama-server build and checks."""
+    return Paths.under(test_cache() / "home")
+
+
+test_home.__test__ = False  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_binary() -> Iterator[Path]:
+    """The llama-server every test's Core finds first on PATH.
+
+    The first candidate that passes its smoke start on this CPU (PATH, the registry
+    package, the test build cache). When none does — the prebuilt package is built for
+    CPUs with AVX-512/AMX — Warmslot's own build runs once for this CPU into the test
+    cache (outside the clone, keyed by its inputs, so later runs reuse it).
+    """
+    from core.server.build import BuildRequest, build_sync
+
+    home = test_home()
+    found = discover.discover(home).found
+    if found is None:
+        print("\nno llama-server works on this CPU: building one (cached for later runs)")
+        build_sync(BuildRequest(purpose="test session"), home)
+        found = discover.discover(home).found
+        assert found is not None, "the llama-server built for this CPU fails its smoke start"
+    old_path = os.environ.get("PATH", "")
+    if found.source == "build-cache":  # the package and PATH are found without help
+        os.environ["PATH"] = f"{found.path.parent}{os.pathsep}{old_path}"
+    os.environ[TEST_BINARY_ENV] = str(found.path)
+    try:
+        yield found.path
+    finally:
+        os.environ["PATH"] = old_path
+        os.environ.pop(TEST_BINARY_ENV, None)
 
 
 @pytest.fixture(scope="session")
@@ -109,6 +148,7 @@ def make_core(tmp_path: Path, tiny_model: Path) -> Iterator[MakeCore]:
         *,
         home: Path | None = None,
         policy_factory: Any = None,
+        binary_check: Any = discover.smoke_check,
         **changes: Any,
     ) -> Core:
         if settings is None:
@@ -118,7 +158,9 @@ def make_core(tmp_path: Path, tiny_model: Path) -> Iterator[MakeCore]:
                 section, key = name.split("__", 1)
                 setattr(getattr(settings, section), key, value)
         folder = home if home is not None else tmp_path / f"core{len(made)}"
-        core = Core(Paths.under(folder), settings, policy_factory=policy_factory)
+        core = Core(
+            Paths.under(folder), settings, policy_factory=policy_factory, binary_check=binary_check
+        )
         made.append(core)
         return core
 

@@ -38,6 +38,7 @@ import re
 import secrets
 import shutil
 import subprocess
+import sysconfig
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -47,7 +48,13 @@ from typing import Any, TypeVar
 from core.errors import BuildError
 from core.events import BuildProgress
 from core.paths import Paths
-from core.server.buildlog import BuildCancelled, BuildLog, ProgressTracker, run_step
+from core.server.buildlog import (
+    BuildCancelled,
+    BuildLog,
+    ProgressTracker,
+    estimate_eta,
+    run_step,
+)
 from core.server.source import (
     DEFAULT_SOURCE,
     PYPI_INDEX,
@@ -74,7 +81,9 @@ __all__ = [
     "apply_patches",
     "build",
     "build_sync",
+    "check_toolchain",
     "cmake_args",
+    "compiler_hint",
     "compute_build_id",
     "default_patches_dir",
     "detect_backend",
@@ -255,6 +264,82 @@ def cmake_args(
 # ---------------------------------------------------------------------------- toolchain
 
 
+def tool_path(env: Mapping[str, str] | None = None) -> str:
+    """PATH for build tools: Warmslot's own environment first, where pip puts the
+    ``cmake`` and ``ninja`` packages (``warmslot[server]``) even when that environment
+    is not activated (``.venv/bin/warmslot serve``)."""
+    env = os.environ if env is None else env
+    scripts = sysconfig.get_path("scripts")
+    rest = env.get("PATH", os.defpath)
+    return os.pathsep.join(p for p in (scripts, rest) if p)
+
+
+def compiler_hint(os_release: Path = Path("/etc/os-release"), system: str | None = None) -> str:
+    """What to install for a C/C++ compiler on this OS (the one thing pip cannot bring)."""
+    system = system or platform.system()
+    alt = " Or set server.binary to a llama-server that works on this machine."
+    if system == "Darwin":
+        return "Install Apple's command line tools: xcode-select --install." + alt
+    if system == "Windows":
+        return (
+            "Install Visual Studio Build Tools with the 'Desktop development with C++' "
+            "workload (winget install Microsoft.VisualStudio.2022.BuildTools)." + alt
+        )
+    ids: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in os_release.read_text("utf-8", "replace").splitlines():
+            key, _, value = line.partition("=")
+            if key in ("ID", "ID_LIKE"):
+                ids.update(value.strip().strip('"').lower().split())
+    for names, cmd in (
+        ({"debian", "ubuntu"}, "sudo apt install build-essential"),
+        ({"fedora", "rhel", "centos"}, "sudo dnf install gcc-c++ make"),
+        ({"arch"}, "sudo pacman -S base-devel"),
+        ({"opensuse", "suse", "opensuse-tumbleweed"}, "sudo zypper install gcc-c++ make"),
+        ({"alpine"}, "sudo apk add build-base linux-headers"),
+    ):
+        if ids & names:
+            return f"Install a C/C++ compiler: {cmd}." + alt
+    return "Install a C/C++ compiler (gcc and g++, or clang)." + alt
+
+
+@dataclass(frozen=True)
+class ToolchainCheck:
+    """Whether this machine can build llama-server, and what is missing."""
+
+    ok: bool
+    problems: tuple[str, ...]
+    hint: str
+
+
+def check_toolchain(
+    env: Mapping[str, str] | None = None,
+    which: Callable[..., str | None] = shutil.which,
+) -> ToolchainCheck:
+    """Check the CPU build's tools before anything is downloaded: a C and a C++ compiler
+    (from the OS) and cmake (from PyPI with ``warmslot[server]``, or the OS)."""
+    env = os.environ if env is None else env
+    path = tool_path(env)
+    problems: list[str] = []
+    hints: list[str] = []
+    for role, exe in (
+        ("C compiler", env.get("CC") or "cc"),
+        ("C++ compiler", env.get("CXX") or "c++"),
+    ):
+        if os.name == "nt" and not which(exe, path=path) and which("cl", path=path):
+            continue
+        if not which(exe, path=path):
+            problems.append(f"no {role} ({exe})")
+    if problems:
+        hints.append(compiler_hint())
+    if not which("cmake", path=path):
+        problems.append("no cmake")
+        hints.append(
+            "Install cmake and ninja into Warmslot's environment: pip install cmake ninja."
+        )
+    return ToolchainCheck(not problems, tuple(problems), " ".join(hints))
+
+
 def _tools_for(
     backend: str,
     env: Mapping[str, str],
@@ -301,12 +386,13 @@ def toolchain_versions(tools: Mapping[str, str], cache_file: Path | None = None)
     changed = False
     out: dict[str, str] = {}
     for role, exe in tools.items():
-        found = shutil.which(exe)
+        found = shutil.which(exe, path=tool_path())
         if not found:
-            hint = {
-                "cc": "Install a C/C++ compiler (Debian/Ubuntu: apt install build-essential).",
-                "c++": "Install a C/C++ compiler (Debian/Ubuntu: apt install build-essential).",
-            }.get(role, f"Install {exe} or choose another backend (--backend cpu).")
+            hint = (
+                compiler_hint()
+                if role in ("cc", "c++")
+                else f"Install {exe} or choose another backend (--backend cpu)."
+            )
             raise BuildError(f"{role} compiler {exe!r} not found", hint=hint)
         real = os.path.realpath(found)
         st = os.stat(real)
@@ -389,6 +475,28 @@ class BuildRequest:
     jobs: int | None = None
     """Parallel compile jobs; default: all cores."""
     index_url: str = PYPI_INDEX
+    purpose: str = ""
+    """Why this build runs, in words, for progress and status (does not change the binary)."""
+    background: bool = False
+    """Build at idle priority (nice, idle I/O class) with one core left free, because a
+    server keeps serving meanwhile. Does not change the binary."""
+
+
+def low_priority_prefix(which: Callable[[str], str | None] = shutil.which) -> list[str]:
+    """Command prefix that runs a build at idle CPU and I/O priority where the OS has the
+    tools (``nice``, Linux ``ionice``); children (compilers) inherit it."""
+    prefix: list[str] = []
+    if which("nice"):
+        prefix += ["nice", "-n", "19"]
+    if which("ionice"):
+        prefix += ["ionice", "-c", "3"]
+    return prefix
+
+
+def default_jobs(background: bool, cpus: int | None = None) -> int:
+    """Compile jobs: every core, or in the background all but one (at least one)."""
+    n = cpus if cpus is not None else os.cpu_count() or 1
+    return max(1, n - 1) if background else n
 
 
 @dataclass(frozen=True)
@@ -624,7 +732,7 @@ async def _probe_version(binary: Path, blog: BuildLog) -> str:
 
 def _generator_args() -> list[str]:
     # Ninja when present: its "[done/total]" status gives an exact, smooth progress bar.
-    return ["-G", "Ninja"] if shutil.which("ninja") else []
+    return ["-G", "Ninja"] if shutil.which("ninja", path=tool_path()) else []
 
 
 def _failed_log_path(paths: Paths, build_id: str) -> Path:
@@ -666,11 +774,16 @@ async def _compile(
 
         generator = _generator_args()
         env = dict(plan.env)
+        env["PATH"] = tool_path(env)
         # Ninja's progress format is what the parser reads; a user's NINJA_STATUS would hide it.
         env["NINJA_STATUS"] = "[%f/%t] "
         # llama.cpp's cmake asks git for the commit and count of the source dir; our copy has
         # no .git, and git must not climb into a repo that happens to contain the builds dir.
         env["GIT_CEILING_DIRECTORIES"] = str(tmp)
+        # ggml uses ccache when it is installed; each build works in a fresh temp dir, so
+        # paths are made relative to it, or a rebuild (one patch changed) would miss.
+        env.setdefault("CCACHE_BASEDIR", str(tmp))
+        env.setdefault("CCACHE_NOHASHDIR", "1")
         step(0.0, "Configuring (cmake)")
         rc = await run_step(
             ["cmake", "-S", str(src), "-B", str(bdir), *generator, *plan.cmake_args],
@@ -686,7 +799,8 @@ async def _compile(
             )
         _check_cancel(cancel)
 
-        jobs = req.jobs or os.cpu_count() or 1
+        jobs = req.jobs or default_jobs(req.background)
+        prefix = low_priority_prefix() if req.background else []
         tracker = ProgressTracker()
         step(0.0, f"Building llama-server ({jobs} jobs)")
 
@@ -696,12 +810,17 @@ async def _compile(
                 # The last percent is kept for "linking / checking" after the compile.
                 progress(
                     BuildProgress(
-                        build_id=build_id, percent=min(moved.percent, 99.0), step=moved.step
+                        build_id=build_id,
+                        percent=min(moved.percent, 99.0),
+                        step=moved.step,
+                        steps_done=moved.done,
+                        steps_total=moved.total,
                     )
                 )
 
         rc = await run_step(
             [
+                *prefix,
                 "cmake",
                 "--build",
                 str(bdir),
@@ -758,6 +877,8 @@ async def _compile(
             "cmake_args": plan.cmake_args,
             "generator": generator[1] if generator else "default",
             "jobs": jobs,
+            "cpu_count": os.cpu_count(),
+            "background": req.background,
             "toolchain": plan.toolchain,
             "platform": f"{platform.system()} {platform.machine()}",
         }
@@ -810,11 +931,21 @@ async def build(
     started = time.monotonic()
     blog = BuildLog()
     state: dict[str, Any] = {"build_id": "", "percent": 0.0}
+    last = latest_build(paths.builds_dir)
+    previous_s = last.duration_s if last is not None else None
 
     def progress(ev: BuildProgress) -> None:
         state["percent"] = ev.percent
         if on_progress is None:
             return
+        elapsed = time.monotonic() - started
+        ev = replace(
+            ev,
+            elapsed_s=round(elapsed, 1),
+            eta_s=None if ev.done else estimate_eta(elapsed, ev.percent, previous_s),
+            purpose=request.purpose,
+            background=request.background,
+        )
         try:
             on_progress(ev)
         except Exception:  # a broken subscriber must not break the build
@@ -920,6 +1051,10 @@ def _call_record(
         "requested_backend": request.backend,
         "native": request.native,
         "patches_enabled": request.patches,
+        "purpose": request.purpose,
+        "background": request.background,
+        "jobs": request.jobs or default_jobs(request.background),
+        "cpu_count": os.cpu_count(),
     }
     if plan is not None:
         payload.update(

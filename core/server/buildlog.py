@@ -36,6 +36,7 @@ __all__ = [
     "ProgressLine",
     "ProgressTracker",
     "describe_step",
+    "estimate_eta",
     "parse_progress_line",
     "run_step",
     "terminate_group",
@@ -62,6 +63,8 @@ class ProgressLine:
 
     percent: float
     step: str
+    done: int = 0  # build steps finished (ninja's [done/total]; 0 when unknown)
+    total: int = 0
 
 
 def parse_progress_line(line: str) -> ProgressLine | None:
@@ -72,10 +75,21 @@ def parse_progress_line(line: str) -> ProgressLine | None:
         done, total = int(m.group(1)), int(m.group(2))
         if total <= 0:
             return None
-        return ProgressLine(min(100.0, 100.0 * done / total), m.group(3))
+        return ProgressLine(min(100.0, 100.0 * done / total), m.group(3), done, total)
     m = _MAKE.match(text)
     if m:
         return ProgressLine(float(min(100, int(m.group(1)))), m.group(2))
+    return None
+
+
+def estimate_eta(elapsed_s: float, percent: float, previous_s: float | None) -> float | None:
+    """Seconds left in a build: from the last build's duration until a quarter is done
+    (the first steps are quick configure and small files), then from this build's own
+    pace. None when neither is known yet."""
+    if percent >= 25.0 or (previous_s is None and percent >= 3.0):
+        return max(0.0, elapsed_s * (100.0 - percent) / percent)
+    if previous_s is not None:
+        return max(0.0, previous_s - elapsed_s)
     return None
 
 
@@ -111,7 +125,7 @@ class ProgressTracker:
             return None
         self.percent = max(self.percent, parsed.percent)
         self.step = describe_step(parsed.step)
-        return ProgressLine(self.percent, self.step)
+        return ProgressLine(self.percent, self.step, parsed.done, parsed.total)
 
 
 class LogTail:

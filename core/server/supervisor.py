@@ -332,6 +332,8 @@ class Supervisor:
             return True
         if mode == "off":
             return False
+        if binary.no_repack:  # its smoke start passed only with the flag
+            return True
         entry = self._quirks().get(binary.identity)
         return bool(isinstance(entry, dict) and entry.get("no_repack"))
 

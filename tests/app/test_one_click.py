@@ -17,8 +17,8 @@ import pytest
 from app.menu import START, menu_entries, populate
 from app.qt import QtWidgets
 from app.state import TrayState
+from core.server.tinymodel import make_tiny_model
 from tests.app.conftest import Launch, prepare
-from tests.fixtures.tinymodel import make_tiny_model
 from tests.helpers import server_descendants
 
 pytestmark = pytest.mark.integration

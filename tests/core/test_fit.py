@@ -28,8 +28,8 @@ from core.server.fit import (
     plan_argv,
 )
 from core.server.gguf_facts import ModelFacts, read_facts
+from core.server.tinymodel import make_tiny_model
 from tests.core import test_gguf_facts as synth
-from tests.fixtures.tinymodel import make_tiny_model
 
 GIB = 1 << 30
 LOGS = Path(__file__).resolve().parent.parent / "fixtures" / "logs"

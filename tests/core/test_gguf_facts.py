@@ -13,7 +13,7 @@ import pytest
 from core.errors import ModelNotFound
 from core.server.gguf_facts import read_facts
 from core.server.model import model_identity
-from tests.fixtures.tinymodel import make_tiny_model
+from core.server.tinymodel import make_tiny_model
 
 LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "ffn_up")
 

@@ -46,7 +46,7 @@ def test_warmup_crash_retries_once_with_no_repack_and_remembers_it(
         tmp_path / "bin", "--fake-mode", "crash-warmup", "--fake-launch-log", str(launches)
     )
     home = tmp_path / "home"
-    core = make_core(home=home, server__binary=str(fake))
+    core = make_core(home=home, server__binary=str(fake), binary_check=None)
     log = started_with_log(core)
     core.start(wait_ready=True, timeout=60)
 
@@ -88,7 +88,7 @@ def test_warmup_crash_retries_once_with_no_repack_and_remembers_it(
     core.stop()
 
     # The next start of this binary uses --no-repack at once: no crash, no retry.
-    again = make_core(home=home, server__binary=str(fake))
+    again = make_core(home=home, server__binary=str(fake), binary_check=None)
     log2 = started_with_log(again)
     again.start(wait_ready=True, timeout=60)
     (first,) = log2.of(ServerLaunched)
@@ -106,7 +106,7 @@ def test_warmup_crash_is_not_retried_when_no_repack_is_off(
     make_core: MakeCore, tmp_path: Path
 ) -> None:
     fake = make_fake_binary(tmp_path / "bin", "--fake-mode", "crash-warmup")
-    core = make_core(server__binary=str(fake), server__no_repack="off")
+    core = make_core(server__binary=str(fake), binary_check=None, server__no_repack="off")
     log = started_with_log(core)
     with pytest.raises(ServerStartFailed, match="killed by signal SIGSEGV"):
         core.start(wait_ready=True, timeout=60)
@@ -122,7 +122,7 @@ def test_slow_start_fails_after_the_timeout_and_kills_the_group(
     fake = make_fake_binary(
         tmp_path / "bin", "--fake-mode", "slow-start", "--fake-fork-child", str(pidfile)
     )
-    core = make_core(server__binary=str(fake))
+    core = make_core(server__binary=str(fake), binary_check=None)
     core.settings.server.start_timeout_s = 2.0  # below the schema's minimum, on purpose
     log = started_with_log(core)
     core.start(start_server=False)
@@ -147,7 +147,7 @@ def test_slow_start_fails_after_the_timeout_and_kills_the_group(
 
 def test_crash_loop_backs_off_then_gives_up(make_core: MakeCore, tmp_path: Path) -> None:
     fake = make_fake_binary(tmp_path / "bin", "--fake-crash-after", "0.3")
-    core = make_core(server__binary=str(fake), server__max_restarts=3)
+    core = make_core(server__binary=str(fake), binary_check=None, server__max_restarts=3)
     core.settings.server.backoff_max_s = 0.75  # caps the doubling 0.5 → 1.0 → 2.0
     log = started_with_log(core)
     core.start(wait_ready=True, timeout=60)
@@ -187,7 +187,7 @@ def test_crash_loop_backs_off_then_gives_up(make_core: MakeCore, tmp_path: Path)
 def test_stop_kills_the_whole_process_group(make_core: MakeCore, tmp_path: Path) -> None:
     pidfile = tmp_path / "helper.pid"
     fake = make_fake_binary(tmp_path / "bin", "--fake-fork-child", str(pidfile))
-    core = make_core(server__binary=str(fake))
+    core = make_core(server__binary=str(fake), binary_check=None)
     log = started_with_log(core)
     core.start(wait_ready=True, timeout=60)
     assert core.supervisor is not None
@@ -211,7 +211,7 @@ def test_crash_with_a_surviving_helper_still_restarts(make_core: MakeCore, tmp_p
     fake = make_fake_binary(
         tmp_path / "bin", "--fake-fork-child", str(pidfile), "--fake-crash-after", "0.5"
     )
-    core = make_core(server__binary=str(fake), server__max_restarts=1)
+    core = make_core(server__binary=str(fake), binary_check=None, server__max_restarts=1)
     log = started_with_log(core)
     core.start(wait_ready=True, timeout=60)
     helper = read_pid(pidfile)

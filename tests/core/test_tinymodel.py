@@ -6,7 +6,7 @@ from pathlib import Path
 
 import gguf
 
-from tests.fixtures.tinymodel import CHAT_TEMPLATE, make_tiny_model, vocabulary
+from core.server.tinymodel import CHAT_TEMPLATE, make_tiny_model, vocabulary
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> object:

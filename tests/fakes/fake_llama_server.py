@@ -14,6 +14,9 @@ Fake options (before the llama-server arguments):
 --fake-mode crash-warmup   crash with SIGSEGV during warm-up (AMX repacking) unless
                            --no-repack is given; with it, serve
 --fake-mode slow-start     print the loading lines, then never bind
+--fake-mode die            print the loading lines, then die by --fake-signal NAME
+                           (ILL, SEGV, BUS …; as a binary built for another CPU does)
+--fake-mode exit           print the loading lines, then exit with --fake-exit N
 --fake-crash-after S       (serve) crash with SIGSEGV S seconds after listening
 --fake-fork-child FILE     fork a helper that ignores SIGTERM, keeps stdout open
                            and writes its pid to FILE (proves process-group kills)
@@ -41,10 +44,11 @@ def log(level: str, area: str, text: str) -> None:
     print(f"{stamp} {level} {area:<4} {text}", flush=True)
 
 
-def crash() -> None:
+def crash(sig: signal.Signals = signal.SIGSEGV) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
     sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGSEGV)
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
     block_forever()  # pragma: no cover - the signal ends us first
 
 
@@ -174,6 +178,12 @@ def main() -> None:
         crash()
     if mode == "slow-start":
         block_forever()
+    if mode == "die":
+        log("I", "cmn", "init: llama threadpool init, n_threads = 1")
+        crash(signal.Signals[f"SIG{fake.get('signal', 'ILL')}"])
+    if mode == "exit":
+        log("E", "srv", "fake: giving up")
+        sys.exit(int(fake.get("exit", "1")))
     crash_after = float(fake["crash-after"]) if "crash-after" in fake else None
     serve(host, port, crash_after)
 

@@ -25,9 +25,9 @@ from core.clock import FakeClock
 from core.config import Settings
 from core.engine import Core
 from core.paths import Paths
+from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.fixtures.tinymodel import make_tiny_model
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ from core.bench.trace import make_trace
 from core.cache.manager import CacheManager, policy_factory
 from core.engine import Core
 from core.paths import Paths
+from core.server.tinymodel import CHAT_TEMPLATE, make_tiny_model
 from tests.conftest import settings_for
-from tests.fixtures.tinymodel import CHAT_TEMPLATE, make_tiny_model
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration

@@ -19,9 +19,9 @@ from core.cache.manager import CacheManager, policy_factory
 from core.clock import FakeClock
 from core.engine import Core
 from core.paths import Paths
+from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as model_cache
-from tests.fixtures.tinymodel import make_tiny_model
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration

@@ -18,9 +18,9 @@ from core.engine import Core
 from core.models import profiles
 from core.paths import Paths
 from core.server import devices
+from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.fixtures.tinymodel import make_tiny_model
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
