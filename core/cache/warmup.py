@@ -32,6 +32,9 @@ log = logging.getLogger("warmslot.cache")
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
 LOAD_AT_START = 10  # most recently used prefix definitions known again after a start
+# The boot re-warm fills a slot this many tokens per request (the default ubatch), so a
+# client request that stops it waits for at most one such prefill (core.cache.boot).
+BOOT_CHUNK_TOKENS = 512
 PATCH_FIELD = "warmslot_patches"
 # Patch levels a patched server lists in GET /props (docs/patches.md); exact strings.
 PATCH_CHECKPOINTS = "slot-checkpoints-v1"  # SWA/hybrid slot files restore their checkpoints
@@ -285,17 +288,22 @@ async def warm_step(mgr: CacheManager, step: BootStep) -> bool:
         return False  # a request runs there already
     async with mgr._lock(step.slot):
         if step.saved is not None:
-            return await restore_or_prewarm(mgr, step.saved, step.slot)
+            return await restore_or_prewarm(mgr, step.saved, step.slot, chunk=BOOT_CHUNK_TOKENS)
         if not mgr.pressure.allows_prewarm(False):
             why = mgr.pressure.paused().get("prewarm", "")
             mgr._emit("prewarm_skipped", why, fp=step.info.fingerprint, slot=step.slot)
             return False
-        await mgr._prewarm(step.info, step.slot, reason="after server start")
+        await mgr._prewarm(
+            step.info, step.slot, reason="after server start", chunk=BOOT_CHUNK_TOKENS
+        )
         return True
 
 
-async def restore_or_prewarm(mgr: CacheManager, rec: StateRecord, slot: int) -> bool:
-    """Restore (verified) a saved prefix into `slot`, else prewarm it from its tokens.
+async def restore_or_prewarm(
+    mgr: CacheManager, rec: StateRecord, slot: int, *, chunk: int = 0
+) -> bool:
+    """Restore (verified) a saved prefix into `slot`, else prewarm it from its tokens
+    (`chunk` tokens per request into an empty slot, see `CacheManager._prewarm`).
 
     Returns whether the slot now holds the prefix.
     """
@@ -311,6 +319,6 @@ async def restore_or_prewarm(mgr: CacheManager, rec: StateRecord, slot: int) -> 
         except VerificationFailed:
             pass  # recorded; fall through to a cold prewarm when we know the tokens
     if info is not None:
-        await mgr._prewarm(info, slot, reason="after server start")
+        await mgr._prewarm(info, slot, reason="after server start", chunk=chunk)
         return True
     return False

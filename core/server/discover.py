@@ -289,7 +289,11 @@ def discover(
         candidates.append(
             Candidate(b.source, b.path, verdict.ok, reason, b.version, b.patched, check is not None)
         )
-    return Discovery(found=chosen, candidates=tuple(candidates))
+    # Ranked candidates first (in the order they were tried), then those that could not
+    # even answer --version, in search order.
+    tried = [c for c in candidates if c.version]
+    missing = [c for c in candidates if not c.version]
+    return Discovery(found=chosen, candidates=tuple(tried + missing))
 
 
 def _unique(binaries: list[ServerBinary]) -> list[ServerBinary]:

