@@ -40,6 +40,7 @@ from core.paths import Paths, resources_dir
 from core.proxy import CachePolicy, Proxy
 from core.server import discover, model
 from core.server.argv import LaunchInputs, build_argv, kv_relevant
+from core.server.build import BuildRequest
 from core.server.devices import read_gpus, read_host
 from core.server.fit import FitPlan, format_plan, plan_argv
 from core.server.fit import plan as plan_fit
@@ -122,6 +123,7 @@ class Core:
         policy_factory: PolicyFactory | None = None,
         clock: Clock | None = None,
         binary_check: discover.Checker | None = discover.smoke_check,
+        build_request: BuildRequest | None = None,
     ) -> None:
         self.paths = paths
         self.clock: Clock = clock if clock is not None else RealClock()  # sweeps, TTLs
@@ -140,7 +142,11 @@ class Core:
         self.fit_plan: FitPlan | None = None  # the primary's memory plan, launched with
         # `binary_check` smoke-starts each llama-server candidate (None: trust --version,
         # for tests whose fake servers stage launch faults on purpose).
-        self.provision = Provisioner(self.paths, self.emit, self._record_build, check=binary_check)
+        # `build_request`: what automatic builds build (default: the pinned llama.cpp with
+        # our patches); tests give a small stand-in tree.
+        self.provision = Provisioner(
+            self.paths, self.emit, self._record_build, check=binary_check, request=build_request
+        )
         self._upgrade_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +67,12 @@ class Provisioner:
         record: RecordHook | None = None,
         *,
         check: Checker | None = discover.smoke_check,
+        request: build_mod.BuildRequest | None = None,
     ) -> None:
         self._paths = paths
+        # What automatic builds build (their purpose and priority are set per build):
+        # the pinned llama.cpp with Warmslot's patches, for this CPU.
+        self._request = request or build_mod.BuildRequest()
         self._emit = emit
         self._record = record
         self._check = check
@@ -158,7 +163,7 @@ class Provisioner:
 
         try:
             return await build_mod.build(
-                build_mod.BuildRequest(purpose=purpose, background=background),
+                replace(self._request, purpose=purpose, background=background),
                 self._paths,
                 on_progress=on_progress,
                 cancel=self._cancel,
