@@ -51,7 +51,7 @@ def _paths(args: argparse.Namespace) -> Paths:
 # ------------------------------------------------------------------ serve
 def cmd_serve(args: argparse.Namespace) -> int:
     from core.engine import Core
-    from core.events import BuildProgress, ServerStateChanged
+    from core.events import BuildProgress, Notice, ServerStateChanged
 
     paths = _paths(args)
     paths.ensure()
@@ -74,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     core.subscribe(on_state, (ServerStateChanged,))
     core.subscribe(_BuildPrinter(), (BuildProgress,))
+    core.subscribe(_print_notice, (Notice,))
     core.start(start_server=False)
     prev = {
         sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)
@@ -97,6 +98,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig, handler in prev.items():
             signal.signal(sig, handler)
     return outcome.get("code", 0)
+
+
+def _print_notice(ev: Any) -> None:
+    """What the core wants a user to know (a build starting, a switch-over …)."""
+    if ev.level in ("warning", "info"):  # errors arrive through the start future
+        hint = f" ({ev.hint})" if ev.hint else ""
+        print(f"warmslot: {ev.text}{hint}", file=sys.stderr, flush=True)
 
 
 class _BuildPrinter:

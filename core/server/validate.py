@@ -207,6 +207,13 @@ def _http(url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, b
         return int(e.code), e.read()
 
 
+def _no_core_dumps() -> None:  # pragma: no cover - runs in the child
+    """A binary that dies by SIGILL here is expected; leave no core file behind."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -240,6 +247,7 @@ def smoke_start(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # the whole group goes with it, helpers included
+            preexec_fn=_no_core_dumps if os.name == "posix" else None,
         )
         ok, timed_out = False, False
         try:
