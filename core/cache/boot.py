@@ -17,7 +17,7 @@ request path calls `claim(slot, fingerprint)` before it waits for the slot:
 - the slot's re-warm is running for the very prefix the request needs → the
   request waits for it: nothing gets it a warm slot sooner.
 
-Events: ``boot_rewarm_started``, per step the warm-up's own events
+Events (none when nothing is known yet): ``boot_rewarm_started``, per step the warm-up's own events
 (``prewarm_hit``/``prewarm_cold``, ``restore_ok``/``restore_rejected``,
 ``prewarm_skipped`` under memory pressure), ``boot_rewarm_skipped`` (a client
 request took the slot), ``boot_rewarm_failed`` (the server refused), and
@@ -129,6 +129,8 @@ class BootRewarm:
             raise
         self.state = "done"
         self.finished_at = self._clock()
+        if not steps:
+            return  # nothing known yet (a first start): no events to clutter the log
         self._emit(
             "boot_rewarm_done",
             f"{self.warmed} of {self.total} prefixes re-warmed after the server start"
@@ -148,6 +150,8 @@ class BootRewarm:
         self.started_at, self.finished_at = self._clock(), None
         self._pending = {s.slot: s for s in steps}
         self._running = None
+        if not steps:
+            return
         self._emit(
             "boot_rewarm_started",
             f"re-warming {len(steps)} recently used prefixes after the server start",

@@ -131,6 +131,16 @@ async def test_a_learned_prefix_is_rewarmed_after_warmslot_restarts(tmp_path: Pa
     assert "boot re-warm finished" in status["text"] and "1 of 1 prefixes warm" in status["text"]
 
 
+async def test_a_first_start_has_nothing_to_rewarm_and_says_so_quietly(tmp_path: Path) -> None:
+    core, mgr = make_manager(tmp_path)
+    mgr.fake = RenderingLlama(core.paths.slot_dir / "x", n_slots=2)
+    await (await boot(mgr))
+    snap = mgr.boot.snapshot()
+    assert (snap["state"], snap["total"], snap["done"]) == ("done", 0, 0)
+    assert not [e for e in core.cache_events() if e.kind.startswith("boot_rewarm")]
+    assert "no known prefixes to re-warm" in (await mgr.status())["text"]
+
+
 async def test_only_definitions_of_the_same_model_and_template_come_back(tmp_path: Path) -> None:
     core, fp = await learn_and_stop(tmp_path)
     other_build = ServerIdentity(
