@@ -77,6 +77,7 @@ class Provisioner:
         self._record = record
         self._check = check
         self._cancel: asyncio.Event | None = None
+        self._running: asyncio.Future[build_mod.BuildRecord] | None = None
         self.progress: BuildProgress | None = None
         """The running build's last progress; None when no build runs."""
         self.last_discovery: Discovery | None = None
@@ -110,7 +111,7 @@ class Provisioner:
                     hint="progress: `warmslot status`; the build is cached for later starts",
                 )
             )
-            await self.build(NO_BINARY_PURPOSE)
+            await self._build_or_join(NO_BINARY_PURPOSE)
             result = await self.discover(s)
             if result.found is None:
                 raise BinaryNotFound(
@@ -120,7 +121,7 @@ class Provisioner:
                 )
             return result.found
         if s.build == "now" and self.upgrade_reason(s, found, model):
-            await self.build(PATCHED_PURPOSE)
+            await self._build_or_join(PATCHED_PURPOSE)
             result = await self.discover(s)
             if result.found is not None:
                 return result.found
@@ -142,13 +143,22 @@ class Provisioner:
     def building(self) -> bool:
         return self._cancel is not None
 
+    async def _build_or_join(self, purpose: str) -> None:
+        """Build, or wait for the build already running (another model's start, or the
+        background build) — one build at a time, and never the same one twice."""
+        running = self._running
+        if running is not None and not running.done():
+            await asyncio.shield(running)
+        else:
+            await self.build(purpose)
+
     async def build(self, purpose: str = "", *, background: bool = False) -> build_mod.BuildRecord:
         """Build (or find cached) the pinned llama.cpp with Warmslot's patches for this CPU.
 
         Raises BuildError (with what to do) when the toolchain is incomplete or the build
         fails, WarmslotError when another build already runs.
         """
-        if self._cancel is not None:
+        if self._running is not None and not self._running.done():
             raise WarmslotError("a llama-server build is already running")
         tools = build_mod.check_toolchain()
         if not tools.ok:
@@ -161,14 +171,17 @@ class Provisioner:
             self.progress = None if ev.done else ev
             self._emit(ev)
 
-        try:
-            return await build_mod.build(
+        self._running = asyncio.ensure_future(
+            build_mod.build(
                 replace(self._request, purpose=purpose, background=background),
                 self._paths,
                 on_progress=on_progress,
                 cancel=self._cancel,
                 record=self._record,
             )
+        )
+        try:
+            return await self._running
         finally:
             self._cancel = None
             self.progress = None

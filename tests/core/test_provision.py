@@ -186,3 +186,25 @@ def test_auto_builds_the_patched_server_in_the_background_and_switches_when_quie
         assert len(rows) == 2
     finally:
         core.stop()
+
+
+@needs_toolchain
+def test_two_starts_without_a_binary_share_one_build(
+    paths: Paths, no_server_on_path: None, sigill_package: Path, tmp_path: Path
+) -> None:
+    """Two models of a pool starting at once: the second waits for the first's build."""
+    events: list[Event] = []
+    prov = Provisioner(paths, events.append, request=fake_request(patched=False))
+
+    async def both() -> list[discover.ServerBinary]:
+        return list(
+            await asyncio.gather(
+                prov.binary_for(ServerSettings(), tmp_path / "a.gguf"),
+                prov.binary_for(ServerSettings(), tmp_path / "b.gguf"),
+            )
+        )
+
+    first, second = asyncio.run(both())
+    assert first.path == second.path and first.source == "build-cache"
+    finished = [e for e in events if isinstance(e, BuildProgress) and e.done]
+    assert len(finished) == 1 and finished[0].ok
