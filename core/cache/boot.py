@@ -97,6 +97,14 @@ class BootRewarm:
             "finished_at": self.finished_at,
         }
 
+    def forget(self) -> None:
+        """The server stopped: back to idle, unless a re-warm still runs (it ends by
+        itself, its requests failing, or is cancelled by the next start)."""
+        if self.state != "running":
+            self.state = "idle"
+            self.total = self.warmed = self.skipped = self.failed = 0
+            self.started_at = self.finished_at = None
+
     def claim(self, slot: int, fingerprint: str) -> None:
         """A client request needs `slot` for the prefix `fingerprint` ("" for none)."""
         step = self._pending.pop(slot, None)

@@ -230,6 +230,7 @@ class CacheManager:
             self.slots.reset()
             self.identity = None
             self.template_warning = None
+            self.boot.forget()  # the last start's re-warm says nothing about the next
 
     # ------------------------------------------------------------ server start
     async def _after_ready(self) -> None:

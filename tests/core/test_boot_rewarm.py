@@ -141,6 +141,17 @@ async def test_a_first_start_has_nothing_to_rewarm_and_says_so_quietly(tmp_path:
     assert "no known prefixes to re-warm" in (await mgr.status())["text"]
 
 
+async def test_status_forgets_the_last_rewarm_when_the_server_stops(tmp_path: Path) -> None:
+    core, _ = await learn_and_stop(tmp_path)
+    mgr, _ = attach(core)
+    await (await boot(mgr))
+    assert mgr.boot.snapshot()["state"] == "done"
+    mgr.boot.forget()
+    snap = mgr.boot.snapshot()
+    assert (snap["state"], snap["total"], snap["finished_at"]) == ("idle", 0, None)
+    assert "re-warm" not in (await mgr.status())["text"]
+
+
 async def test_only_definitions_of_the_same_model_and_template_come_back(tmp_path: Path) -> None:
     core, fp = await learn_and_stop(tmp_path)
     other_build = ServerIdentity(
