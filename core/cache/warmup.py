@@ -10,6 +10,7 @@ Functions of the `CacheManager` they serve (split out of `core.cache.manager`).
 from __future__ import annotations
 
 import logging
+import sqlite3
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -108,7 +109,11 @@ async def learn_identity(mgr: CacheManager) -> None:
     for info in list(mgr.prefixes.values()):
         info.fingerprint = fingerprint(mgr.identity, info.tokens)
     mgr.by_fp = {i.fingerprint: i for i in mgr.prefixes.values()}
-    loaded = load_definitions(mgr, slot_context(props))
+    try:
+        loaded = load_definitions(mgr, slot_context(props))
+    except sqlite3.Error:  # the index is damaged: serve on, cold, and say so in the log
+        log.exception("could not read the stored prefix definitions")
+        loaded = 0
     load_saved(mgr)
     mgr._emit(
         "server_identity",
