@@ -109,6 +109,9 @@ def cache_warmth(cache: dict[str, Any] | None) -> tuple[bool, str]:
         return False, f"cache status failed: {cache['error']}"
     if not cache.get("enabled", True):
         return False, "cache management is off (cache.enabled)"
+    boot = cache.get("boot_rewarm") or {}
+    if boot.get("state") == "running":
+        return False, f"re-warming recently used prefixes: {boot['done']} of {boot['total']} done"
     if cache.get("warming"):
         return False, "restoring or prewarming prefixes"
     if cache.get("identity") is None:
@@ -120,6 +123,8 @@ def cache_warmth(cache: dict[str, Any] | None) -> tuple[bool, str]:
         return False, f"{len(want) - len(missing)} of {len(want)} saved prefixes warm"
     if want:
         return True, f"{len(want)} saved prefixes warm"
+    if boot.get("state") == "done" and boot.get("warmed"):
+        return True, f"{boot['warmed']} recently used prefixes re-warmed"
     return True, "ready; prefixes warm as clients send them"
 
 
