@@ -96,6 +96,15 @@ class Provisioner:
         """The binary to launch `model` with, building one first when needed (see module)."""
         result = await self.discover(s)
         found = result.found
+        pinned = next((c for c in result.candidates if c.source == "configured" and c.path), None)
+        if pinned is not None and not pinned.ok:
+            self._emit(
+                Notice(
+                    level="warning",
+                    text=f"server.binary {pinned.path} is not usable: {pinned.reason}",
+                    hint="`warmslot doctor` shows every candidate; another one is used if it works",
+                )
+            )
         if found is None:
             if s.build == "off":
                 raise BinaryNotFound(

@@ -208,3 +208,19 @@ def test_two_starts_without_a_binary_share_one_build(
     assert first.path == second.path and first.source == "build-cache"
     finished = [e for e in events if isinstance(e, BuildProgress) and e.done]
     assert len(finished) == 1 and finished[0].ok
+
+
+def test_a_pinned_binary_that_fails_is_reported_and_a_working_one_used(
+    paths: Paths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pinned = make_fake_binary(tmp_path / "pinned", "--fake-mode", "die")
+    good = make_fake_binary(tmp_path / "good")
+    monkeypatch.setenv("PATH", str(good.parent))
+    monkeypatch.setattr(discover, "_package_candidate", lambda: None)
+    events: list[Event] = []
+    prov = Provisioner(paths, events.append)
+    found = asyncio.run(prov.binary_for(ServerSettings(binary=str(pinned)), tmp_path / "m"))
+    assert found.path == good
+    (notice,) = [e for e in events if isinstance(e, Notice)]
+    assert notice.level == "warning" and f"server.binary {pinned} is not usable" in notice.text
+    assert "lacks" in notice.text
