@@ -199,7 +199,8 @@ def validate(endpoint: str, body: Any, n_slots: int) -> None:
         slot = body["id_slot"]
         if not isinstance(slot, int) or isinstance(slot, bool):
             raise _Invalid(400, "'id_slot' must be an integer", "id_slot")
-        # llama-server wraps ids modulo the slot count (reference §0.9): reject instead.
+        # llama-server wraps ids modulo the slot count: reject instead
+        # (docs/llama-server-facts.md#slot-ids-wrap).
         if slot != -1 and not 0 <= slot < n_slots:
             raise _Invalid(400, f"'id_slot' must be -1 or 0..{n_slots - 1}, got {slot}", "id_slot")
 
