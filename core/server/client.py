@@ -16,8 +16,8 @@ import aiohttp
 
 from core.errors import UpstreamError
 
-# llama-server's own rules for slot file names (reference §2), checked before we
-# send one, so a bad name is our bug and never reaches the server.
+# llama-server's own rules for slot file names, checked before we send one, so a bad
+# name is our bug and never reaches the server (docs/llama-server-facts.md#slot-file-names).
 _BAD_NAME = re.compile(r'[/\\:*?"<>|\x00-\x1f\x7f-\x9f\ufffd\ufeff\uff0e\u2215\u2216]')
 
 
@@ -35,7 +35,7 @@ def valid_slot_filename(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Timings:
-    """The `timings` object of a completion response (reference §2)."""
+    """The `timings` object of a completion response (docs/llama-server-facts.md#timings)."""
 
     cache_n: int
     prompt_n: int
@@ -116,7 +116,10 @@ class LlamaClient:
         return result
 
     async def slots(self) -> list[SlotInfo]:
-        """`GET /slots`. Note: it wakes a sleeping server (reference §2)."""
+        """`GET /slots`.
+
+        Note: it wakes a sleeping server (docs/llama-server-facts.md#slots-endpoint).
+        """
         data = await self._call("GET", "/slots")
         return [
             SlotInfo(
@@ -161,7 +164,8 @@ class LlamaClient:
         """`POST /slots/{id}?action=save|restore|erase`.
 
         Slot ids are checked here: the server wraps out-of-range ids modulo the
-        slot count (reference §0.9), and file names are checked against its rules.
+        slot count (docs/llama-server-facts.md#slot-ids-wrap), and file names are
+        checked against its rules.
         """
         if slot < 0:
             raise ValueError(f"slot id {slot} out of range")
