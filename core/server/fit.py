@@ -1,7 +1,9 @@
 """The fit planner: which llama-server flags make model + context + caches fit.
 
 `plan(facts, gpus, host, request)` is a pure function. It sizes every buffer the
-way llama.cpp does (reference §1, §4-§6, checked against the server's own log):
+way llama.cpp does, checked against the server's own log (see
+docs/llama-server-facts.md#kv-cache-sizing, docs/llama-server-facts.md#ram-prompt-cache
+and docs/llama-server-facts.md#slot-file-contents):
 
 - **KV cache**: per layer, cells × (row(K) + row(V)); a row is head_dim × KV
   heads in the cache type. Full-attention layers get the per-slot context
@@ -17,8 +19,9 @@ way llama.cpp does (reference §1, §4-§6, checked against the server's own log
 - **Checkpoints** (SWA and recurrent models only) hold the window (or the
   recurrent state) of one sequence and live in host RAM, as does the RAM prompt
   cache (``--cache-ram``).
-- **Disk per saved prefix** (§6): full-attention bytes × N + SWA bytes ×
-  min(N, n_swa) + recurrent state + 16 B per token.
+- **Disk per saved prefix** (docs/llama-server-facts.md#slot-file-contents):
+  full-attention bytes × N + SWA bytes × min(N, n_swa) + recurrent state + 16 B
+  per token.
 
 When the preferred configuration does not fit, the planner steps down a
 ladder — q8_0 KV cache, a shorter context, a partial GPU offload, fewer slots —
@@ -359,7 +362,7 @@ class _Planner:
         kv_total = sum(layer_kv)
         per_slot = kv_total // cfg.slots
         # Saved states keep only the last n_swa positions of SWA layers, even with
-        # --swa-full (reference §0.2, §6).
+        # --swa-full (docs/llama-server-facts.md#swa-full-restores-wrong-state).
         saved_swa = per_tok_swa * min(cfg.ctx, f.n_swa)
         bd = Breakdown(
             weights_gpu_bytes=gpu_weights,
@@ -535,12 +538,14 @@ def plan(
     elif swa_full:
         r["swa_full"] = (
             f"{pinned}: SWA layers get {bd.kv_cells_swa} cells; restored or "
-            "RAM-cached states then silently miss SWA keys (reference §0.2)"
+            "RAM-cached states then silently miss SWA keys "
+            "(docs/llama-server-facts.md#swa-full-restores-wrong-state)"
         )
     else:
         r["swa_full"] = (
             f"off: SWA layers keep {bd.kv_cells_swa} cells, not {bd.kv_cells_full};"
-            " keeps restore and the RAM cache correct (reference §0.2)"
+            " keeps restore and the RAM cache correct"
+            " (docs/llama-server-facts.md#swa-full-restores-wrong-state)"
         )
     if swa_full:
         r["cache_ram_mib"] = "0: with --swa-full a RAM-cache reload reuses incomplete SWA state"
@@ -604,7 +609,8 @@ def plan(
         )
     if f.is_swa and not swa_full:
         notes.append(
-            "slot files of sliding-window models restore no prefix (reference §0.1): "
+            "slot files of sliding-window models restore no prefix "
+            "(docs/llama-server-facts.md#swa-slot-files-reuse-nothing): "
             "keep slots warm in process"
         )
 

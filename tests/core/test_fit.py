@@ -232,7 +232,8 @@ def test_sliding_window_model() -> None:
     assert p.fits and not p.swa_full
     full, swa, _ = kv_cells(SWA_27B, p.ctx_per_slot, p.slots)
     assert (p.breakdown.kv_cells_full, p.breakdown.kv_cells_swa) == (full, swa)
-    assert swa == 1536  # pad256(min(ctx, 1024 × 1 + 512)), reference §5
+    # pad256(min(ctx, 1024 × 1 + 512)): docs/llama-server-facts.md#kv-cache-sizing
+    assert swa == 1536
     elem = 2 if p.cache_type_k == "f16" else 34 / 32
     assert p.breakdown.kv_bytes_per_token == 10 * 16 * 128 * 2 * elem
     assert p.breakdown.kv_swa_bytes_per_token == 52 * 16 * 128 * 2 * elem
@@ -240,8 +241,9 @@ def test_sliding_window_model() -> None:
     assert p.breakdown.checkpoint_bytes == 1024 * (p.breakdown.kv_swa_bytes_per_token + 16)
     assert 4 <= p.ctx_checkpoints <= 32 and p.cache_ram_mib > 0
     assert p.checkpoint_min_step == min(8192, p.ctx_per_slot // 4)
-    assert any("§0.1" in n for n in p.notes)
-    # Disk: full layers for every token, SWA layers for the last window only (§6).
+    assert any("#swa-slot-files-reuse-nothing" in n for n in p.notes)
+    # Disk: full layers for every token, SWA layers for the last window only
+    # (docs/llama-server-facts.md#slot-file-contents).
     b = p.breakdown
     assert b.disk_per_prefix_bytes == (b.kv_bytes_per_token + 16) * p.ctx_per_slot + (
         b.kv_swa_bytes_per_token * 1024
