@@ -29,7 +29,8 @@ def build_argv(server: ServerSettings, inputs: LaunchInputs) -> list[str]:
     """The argv to launch llama-server with.
 
     Slots are always explicit (``-np``): the server's auto mode unifies the KV
-    cache and clears idle slots whenever a task starts (reference §0.3), which
+    cache and clears idle slots whenever a task starts
+    (docs/llama-server-facts.md#slot-auto-mode), which
     would defeat slot pinning. ``-c`` is the total context, so it is the
     per-slot context times the slots.
     """

@@ -573,8 +573,8 @@ def latest_build(builds_dir: Path) -> BuildRecord | None:
 
     For server discovery: ``latest_build(paths.builds_dir).binary`` is a runnable
     llama-server. Only reads files; never builds. Check ``record.native`` to know whether
-    the binary was optimised for this CPU (then ``--no-repack`` may be needed, see the
-    reference notes on AMX).
+    the binary was optimised for this CPU (then ``--no-repack`` may be needed, see
+    docs/llama-server-facts.md#amx-repack-crash).
     """
     builds = _list_builds(builds_dir)
     return builds[0] if builds else None
