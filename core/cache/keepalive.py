@@ -69,7 +69,8 @@ def residency(prefix_n: int, expected: int, live: int) -> Residency:
             f"displaced: the slot holds {live} tokens, Warmslot last left {expected} there",
         )
     # More than we left (a verification probe's tail, say) still starts with the prefix
-    # as far as counts can tell; /slots shows no content (reference §2).
+    # as far as counts can tell; /slots shows no content
+    # (docs/llama-server-facts.md#slots-endpoint).
     return Residency(True, "resident")
 
 

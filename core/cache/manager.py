@@ -338,7 +338,7 @@ class CacheManager:
         if cut is not None:
             head_tokens = await client.tokenize(rendered[: cut[0]], add_special=True)
             # Tokenizing at a boundary can differ from tokenizing the whole text: keep
-            # only the tokens both agree on (reference §8).
+            # only the tokens both agree on (docs/llama-server-facts.md#tokenizing-at-a-boundary).
             head = full[: pfx.common_prefix_len(head_tokens, full)]
             source = cut[1]
         learned: list[int] = []

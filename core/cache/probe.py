@@ -4,7 +4,8 @@ At save time Warmslot sends the exact prefix plus a fixed suffix, greedy, and
 records the tokens and log-probabilities that come back. After a restore the same
 request must reuse the prefix and give the same tokens with log-probs within
 `LOGPROB_TOLERANCE`. (A restore can reuse 1,500 tokens and still change the
-output — reference §5 — so reuse alone proves nothing.)
+output — docs/llama-server-facts.md#swa-full-restores-wrong-state — so reuse alone
+proves nothing.)
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
 PROBE_TOKENS = 4
 LOGPROB_TOLERANCE = 1e-3  # measured: restored dense states reproduce log-probs exactly
 # Sliding-window models without --swa-full: cached vs cold log-probs differ by up to
-# ~0.15 from the ring buffer's summation order (reference §5); measured 0.10 after a
-# patched restore of Gemma 3 270M. Greedy tokens still must match.
+# ~0.15 from the ring buffer's summation order (docs/llama-server-facts.md#swa-log-prob-noise);
+# measured 0.10 after a patched restore of Gemma 3 270M. Greedy tokens still must match.
 SWA_LOGPROB_TOLERANCE = 0.25
 REUSE_SLACK = 1  # the server re-evaluates the last cached token when nothing is new
 TIE_MARGIN = 1e-2  # a best token leading by less than this is a coin toss between layouts

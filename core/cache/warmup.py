@@ -49,7 +49,7 @@ class DiskTier:
     # How far a restored state's probe log-probs may move. Dense models and full SWA
     # state reproduce them exactly; a sliding-window ring buffer restored in another
     # cell order sums in another order (measured up to ~0.15, greedy tokens equal —
-    # reference §5), so only the tokens are held exact there.
+    # docs/llama-server-facts.md#swa-log-prob-noise), so only the tokens are held exact there.
     logprob_tolerance: float = LOGPROB_TOLERANCE
 
 
@@ -62,7 +62,8 @@ def disk_tier_for(
             False,
             "sliding-window model with --swa-full on a server without "
             f"Warmslot's {PATCH_SWA_FULL} patch: a restore would silently change "
-            "the output (reference §0.2); using RAM cache and re-warming",
+            "the output (docs/llama-server-facts.md#swa-full-restores-wrong-state); "
+            "using RAM cache and re-warming",
         )
     if (swa or recurrent) and PATCH_CHECKPOINTS not in patches:
         kind = "sliding-window" if swa else "recurrent/hybrid"
@@ -70,7 +71,8 @@ def disk_tier_for(
             False,
             f"{kind} model on a server without Warmslot's checkpoint "
             "patch: slot files restore no reuse or wrong state "
-            "(reference §0.1–0.2); using RAM cache and re-warming",
+            "(docs/llama-server-facts.md#swa-slot-files-reuse-nothing); "
+            "using RAM cache and re-warming",
         )
     if swa or recurrent:
         if swa and not swa_full:
