@@ -99,7 +99,10 @@ def test_id_slot_in_range(slot: int) -> None:
 
 @pytest.mark.parametrize(("slot", "n_slots"), [(-2, 2), (2, 2), (7, 2), (1, 1), (-100, 4), (4, 4)])
 def test_id_slot_out_of_range(slot: int, n_slots: int) -> None:
-    """llama-server would wrap these modulo n_slots (reference §0.9); the proxy refuses."""
+    """llama-server would wrap these modulo n_slots; the proxy refuses.
+
+    See docs/llama-server-facts.md#slot-ids-wrap.
+    """
     err = invalid("completion", {"prompt": "x", "id_slot": slot}, n_slots)
     assert err.param == "id_slot"
     assert f"0..{n_slots - 1}" in str(err) and f"got {slot}" in str(err)

@@ -153,7 +153,8 @@ def test_damaged_state_is_never_used(
         path.write_bytes(bytes(data))
     elif damage == "probe":
         # The file is intact, but its recorded answer differs: as if the restored
-        # state silently computed something else (reference §5).
+        # state silently computed something else
+        # (docs/llama-server-facts.md#swa-full-restores-wrong-state).
         probe = dict(rec.probe)
         probe["logprobs"] = [lp - 0.5 for lp in probe["logprobs"]]
         store.table.update(rec.filename, {"probe": json.dumps(probe)})
