@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import shutil
-import signal
-import subprocess
 import threading
 import time
 from collections import deque
@@ -28,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from core.errors import BuildError
+from core.server import process
 
 __all__ = [
     "BuildCancelled",
@@ -241,26 +239,12 @@ class BuildLog:
 # ---------------------------------------------------------------------------- running steps
 
 
-def _kill_group(proc: asyncio.subprocess.Process, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-        if os.name == "nt":
-            subprocess.run(
-                ["taskkill", "/F", "/T", "/PID", str(proc.pid)], capture_output=True, check=False
-            )
-        else:
-            os.killpg(proc.pid, sig)
-
-
 async def terminate_group(proc: asyncio.subprocess.Process) -> None:
-    """Kill cmake and everything it started (its own process group)."""
-    _kill_group(proc, signal.SIGTERM)
+    """Kill cmake and everything it started (its own process group or tree)."""
+    # Compilers may outlive make/ninja for a moment; stop_group finishes them off.
+    await process.stop_group(proc, _KILL_GRACE_S)
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(proc.wait(), _KILL_GRACE_S)
-    # Compilers may outlive make/ninja for a moment; the group id stays valid while any
-    # member lives, so finish them off.
-    if os.name != "nt":
-        _kill_group(proc, signal.SIGKILL)
-    with contextlib.suppress(TimeoutError):
+        # Collect the pipes too; a grandchild out of reach may still hold them.
         await asyncio.wait_for(proc.wait(), _KILL_GRACE_S)
 
 
@@ -275,11 +259,6 @@ async def run_step(
 ) -> int:
     """Run one command in its own process group, streaming its output to the log."""
     blog.note("$ " + " ".join(cmd))
-    kwargs: dict[str, Any] = {}
-    if os.name == "nt":
-        kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
-    else:
-        kwargs["start_new_session"] = True
     try:
         proc = await asyncio.create_subprocess_exec(
             *cmd,
@@ -289,7 +268,7 @@ async def run_step(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             limit=1 << 20,
-            **kwargs,
+            **process.new_group_kwargs(),
         )
     except FileNotFoundError as e:
         raise BuildError(

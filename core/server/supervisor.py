@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
+import logging.handlers
 import signal
 import socket
 import sys
@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 
@@ -34,15 +34,20 @@ from core.config import ServerSettings
 from core.errors import PortInUse, ServerStartFailed, WarmslotError
 from core.events import Event, LogLine, ServerExited, ServerLaunched, ServerStateChanged
 from core.paths import Paths
-from core.server import logparse
+from core.server import logparse, process
 from core.server.argv import LaunchInputs, build_argv
 from core.server.discover import ServerBinary
 from core.server.model import ModelFile
 
 log = logging.getLogger("warmslot.server")
 
-# Signals that mean "the process crashed" rather than "it was asked to stop".
-_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGFPE, signal.SIGABRT}
+# Signals that mean "the process crashed" rather than "it was asked to stop" (by name:
+# Windows has no SIGBUS, and this module must import there).
+_CRASH_SIGNALS = {
+    getattr(signal, name)
+    for name in ("SIGSEGV", "SIGILL", "SIGBUS", "SIGFPE", "SIGABRT")
+    if hasattr(signal, name)
+}
 HEALTHY_RESET_S = 300.0  # a run this long resets the restart counter
 LOG_TAIL_LINES = 2000
 LOG_FILE_MAX_BYTES = 10 << 20
@@ -98,10 +103,8 @@ async def _exited(proc: asyncio.subprocess.Process) -> int:
     process's own exit status, kill the rest of the group (orphans by now), and
     only then collect the pipes.
     """
-    while proc.returncode is None:
-        await asyncio.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    await process.wait_exit(proc)
+    process.kill_leftovers(proc.pid)
     return await proc.wait()
 
 
@@ -115,33 +118,24 @@ def _preexec() -> None:  # pragma: no cover - runs in the child
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-class _LogFile:
-    """Append-only log with size rotation (llama-server.log, .1, .2 …)."""
+def _open_log(path: Path) -> logging.handlers.RotatingFileHandler:
+    """llama-server's output file, rotated by size: ``llama-server.log``, ``.1`` …
+    ``.LOG_FILE_KEEP``. Lines are written through `_write_log` as they are, one a line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.handlers.RotatingFileHandler(
+        path,
+        maxBytes=LOG_FILE_MAX_BYTES,
+        backupCount=LOG_FILE_KEEP,
+        encoding="utf-8",
+        errors="replace",  # llama-server prints what the model says, bytes and all
+    )
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    return handler
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh: IO[str] = path.open("a", encoding="utf-8", errors="replace")
 
-    def write(self, line: str) -> None:
-        self._fh.write(line + "\n")
-        if self._fh.tell() > LOG_FILE_MAX_BYTES:
-            self._rotate()
-
-    def flush(self) -> None:
-        self._fh.flush()
-
-    def _rotate(self) -> None:
-        self._fh.close()
-        for i in range(LOG_FILE_KEEP - 1, 0, -1):
-            src = self.path.with_name(f"{self.path.name}.{i}")
-            if src.exists():
-                src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
-        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
-        self._fh = self.path.open("a", encoding="utf-8", errors="replace")
-
-    def close(self) -> None:
-        self._fh.close()
+def _write_log(handler: logging.Handler, line: str) -> None:
+    # A record without args: a "%" in the line is printed, never interpolated.
+    handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
 
 
 class Supervisor:
@@ -182,7 +176,7 @@ class Supervisor:
         self._restart_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._ready = asyncio.Event()
-        self._logfile: _LogFile | None = None
+        self._logfile: logging.handlers.RotatingFileHandler | None = None
         self._started_at = 0.0
         self._http: aiohttp.ClientSession | None = None
 
@@ -206,7 +200,8 @@ class Supervisor:
             await self._start_locked(requested_by, attempt="start")
 
     async def stop(self, requested_by: str = "user") -> None:
-        """Stop llama-server: SIGTERM to its group, then SIGKILL after a grace period."""
+        """Stop llama-server: ask its group to exit, kill it after a grace period
+        (`core.server.process.stop_group`)."""
         if self._restart_task is not None:
             self._restart_task.cancel()
             self._restart_task = None
@@ -390,8 +385,8 @@ class Supervisor:
         self.no_repack_active = no_repack
         self.run_id = uuid.uuid4().hex[:12]
         if self._logfile is None:
-            self._logfile = _LogFile(self._log_path)
-        self._logfile.write(f"==== warmslot: launching run {self.run_id}: {' '.join(argv)}")
+            self._logfile = _open_log(self._log_path)
+        _write_log(self._logfile, f"==== warmslot: launching run {self.run_id}: {' '.join(argv)}")
         log.info("launching llama-server: %s", " ".join(argv))
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -399,8 +394,8 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=resolved.binary.launch_env(),
-            start_new_session=True,
             preexec_fn=_preexec if sys.platform.startswith("linux") else None,
+            **process.new_group_kwargs(),
         )
         self._proc = proc
         self.pid = proc.pid
@@ -477,7 +472,7 @@ class Supervisor:
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self.log_tail.append(line)
             if self._logfile is not None:
-                self._logfile.write(line)
+                _write_log(self._logfile, line)
             parsed = logparse.parse_line(line)
             self._emit(LogLine(level=parsed.level, area=parsed.area, text=parsed.text, raw=line))
         if self._logfile is not None:
@@ -552,19 +547,11 @@ class Supervisor:
     async def _kill_group(self, proc: asyncio.subprocess.Process) -> None:
         if proc.returncode is not None:
             return
-        pgid = proc.pid  # start_new_session: the child leads its own group
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(_exited(proc), STOP_GRACE_S)
-        except TimeoutError:
-            log.warning("llama-server ignored SIGTERM for %.0f s; killing its group", STOP_GRACE_S)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            await _exited(proc)
-        # Helpers it may have forked share the group: make sure none survive.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
+        if await process.stop_group(proc, STOP_GRACE_S):
+            log.warning(
+                "llama-server did not stop within %.0f s of being asked; killed its group",
+                STOP_GRACE_S,
+            )
 
     async def _stop_locked(self, requested_by: str) -> None:
         self._stop_requested = True

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from core.paths import Paths
+from core.server import process
 
 __all__ = [
     "CpuInfo",
@@ -215,8 +216,7 @@ def _no_core_dumps() -> None:  # pragma: no cover - runs in the child
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    process.kill_group(proc.pid)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(10)
 
