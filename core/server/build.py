@@ -317,7 +317,7 @@ def check_toolchain(
     which: Callable[..., str | None] = shutil.which,
 ) -> ToolchainCheck:
     """Check the CPU build's tools before anything is downloaded: a C and a C++ compiler
-    (from the OS) and cmake (from PyPI with ``warmslot[server]``, or the OS)."""
+    and git (from the OS), and cmake (from PyPI with ``warmslot[server]``, or the OS)."""
     env = os.environ if env is None else env
     path = tool_path(env)
     problems: list[str] = []
@@ -337,6 +337,9 @@ def check_toolchain(
         hints.append(
             "Install cmake and ninja into Warmslot's environment: pip install cmake ninja."
         )
+    if not which("git", path=path):  # applies Warmslot's patches (`git apply`)
+        problems.append("no git")
+        hints.append("Install git (Debian/Ubuntu: sudo apt install git).")
     return ToolchainCheck(not problems, tuple(problems), " ".join(hints))
 
 

@@ -87,6 +87,8 @@ def test_toolchain_check_lists_what_is_missing() -> None:
     check = b.check_toolchain({"PATH": "/usr/bin"}, which)
     assert not check.ok
     assert check.problems == ("no C++ compiler (c++)", "no cmake")
+    nogit = b.check_toolchain({"PATH": "/usr/bin"}, lambda n, path=None: None if n == "git" else n)
+    assert nogit.problems == ("no git",) and "apt install git" in nogit.hint
     assert "pip install cmake ninja" in check.hint
     ok = b.check_toolchain({"PATH": "/usr/bin"}, lambda n, path=None: f"/usr/bin/{n}")
     assert ok.ok and ok.problems == () and ok.hint == ""
