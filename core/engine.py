@@ -47,7 +47,7 @@ from core.server.fit import plan as plan_fit
 from core.server.gguf_facts import read_facts
 from core.server.provision import PATCHED_PURPOSE, Provisioner
 from core.server.supervisor import Resolved, ServerState, Supervisor
-from core.telemetry import Telemetry
+from core.telemetry import QUERIES, Telemetry
 
 log = logging.getLogger("warmslot.core")
 T = TypeVar("T")
@@ -559,24 +559,16 @@ class Core:
         return self.submit(self._status_async())
 
     def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        """Run a telemetry query by name (see `core.telemetry.Telemetry`) on the core thread."""
-        allowed = {
-            "hit_rate",
-            "totals",
-            "per_client",
-            "recent_requests",
-            "recent_events",
-            "server_runs",
-            "pressure_series",
-            "sweep_runs",
-            "ttfb",
-        }
-        if name not in allowed:
+        """Run a telemetry query by name (one of `core.telemetry.QUERIES`) on the core thread.
+
+        Raises ValueError at once for an unknown name.
+        """
+        if name not in QUERIES:
             raise ValueError(f"unknown query {name!r}")
 
         def run() -> Any:
             assert self.telemetry is not None
-            return getattr(self.telemetry, name)(**kwargs)
+            return self.telemetry.query(name, **kwargs)
 
         return self.call(run)
 

@@ -38,6 +38,22 @@ from core.events import (
 
 BATCH = 200
 BUCKETS = {"minute": 60, "hour": 3600, "day": 86400}
+# The queries that may be run by name (`Telemetry.query`, `Core.query`, the GUI): the
+# read-only methods in the "queries" part of `Telemetry`. Kept here, beside them, so a
+# new query is added in one place.
+QUERIES = frozenset(
+    {
+        "hit_rate",
+        "totals",
+        "per_client",
+        "recent_requests",
+        "recent_events",
+        "server_runs",
+        "sweep_runs",
+        "pressure_series",
+        "ttfb",
+    }
+)
 
 migrations = Migrations("warmslot.telemetry")
 
@@ -363,6 +379,17 @@ class Telemetry:
         self._conn.close()
 
     # --------------------------------------------------------------- queries
+    def query(self, name: str, **kwargs: Any) -> Any:
+        """Run the read-only query `name` (one of `QUERIES`) with `kwargs`.
+
+        How `Core.query` and the GUI's offline backend run a query by name: only the
+        names in `QUERIES` are accepted, never another method (``prune``, ``close`` …).
+        Raises ValueError for any other name.
+        """
+        if name not in QUERIES:
+            raise ValueError(f"unknown query {name!r}")
+        return getattr(self, name)(**kwargs)
+
     def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         self.flush()
         cur = self._conn.execute(sql, list(params))

@@ -271,3 +271,31 @@ def test_migrations_are_idempotent_on_reopen(tmp_path: Path, clock: Clock) -> No
         assert set(again.db.table_names()) == tables
         assert [(r["prompt_n"], r["cache_n"]) for r in again.recent_requests()] == [(3, 4)]
         again.close()
+
+
+# The methods of Telemetry that write, or open/close it: never runnable by name.
+WRITERS = {"add", "upsert", "flush", "maybe_flush", "record", "prune", "close", "query"}
+
+
+def test_the_query_whitelist_is_every_read_query_and_nothing_else() -> None:
+    public = {n for n in vars(Telemetry) if not n.startswith("_") and callable(vars(Telemetry)[n])}
+    # A new read query must be added to QUERIES, or to WRITERS here if it is not one.
+    assert public - WRITERS == telemetry_mod.QUERIES
+    assert not telemetry_mod.QUERIES & WRITERS
+
+
+def test_queries_run_by_name_and_nothing_else_does(known_rows: Telemetry, clock: Clock) -> None:
+    assert known_rows.query("totals", since=T + 60) == known_rows.totals(since=T + 60)
+    assert known_rows.query("sweep_runs") == []
+    clock.now = T + 100 * DAY
+    with pytest.raises(ValueError, match="unknown query 'prune'"):
+        known_rows.query("prune", retention_days=0)
+    with pytest.raises(ValueError, match="unknown query '_rows'"):
+        known_rows.query("_rows", sql="DELETE FROM requests")
+    assert known_rows.totals()["requests"] == 5  # nothing was deleted
+
+
+def test_core_query_uses_the_same_whitelist(make_core: Any) -> None:
+    core = make_core()  # not started: a name is checked before anything is submitted
+    with pytest.raises(ValueError, match="unknown query 'prune'"):
+        core.query("prune", retention_days=0)
