@@ -158,7 +158,8 @@ def derive_state(
     background = ""
     if building:
         common["build_percent"] = float(build.percent)
-        common["build_step"] = str(build.step)
+        describe = getattr(build, "describe", None)
+        common["build_step"] = describe() if callable(describe) else str(build.step)
         if not getattr(build, "background", False):
             return AppState(tray=TrayState.BUILDING, detail=str(build.step), **common)
         # The patched build for the disk tier runs while the stock server serves.

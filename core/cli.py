@@ -115,15 +115,13 @@ class _BuildPrinter:
         self._at = 0.0
 
     def __call__(self, ev: Any) -> None:
-        from core.server.provision import describe_build
-
         if ev.done:
             print(
                 f"warmslot: build {'finished' if ev.ok else 'stopped'}: {ev.step}", file=sys.stderr
             )
         elif ev.percent >= self._shown + 5 or ev.elapsed_s >= self._at + 60:
             self._shown, self._at = ev.percent, ev.elapsed_s
-            print(f"warmslot: {describe_build(ev)}", file=sys.stderr, flush=True)
+            print(f"warmslot: {ev.describe()}", file=sys.stderr, flush=True)
 
 
 def _report_start(fut: Any) -> bool:

@@ -157,6 +157,16 @@ class BuildProgress(Event):
     purpose: str = ""  # why it runs, in words ("no llama-server works on this CPU" …)
     background: bool = False  # serving goes on meanwhile (the patched build for the disk tier)
 
+    def describe(self) -> str:
+        """One line for status and the tray: "building …: 45 % (94/208), 4 min so far,
+        about 5 min left"."""
+        steps = f" ({self.steps_done}/{self.steps_total})" if self.steps_total else ""
+        left = ""
+        if self.eta_s is not None:
+            left = f", about {max(1, round(self.eta_s / 60))} min left"
+        what = self.purpose or "building llama-server"
+        return f"{what}: {self.percent:.0f} %{steps}, {self.elapsed_s / 60:.0f} min so far{left}"
+
 
 @dataclass(frozen=True)
 class Notice(Event):

@@ -213,7 +213,8 @@ class ServerTab(Tab):
             self.build_step.setText(f"{'Finished' if ev.ok else 'Failed'}: {ev.step}")
             self.cancel_button.setEnabled(False)
         else:
-            self.build_step.setText(ev.step)
+            # "what: 45 % (94/208), 4 min so far, about 5 min left" — then the current step.
+            self.build_step.setText(f"{ev.describe()}\n{ev.step}")
             self.cancel_button.setEnabled(self.ctx.backend.supports("cancel_build"))
 
 

@@ -217,15 +217,5 @@ class Provisioner:
             "steps_total": ev.steps_total,
             "elapsed_s": ev.elapsed_s,
             "eta_s": None if ev.eta_s is None else round(ev.eta_s),
-            "text": describe_build(ev),
+            "text": ev.describe(),
         }
-
-
-def describe_build(ev: BuildProgress) -> str:
-    """One line for status and the tray: "building …: 45 % (120/265), 3 min left"."""
-    steps = f" ({ev.steps_done}/{ev.steps_total})" if ev.steps_total else ""
-    left = ""
-    if ev.eta_s is not None:
-        left = f", about {max(1, round(ev.eta_s / 60))} min left"
-    what = ev.purpose or "building llama-server"
-    return f"{what}: {ev.percent:.0f} %{steps}, {ev.elapsed_s / 60:.0f} min so far{left}"

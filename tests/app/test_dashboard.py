@@ -210,9 +210,23 @@ def test_server_tab_runs_log_and_build(qtbot: Any, offline: Any, expected: Any) 
     offline.bridge.deliver(LogLine(level="error", area="srv", text="boom", raw="srv boom"))
     qtbot.waitUntil(lambda: tab.log.toPlainText().endswith("srv boom"))
     # Build progress from BuildProgress events; no build API in this backend.
-    offline.bridge.deliver(BuildProgress(build_id="b", percent=42.0, step="compiling ggml"))
+    offline.bridge.deliver(
+        BuildProgress(
+            build_id="b",
+            percent=42.0,
+            step="compiling ggml",
+            steps_done=88,
+            steps_total=208,
+            elapsed_s=300.0,
+            eta_s=420.0,
+            purpose="no llama-server works on this CPU: building one for it",
+        )
+    )
     qtbot.waitUntil(lambda: tab.build_bar.value() == 42)
-    assert tab.build_step.text() == "compiling ggml"
+    assert tab.build_step.text() == (
+        "no llama-server works on this CPU: building one for it: 42 % (88/208), "
+        "5 min so far, about 7 min left\ncompiling ggml"
+    )
     assert not tab.build_button.isEnabled()
     assert "build_server" in tab.build_button.toolTip()
 

@@ -9,7 +9,6 @@ import pytest
 from core.events import BuildProgress
 from core.server import build as b
 from core.server.buildlog import ProgressTracker, estimate_eta, parse_progress_line
-from core.server.provision import describe_build
 
 
 def test_ninja_lines_carry_their_step_counts() -> None:
@@ -43,7 +42,7 @@ def test_describe_build_reads_like_a_sentence() -> None:
         purpose="building the patched server for the disk tier",
         background=True,
     )
-    assert describe_build(ev) == (
+    assert ev.describe() == (
         "building the patched server for the disk tier: 45 % (94/208), 4 min so far, "
         "about 5 min left"
     )
