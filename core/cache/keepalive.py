@@ -42,12 +42,28 @@ from core.sweeps import Outcome
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
 
-__all__ = ["IDLE_SHARE", "KeepAlive", "Residency", "residency"]
+__all__ = ["IDLE_SHARE", "KeepAlive", "Residency", "prewarm_body", "residency"]
 
 log = logging.getLogger("warmslot.cache")
 
 IDLE_SHARE = 0.8  # re-warm a resident prefix idle this share of the short TTL
 HINT_SLACK = 2  # the slot holds prompt + output − 1 tokens; our hint counts the last one
+
+
+def prewarm_body(tokens: list[int], slot: int) -> dict[str, Any]:
+    """The ``/completion`` body that (re-)warms `slot` with exactly `tokens`.
+
+    ``n_predict`` 0 keeps only the prompt in the slot's KV (no generated token after
+    it), ``cache_prompt`` reuses what the slot already holds, and only the timings
+    and cached-token count come back. Every prewarm and keep-alive sends this.
+    """
+    return {
+        "prompt": tokens,
+        "n_predict": 0,
+        "id_slot": slot,
+        "cache_prompt": True,
+        "response_fields": ["timings", "tokens_cached"],
+    }
 
 
 @dataclass(frozen=True)
@@ -206,15 +222,7 @@ class KeepAlive:
             if st.inflight:
                 return None
             try:
-                resp = await client.completion(
-                    {
-                        "prompt": info.tokens,
-                        "n_predict": 0,
-                        "id_slot": slot,
-                        "cache_prompt": True,
-                        "response_fields": ["timings", "tokens_cached"],
-                    }
-                )
+                resp = await client.completion(prewarm_body(info.tokens, slot))
             except UpstreamError as e:
                 self._emit(
                     f"{kind}_failed",

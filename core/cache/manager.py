@@ -36,7 +36,7 @@ from core.cache.boot import BootRewarm
 from core.cache.definitions import DefinitionStore
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
 from core.cache.inventory import format_inventory
-from core.cache.keepalive import KeepAlive
+from core.cache.keepalive import KeepAlive, prewarm_body
 from core.cache.probe import (
     REUSE_SLACK,
     check_answer,
@@ -557,15 +557,7 @@ class CacheManager:
         first: Timings | None = None
         prompt_n, prompt_ms = 0, 0.0
         for end in ends:
-            resp = await client.completion(
-                {
-                    "prompt": info.tokens[:end],
-                    "n_predict": 0,
-                    "id_slot": slot,
-                    "cache_prompt": True,
-                    "response_fields": ["timings", "tokens_cached"],
-                }
-            )
+            resp = await client.completion(prewarm_body(info.tokens[:end], slot))
             t = Timings.parse(resp.get("timings"))
             first = first or t
             prompt_n += t.prompt_n if t else 0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from core.cache.fingerprint import state_filename
-from core.cache.keepalive import IDLE_SHARE, residency
+from core.cache.keepalive import IDLE_SHARE, prewarm_body, residency
 from core.errors import CacheError
 from core.pressure import Reading
 from tests.core.bg_support import (
@@ -220,3 +221,32 @@ async def test_rewarm_restores_a_saved_prefix_into_a_free_slot(tmp_path: Path) -
     assert out["restored"] is True and out["slot"] == 0
     assert core.cache_events("restore_ok")
     assert fake.contents[0][:200] == PREFIX
+
+
+async def test_prewarm_and_keepalive_send_one_body(tmp_path: Path) -> None:
+    """A (chunked) prewarm and a keep-alive re-warm build the same /completion body."""
+    _, mgr = make_manager(tmp_path)
+    fake = mgr.fake
+    assert fake is not None
+    bodies: list[dict[str, Any]] = []
+    answer = fake.completion
+
+    async def recording(body: dict[str, Any]) -> dict[str, Any]:
+        bodies.append(body)
+        return await answer(body)
+
+    fake.completion = recording  # type: ignore[method-assign]
+    info = prefix(PREFIX)
+    await mgr._prewarm(info, 0, reason="test", chunk=64)  # an empty slot: 64 at a time
+    await mgr.keepalive.rewarm_in(info, 1, reason="test")
+
+    ends = [64, 128, 192, 200]
+    assert bodies == [prewarm_body(PREFIX[:n], 0) for n in ends] + [prewarm_body(PREFIX, 1)]
+    assert bodies[-1] == {
+        "prompt": PREFIX,
+        "n_predict": 0,  # only the prompt stays in the slot
+        "id_slot": 1,
+        "cache_prompt": True,
+        "response_fields": ["timings", "tokens_cached"],
+    }
+    assert fake.contents[0] == fake.contents[1] == PREFIX
