@@ -334,10 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=("Keep llama-server's prompt prefix warm for local coding agents."),
     )
     p.add_argument("--version", action="version", version=f"warmslot {__version__}")
-    p.add_argument(
-        "--dev-dir",
-        help="keep config, data, cache and state under this folder (also: $WARMSLOT_HOME)",
-    )
+    _add_global_options(p, default=None)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run llama-server and the proxy in the foreground")
     s.add_argument("--port", type=int, help="proxy port (overrides proxy.port)")
@@ -356,7 +353,41 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_config)
     for mod_name in _COMMAND_MODULES:
         importlib.import_module(mod_name).register(sub)
+    _global_options_after_subcommands(p)
     return p
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, default: Any) -> None:
+    """The options every command takes, before or after its name."""
+    parser.add_argument(
+        "--dev-dir",
+        default=default,
+        help="keep config, data, cache and state under this folder (also: $WARMSLOT_HOME)",
+    )
+
+
+def _global_options_after_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Accept the global options after every subcommand too (``warmslot doctor --dev-dir
+    X``), at every level, including those other modules register (``build list``,
+    ``bench trace``).
+
+    A subcommand's parser writes each of its defaults over what the main parser found,
+    so there the options default to `argparse.SUPPRESS` (left out unless given): an
+    option given before the subcommand survives, and one given after it wins.
+    """
+    seen: set[int] = set()
+    pending = [parser]
+    while pending:
+        current = pending.pop()
+        for action in current._actions:
+            if not isinstance(action, argparse._SubParsersAction):
+                continue
+            for sub in action.choices.values():
+                if id(sub) in seen:  # an alias names the same parser again
+                    continue
+                seen.add(id(sub))
+                _add_global_options(sub, default=argparse.SUPPRESS)
+                pending.append(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
