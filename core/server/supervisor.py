@@ -6,7 +6,7 @@ process runs in its own process group (so stop kills helpers too) and, on Linux,
 with a parent-death signal so it never outlives Warmslot. A crash restarts it
 with capped exponential backoff. A crash during warm-up on a build that repacks
 weights for AMX is retried once with ``--no-repack`` and remembered for that
-binary (reference §10 and the note at its top).
+binary (docs/llama-server-facts.md#amx-repack-crash).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ AMX; docs/build.md). So every candidate is *started*: a tiny generated GGUF, ``-
 -np 1``, ``GET /health`` until 200, then a one-token completion — a few seconds.
 
 A crash by signal is retried once with ``--no-repack`` (native builds may crash while
-repacking weights for AMX, reference §10); a binary that then works is usable with that
-flag, and the verdict says so.
+repacking weights for AMX, docs/llama-server-facts.md#amx-repack-crash); a binary that
+then works is usable with that flag, and the verdict says so.
 
 Verdicts are cached per (binary identity, CPU model + flags) in
 ``<state_dir>/binary-checks.json`` and in this process. Only deterministic outcomes are
