@@ -47,6 +47,7 @@ from core.server.fit import plan as plan_fit
 from core.server.gguf_facts import read_facts
 from core.server.provision import PATCHED_PURPOSE, Provisioner
 from core.server.supervisor import Resolved, ServerState, Supervisor
+from core.server.upstream import Upstream
 from core.telemetry import QUERIES, Telemetry
 
 log = logging.getLogger("warmslot.core")
@@ -136,6 +137,9 @@ class Core:
         self._stopping = False
         self.telemetry: Telemetry | None = None
         self.supervisor: Supervisor | None = None
+        # The HTTP session to the primary llama-server, shared by the proxy and the
+        # cache manager (the model pool makes one per other model).
+        self.upstream: Upstream | None = None
         self.proxy: Proxy | None = None
         self.policy: CachePolicy | None = None
         self.pool: ModelPool | None = None  # only when [[models]] profiles are configured
@@ -248,8 +252,9 @@ class Core:
             emit=self.emit,
         )
         sup = self.supervisor
+        self.upstream = Upstream(lambda: sup.base_url)
         self.proxy = Proxy(
-            upstream=lambda: sup.base_url,
+            upstream=self.upstream,
             server_state=self._server_state_words,
             n_slots=lambda: self.settings.server.slots,
             emit=self.emit,
@@ -387,6 +392,8 @@ class Core:
                 log.exception("model pool failed while shutting down")
         if self.supervisor is not None:
             await self.supervisor.close()
+        if self.upstream is not None:  # nothing talks to the primary server any more
+            await self.upstream.close()
         if self.telemetry is not None:  # 4. flush and close the database
             self.telemetry.close()
             self.telemetry = None

@@ -27,6 +27,7 @@ from aiohttp import web
 from core.errors import PortInUse
 from core.events import CacheEvent, Event, RequestCompleted
 from core.server.client import Timings
+from core.server.upstream import Upstream
 
 log = logging.getLogger("warmslot.proxy")
 
@@ -91,7 +92,7 @@ class ProxyRequest:
     response_headers: dict[str, str] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
     model: str = ""  # the model profile that serves it (when a model pool routes)
-    upstream: str | None = None
+    upstream: Upstream | None = None
     policy: CachePolicy | None = None
 
 
@@ -100,7 +101,7 @@ class Route:
     """A router's answer: where a request goes, or the error to give instead."""
 
     model: str = ""
-    upstream: str | None = None
+    upstream: Upstream | None = None
     policy: CachePolicy | None = None
     release: Callable[[], None] | None = None  # call once the response is complete
     status: int = 200
@@ -209,6 +210,35 @@ class _ClientGone(Exception):
     """The client disconnected before its response was complete."""
 
 
+# How often a request waiting on llama-server checks whether its client is still
+# there: aiohttp has no callback for a peer that hangs up while nothing is written.
+CLIENT_POLL_S = 0.25
+
+
+@dataclass
+class _Outcome:
+    """What came of forwarding one request: the client's response and what to record."""
+
+    response: web.StreamResponse
+    status: int
+    timings: dict[str, Any] | None = None
+    ttfb: float | None = None
+    error: str = ""
+
+
+def _gone() -> _Outcome:
+    return _Outcome(web.Response(status=499), 499, error="client disconnected")
+
+
+async def _client_gone(request: web.Request) -> None:
+    """Return once the client of `request` has hung up."""
+    while True:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return
+        await asyncio.sleep(CLIENT_POLL_S)
+
+
 class _SSEScanner:
     """Finds `timings` (and `id_slot`) in an SSE stream without buffering it."""
 
@@ -254,7 +284,7 @@ class Proxy:
     def __init__(
         self,
         *,
-        upstream: Callable[[], str | None],
+        upstream: Upstream,
         server_state: Callable[[], str],
         n_slots: Callable[[], int],
         emit: Callable[[Event], None],
@@ -278,8 +308,8 @@ class Proxy:
         self.router: Router | None = None
         self.models: Callable[[], dict[str, Any]] | None = None
         self.counters = ProxyCounters()
+        # Per request: the session is the upstream's, shared with Warmslot's own calls.
         self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=10)
-        self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
         # For "is now a quiet moment?" (switching to a new server build): requests being
@@ -299,11 +329,6 @@ class Proxy:
     # -------------------------------------------------------------- lifecycle
     async def start(self, host: str, port: int) -> None:
         """Bind and start serving; raises PortInUse if the port is taken."""
-        self._session = aiohttp.ClientSession(
-            timeout=self._timeout,
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-            auto_decompress=False,
-        )
         self._runner = web.AppRunner(
             self.app, access_log=None, handle_signals=False, shutdown_timeout=5.0
         )
@@ -313,7 +338,6 @@ class Proxy:
             await site.start()
         except OSError as e:
             await self._runner.cleanup()
-            await self._session.close()
             raise PortInUse(
                 f"proxy port {host}:{port} is already in use ({e.strerror})",
                 hint="is another Warmslot running? `warmslot status` tells; or set proxy.port",
@@ -325,13 +349,13 @@ class Proxy:
         log.info("proxy listening on http://%s:%d", self.host, self.port)
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish (5 s), close upstream connections."""
+        """Stop accepting and let in-flight requests finish (5 s).
+
+        The upstream sessions are not the proxy's: whoever made them closes them.
+        """
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     # --------------------------------------------------------------- helpers
     def _auth_error(self, request: web.Request) -> web.Response | None:
@@ -349,7 +373,7 @@ class Proxy:
         )
 
     def _not_ready(self) -> web.Response | None:
-        if self._upstream() is not None:
+        if self._upstream.base_url is not None:
             return None
         state = self._server_state()
         return error_response(
@@ -367,10 +391,11 @@ class Proxy:
             return web.json_response(self.models())
         if err := self._not_ready():
             return err
-        assert self._session is not None
-        url = f"{self._upstream()}{request.path_qs}"
+        url = f"{self._upstream.base_url}{request.path_qs}"
         try:
-            async with self._session.get(url) as resp:
+            async with self._upstream.session.get(
+                url, timeout=self._timeout, auto_decompress=False
+            ) as resp:
                 body = await resp.read()
                 return web.Response(body=body, status=resp.status, content_type=resp.content_type)
         except (aiohttp.ClientError, TimeoutError) as e:
@@ -460,7 +485,7 @@ class Proxy:
             stream=bool(body.get("stream", False)),
             has_tools=bool(body.get("tools")),
             kind="aux" if headers.get(AUX_HEADER, "") in ("1", "true", "yes") else "agent",
-            upstream=self._upstream(),
+            upstream=self._upstream,
             policy=self.policy,
         )
         if self.router is None:
@@ -511,84 +536,104 @@ class Proxy:
     async def _forward(
         self, request: web.Request, req: ProxyRequest, t0: float
     ) -> web.StreamResponse:
-        assert self._session is not None
-        url = f"{req.upstream if req.model else self._upstream()}{req.path}"
+        upstream = req.upstream or self._upstream
+        base = upstream.base_url
+        if base is None:  # the server stopped between routing and now
+            state = self._server_state()
+            error = f"llama-server is not ready (state: {state})"
+            out = _Outcome(
+                error_response(
+                    503,
+                    f"Warmslot: {error}; retry shortly",
+                    type_="unavailable_error",
+                    headers={"Retry-After": "2"},
+                ),
+                503,
+                error=error,
+            )
+        else:
+            out = await self._exchange_unless_gone(request, req, upstream, base, t0)
+        total_ms = (time.perf_counter() - t0) * 1000
+        parsed = Timings.parse(out.timings)
+        self._account(req, out.status, parsed, out.ttfb, total_ms, out.error)
+        if req.policy is not None and req.endpoint in ("chat", "completions", "completion"):
+            task = asyncio.ensure_future(self._completed(req, parsed, out.status))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+        return out.response
+
+    async def _exchange_unless_gone(
+        self, request: web.Request, req: ProxyRequest, upstream: Upstream, base: str, t0: float
+    ) -> _Outcome:
+        """Forward the request, and give up on it as soon as the client hangs up.
+
+        llama-server sends nothing while it reads a long prompt (minutes on a CPU), and
+        for a non-streamed request nothing at all until the end; only closing the
+        connection makes it drop the task and free the slot. So the client's socket
+        is watched the whole time, and cancelling the exchange closes the upstream
+        request whatever stage it is in (before its headers too: issue 19).
+        """
+        exchange = asyncio.ensure_future(self._exchange(request, req, upstream, base, t0))
+        watcher = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait((exchange, watcher), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            exchange.cancel()  # the proxy is shutting down: the upstream request goes too
+            raise
+        finally:
+            watcher.cancel()
+        if exchange.done():
+            return exchange.result()
+        exchange.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await exchange
+        return _gone()
+
+    async def _exchange(
+        self, request: web.Request, req: ProxyRequest, upstream: Upstream, base: str, t0: float
+    ) -> _Outcome:
+        """POST the request to llama-server and answer the client (streamed or whole)."""
         out_headers = {"Content-Type": "application/json"}
         for k, v in req.headers.items():
             if k not in _DROP_HEADERS and k != "content-type" and not k.startswith("x-warmslot"):
                 out_headers[k] = v
         payload = json.dumps(req.body).encode()
-        status = 0
-        timings: dict[str, Any] | None = None
-        ttfb: float | None = None
-        error = ""
-        response: web.StreamResponse
-        watcher = asyncio.ensure_future(self._watch_client(request, req))
         try:
-            async with await self._post_upstream(url, payload, out_headers) as up:
-                req.notes["upstream"] = up
-                status = up.status
-                is_sse = up.content_type == "text/event-stream"
-                if is_sse and status == 200:
-                    response, timings, ttfb, status, error = await self._stream(
-                        request, req, up, t0
-                    )
-                else:
+            async with await self._post_upstream(
+                upstream, f"{base}{req.path}", payload, out_headers
+            ) as up:
+                try:
+                    if up.content_type == "text/event-stream" and up.status == 200:
+                        return await self._stream(request, req, up, t0)
                     data = await up.read()
-                    if req.notes.get("client_gone"):
-                        raise _ClientGone
-                    ttfb = (time.perf_counter() - t0) * 1000
-                    if status == 200:
-                        timings, slot = _timings_from_json(data)
-                        if slot is not None:
-                            req.slot = slot
-                    else:
-                        error = _error_text(data)
-                    response = web.Response(
-                        body=data,
-                        status=status,
-                        content_type=up.content_type or "application/json",
-                        headers=req.response_headers,
-                    )
+                except asyncio.CancelledError:
+                    up.close()  # never hand a half-read connection back to the pool
+                    raise
+                ttfb = (time.perf_counter() - t0) * 1000
+                timings: dict[str, Any] | None = None
+                error = ""
+                if up.status == 200:
+                    timings, slot = _timings_from_json(data)
+                    if slot is not None:
+                        req.slot = slot
+                else:
+                    error = _error_text(data)
+                response = web.Response(
+                    body=data,
+                    status=up.status,
+                    content_type=up.content_type or "application/json",
+                    headers=req.response_headers,
+                )
+                return _Outcome(response, up.status, timings, ttfb, error)
         except _ClientGone:
-            # Closing the upstream response makes llama-server drop the task, so an
-            # abandoned multi-minute prefill does not block the slot.
-            status, error = 499, "client disconnected"
-            response = web.Response(status=499)
+            return _gone()
         except (aiohttp.ClientError, TimeoutError) as e:
-            if req.notes.get("client_gone"):
-                status, error = 499, "client disconnected"
-                response = web.Response(status=499)
-            else:
-                status = 502
-                error = f"llama-server did not answer: {e!r}"
-                response = error_response(502, f"Warmslot: {error}", type_="server_error")
-        finally:
-            watcher.cancel()
-        total_ms = (time.perf_counter() - t0) * 1000
-        parsed = Timings.parse(timings)
-        self._account(req, status, parsed, ttfb, total_ms, error)
-        if req.policy is not None and req.endpoint in ("chat", "completions", "completion"):
-            task = asyncio.ensure_future(self._completed(req, parsed, status))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
-        return response
-
-    async def _watch_client(self, request: web.Request, req: ProxyRequest) -> None:
-        """Notice a client that hangs up while llama-server is still working (a long
-        prefill sends nothing for minutes) and close the upstream response."""
-        while True:
-            await asyncio.sleep(0.25)
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                req.notes["client_gone"] = True
-                up = req.notes.get("upstream")
-                if isinstance(up, aiohttp.ClientResponse):
-                    up.close()
-                return
+            error = f"llama-server did not answer: {e!r}"
+            response = error_response(502, f"Warmslot: {error}", type_="server_error")
+            return _Outcome(response, 502, error=error)
 
     async def _post_upstream(
-        self, url: str, payload: bytes, headers: dict[str, str]
+        self, upstream: Upstream, url: str, payload: bytes, headers: dict[str, str]
     ) -> aiohttp.ClientResponse:
         """POST to llama-server, resending once if a pooled connection was already dead.
 
@@ -597,16 +642,18 @@ class Proxy:
         just as the close arrives fails with ServerDisconnectedError before any
         response byte: that request never ran, so it goes once more on a new one.
         """
-        assert self._session is not None
+        session = upstream.session
+        kw: dict[str, Any] = {"timeout": self._timeout, "auto_decompress": False}
         try:
-            return await self._session.post(url, data=payload, headers=headers)
+            return await session.post(url, data=payload, headers=headers, **kw)
         except aiohttp.ServerDisconnectedError:
             log.debug("llama-server closed a pooled connection; resending on a new one")
-            return await self._session.post(url, data=payload, headers=headers)
+            return await session.post(url, data=payload, headers=headers, **kw)
 
     async def _stream(
         self, request: web.Request, req: ProxyRequest, up: aiohttp.ClientResponse, t0: float
-    ) -> tuple[web.StreamResponse, dict[str, Any] | None, float | None, int, str]:
+    ) -> _Outcome:
+        """Pass an SSE response through chunk by chunk as it arrives, noting `timings`."""
         response = web.StreamResponse(
             status=200,
             headers={
@@ -620,7 +667,6 @@ class Proxy:
         ttfb: float | None = None
         status = 200
         error = ""
-        client_gone = False
         try:
             async for chunk in up.content.iter_any():
                 if ttfb is None:
@@ -628,12 +674,10 @@ class Proxy:
                 scanner.feed(chunk)
                 try:
                     await response.write(chunk)
-                except (ConnectionError, RuntimeError):
-                    client_gone = True  # the client went away, not llama-server
-                    break
+                except (ConnectionError, RuntimeError) as e:
+                    up.close()  # the client went away, not llama-server
+                    raise _ClientGone from e
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
-            if req.notes.get("client_gone"):
-                raise _ClientGone from e
             # Upstream died mid-stream: end the client's stream cleanly with an error event.
             status = 502
             error = f"llama-server stopped mid-stream: {e!r}"
@@ -643,8 +687,6 @@ class Proxy:
             }
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await response.write(f"data: {json.dumps(event)}\n\n".encode())
-        if client_gone or req.notes.get("client_gone"):
-            raise _ClientGone
         with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write_eof()
         up.close()  # llama-server closes it after a stream anyway: never pool it
@@ -652,7 +694,7 @@ class Proxy:
             req.slot = scanner.id_slot
         if scanner.upstream_error and not error:
             error = scanner.upstream_error
-        return response, scanner.timings, ttfb, status, error
+        return _Outcome(response, status, scanner.timings, ttfb, error)
 
     async def _completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
         assert req.policy is not None

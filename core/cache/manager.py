@@ -27,8 +27,6 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from core.cache import background as bg
 from core.cache import prefix as pfx
 from core.cache import warmup
@@ -54,6 +52,7 @@ from core.events import CacheEvent, Event, Notice, ServerStateChanged
 from core.pressure import PressureMonitor
 from core.proxy import ProxyRequest
 from core.server.client import LlamaClient, Timings
+from core.server.upstream import Upstream
 from core.sweeps import Sweeps
 
 if TYPE_CHECKING:
@@ -71,11 +70,20 @@ RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
 class CacheManager:
     """Implements `core.proxy.CachePolicy` on top of the core's supervisor and telemetry."""
 
-    def __init__(self, core: Core, server: Supervisor | None = None, *, model: str = "") -> None:
+    def __init__(
+        self,
+        core: Core,
+        server: Supervisor | None = None,
+        *,
+        model: str = "",
+        upstream: Upstream | None = None,
+    ) -> None:
         self.core = core
         # The llama-server this manager works on: the core's (primary) supervisor unless
-        # a model pool gives each loaded model its own.
+        # a model pool gives each loaded model its own — and the HTTP session to it,
+        # which its maker (the core or the pool) closes.
         self._server = server
+        self.upstream = upstream if upstream is not None else core.upstream
         self.model = model  # the model profile's name; "" for the primary server
         s = core.settings
         self.clock: Clock = getattr(core, "clock", None) or RealClock()
@@ -91,8 +99,6 @@ class CacheManager:
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
         self.template_warning: str | None = None  # set when the template drops tools
-        self._session: aiohttp.ClientSession | None = None
-        self._client: LlamaClient | None = None
         self._store: StateStore | None = None
         self._definitions: DefinitionStore | None = None
         # Held while Warmslot itself uses a slot (restore + verify, build + save + probe):
@@ -164,15 +170,8 @@ class CacheManager:
 
     @property
     def client(self) -> LlamaClient | None:
-        sup = self.server
-        base = sup.base_url if sup is not None else None
-        if base is None:
-            return None
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        if self._client is None or self._client.base_url != base:
-            self._client = LlamaClient(self._session, base)
-        return self._client
+        """The client of this manager's llama-server; None while it is not running."""
+        return self.upstream.client() if self.upstream is not None else None
 
     @property
     def store(self) -> StateStore:
@@ -885,9 +884,6 @@ class CacheManager:
             task.cancel()
         if self._jobs:
             await asyncio.wait(set(self._jobs), timeout=5)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
 
 def _render_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -898,4 +894,4 @@ def _render_body(body: dict[str, Any]) -> dict[str, Any]:
 
 def policy_factory(core: Core) -> CacheManager:
     """Entry point the CLI and the tray use to attach the cache manager to a core."""
-    return CacheManager(core)
+    return CacheManager(core, upstream=core.upstream)

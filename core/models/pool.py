@@ -27,6 +27,7 @@ from core.models.profiles import MIB, Footprint, Profile
 from core.proxy import ProxyRequest, Route
 from core.server import devices, model
 from core.server.supervisor import Resolved, ServerState, Supervisor
+from core.server.upstream import Upstream
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
@@ -44,6 +45,7 @@ class ModelUnavailable(WarmslotError):
 class Entry:
     profile: Profile
     server: Supervisor | None = None
+    upstream: Upstream | None = None  # the one HTTP session to `server`
     manager: CacheManager | None = None
     footprint: Footprint | None = None
     inflight: int = 0
@@ -91,6 +93,7 @@ class ModelPool:
             e = Entry(prof, last_used=self.clock.monotonic())
             if prof.primary:
                 e.server = core.supervisor
+                e.upstream = core.upstream
                 e.manager = _as_manager(core.policy)
             self.entries[prof.name] = e
 
@@ -125,13 +128,15 @@ class ModelPool:
             log_path=core.paths.log_dir / f"llama-server.{_safe(prof.name)}.log",
         )
 
-    def _make_manager(self, prof: Profile, server: Supervisor) -> CacheManager | None:
+    def _make_manager(
+        self, prof: Profile, server: Supervisor, upstream: Upstream
+    ) -> CacheManager | None:
         primary = _as_manager(self.core.policy)
         if primary is None:
             return None  # cache management is off for the whole core
         from core.cache.manager import CacheManager
 
-        return CacheManager(self.core, server, model=prof.name)
+        return CacheManager(self.core, server, model=prof.name, upstream=upstream)
 
     async def budget(self) -> arbiter.Budget:
         """The budget: configured, else free VRAM per GPU and available RAM at first use."""
@@ -236,8 +241,9 @@ class ModelPool:
                     self.entries[victim], f"making room for {name}", d.numbers
                 )
             if e.server is None:
-                e.server = self._server_factory(e.profile)
-                e.manager = self._make_manager(e.profile, e.server)
+                server = e.server = self._server_factory(e.profile)
+                e.upstream = Upstream(lambda: server.base_url, name=name)
+                e.manager = self._make_manager(e.profile, server, e.upstream)
             try:
                 await e.server.start("pool")
             except WarmslotError as exc:
@@ -337,6 +343,8 @@ class ModelPool:
                     await e.manager.close()
             if e.server is not None:
                 await e.server.close()
+            if e.upstream is not None:
+                await e.upstream.close()
 
     # ------------------------------------------------------------ routing
     async def route(self, req: ProxyRequest) -> Route:
@@ -376,8 +384,7 @@ class ModelPool:
         except ModelUnavailable as exc:
             return Route(status=503, error=f"Warmslot: {exc}", retry_after=30)
         assert e.server is not None
-        upstream = e.server.base_url
-        if upstream is None:
+        if e.server.base_url is None or e.upstream is None:
             return Route(status=503, error=f"Warmslot: model {name!r} is not ready", retry_after=2)
         e.inflight += 1
         e.last_used = self.clock.monotonic()
@@ -388,7 +395,7 @@ class ModelPool:
             e.inflight = max(0, e.inflight - 1)
             e.last_used = self.clock.monotonic()
 
-        return Route(model=name, upstream=upstream, policy=policy, release=release)
+        return Route(model=name, upstream=e.upstream, policy=policy, release=release)
 
     def _is_aux(self, req: ProxyRequest) -> bool:
         if req.kind == "aux":

@@ -78,7 +78,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class LlamaClient:
-    """Calls to one llama-server at `base_url`, over a shared aiohttp session."""
+    """Calls to one llama-server at `base_url`, over that server's one aiohttp session
+    (`core.server.upstream.Upstream` makes it and closes it)."""
 
     def __init__(
         self, session: aiohttp.ClientSession, base_url: str, timeout: float = 600.0
@@ -92,17 +93,25 @@ class LlamaClient:
     ) -> Any:
         url = self.base_url + path
         try:
-            async with self._session.request(method, url, json=body, timeout=self._timeout) as resp:
-                text = await resp.text()
-                if resp.status >= 400:
-                    raise UpstreamError(
-                        f"{method} {path} → {resp.status}: {_message(text)}",
-                        status=resp.status,
-                        body=text,
-                    )
-                return json.loads(text) if expect_json else text
+            try:
+                return await self._request(method, url, path, body, expect_json)
+            except aiohttp.ServerDisconnectedError:
+                # A pooled connection the server had just closed (it closes idle ones
+                # after 5 s): the request never ran, so it goes once more on a new one.
+                return await self._request(method, url, path, body, expect_json)
         except (aiohttp.ClientError, TimeoutError) as e:
             raise UpstreamError(f"{method} {path} failed: {e!r}") from e
+
+    async def _request(self, method: str, url: str, path: str, body: Any, expect_json: bool) -> Any:
+        async with self._session.request(method, url, json=body, timeout=self._timeout) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                raise UpstreamError(
+                    f"{method} {path} → {resp.status}: {_message(text)}",
+                    status=resp.status,
+                    body=text,
+                )
+            return json.loads(text) if expect_json else text
 
     async def health(self) -> bool:
         try:

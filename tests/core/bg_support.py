@@ -47,6 +47,7 @@ class FakeCore:
             pid=None,
             run_id="run",
         )
+        self.upstream = None  # FakeManager's client is a FakeLlama, not HTTP
 
     def subscribe(self, callback: Any, types: Any = None) -> Any:
         return lambda: None

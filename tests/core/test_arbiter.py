@@ -17,6 +17,7 @@ from core.models.pool import ModelPool, ModelUnavailable
 from core.models.profiles import MIB, Footprint, Profile
 from core.proxy import ProxyRequest
 from core.server.supervisor import ServerState
+from core.server.upstream import Upstream
 
 GIB = 1024 * MIB
 
@@ -140,7 +141,13 @@ def make_pool(level: list[str]) -> tuple[ModelPool, FakeClock, list[ModelEvent]]
 
     primary = FakeServer("coder")
     core: Any = SimpleNamespace(
-        settings=s, clock=clock, supervisor=primary, policy=None, emit=emit, paths=None
+        settings=s,
+        clock=clock,
+        supervisor=primary,
+        upstream=Upstream(lambda: primary.base_url),
+        policy=None,
+        emit=emit,
+        paths=None,
     )
 
     def factory(p: Profile) -> Any:
@@ -168,7 +175,8 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
         # the primary (4 GiB) and the side model (2 GiB) fit; then the 4 GiB chat model
         # needs room: the idle side model goes (lower priority), not the primary.
         r = await pool.route(req("coder"))
-        assert r.upstream == "http://fake/coder" and r.release is not None
+        assert r.upstream is not None and r.upstream.base_url == "http://fake/coder"
+        assert r.release is not None
         r.release()
         side = await pool.route(req("anything", tools=None))  # unknown → primary → side call?
         assert side.model == "coder"  # a plain user turn is not a side call

@@ -1,0 +1,78 @@
+"""One llama-server as an HTTP peer: where it listens now, and the one session to it.
+
+The engine makes one `Upstream` per supervised llama-server (the model pool one
+per pooled model) and injects it into everything that talks to that server: the
+proxy's forwarding and the cache manager's `LlamaClient`. So each server has one
+connection pool, created once and closed once at shutdown by whoever made it,
+and tests can hand the proxy or the cache manager an upstream that points at a
+fake server.
+
+The address is read through a callable on every use: a supervised server gets a
+new port on each (re)start, while the session (not bound to any address) lives
+as long as the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import aiohttp
+
+from core.server.client import LlamaClient
+
+__all__ = ["Upstream"]
+
+
+class Upstream:
+    """The current address of one llama-server and the aiohttp session to it.
+
+    Callers pass their own timeout with each request (the proxy waits for long
+    generations, Warmslot's own calls have theirs); the session sets none.
+    """
+
+    def __init__(self, base_url: Callable[[], str | None], *, name: str = "") -> None:
+        self._base_url = base_url
+        self.name = name  # the model profile's name; "" for the primary server
+        self._session: aiohttp.ClientSession | None = None
+        self._client: LlamaClient | None = None
+        self._closed = False
+
+    @property
+    def base_url(self) -> str | None:
+        """``http://host:port`` of the server while it runs, else None."""
+        return self._base_url()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The session to this server, created on first use (on the running loop)."""
+        if self._closed:
+            raise RuntimeError(f"upstream {self.name or 'primary'} is closed")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                # No limit on connections: each streamed request holds one for its
+                # whole generation, and the server's slot count is the real bound.
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            )
+        return self._session
+
+    def client(self) -> LlamaClient | None:
+        """A `LlamaClient` for the server's current address; None while it is not running."""
+        base = self.base_url
+        if base is None or self._closed:
+            return None
+        if self._client is None or self._client.base_url != base.rstrip("/"):
+            self._client = LlamaClient(self.session, base)
+        return self._client
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        """Close the session (idempotent); later use raises."""
+        self._closed = True
+        self._client = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
