@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core import config as config_mod
+from core.cache.background import Background
+from core.cache.manager import CacheManager
 from core.cli_fit import request_from_settings
 from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
@@ -37,6 +39,7 @@ from core.events import Event, Notice, ServerStateChanged
 from core.models import profiles
 from core.models.pool import ModelPool
 from core.paths import Paths, resources_dir
+from core.pressure import PressureMonitor, Sampler
 from core.proxy import CachePolicy, Proxy
 from core.server import discover, model
 from core.server.argv import LaunchInputs, build_argv, kv_relevant
@@ -48,6 +51,7 @@ from core.server.gguf_facts import read_facts
 from core.server.provision import PATCHED_PURPOSE, Provisioner
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
+from core.sweeps import Outcome, Sweeps
 from core.telemetry import QUERIES, Telemetry
 
 log = logging.getLogger("warmslot.core")
@@ -143,6 +147,11 @@ class Core:
         self.proxy: Proxy | None = None
         self.policy: CachePolicy | None = None
         self.pool: ModelPool | None = None  # only when [[models]] profiles are configured
+        # The one scheduler for background work, and the machine's one pressure monitor
+        # (made at start, on the core's clock): every model's cache sweeps run on them.
+        self.sweeps: Sweeps | None = None
+        self.pressure: PressureMonitor | None = None
+        self.background: Background | None = None
         self.fit_plan: FitPlan | None = None  # the primary's memory plan, launched with
         # `binary_check` smoke-starts each llama-server candidate (None: trust --version,
         # for tests whose fake servers stage launch faults on purpose).
@@ -253,6 +262,14 @@ class Core:
         )
         sup = self.supervisor
         self.upstream = Upstream(lambda: sup.base_url)
+        self.sweeps = Sweeps(self.clock, self.emit)
+        self.pressure = PressureMonitor(
+            lambda: self.settings.pressure,
+            Sampler(self.paths.state_dir, self._server_pids, clock=self.clock.monotonic),
+            self.emit,
+            self.clock,
+            telemetry=lambda: self.telemetry,
+        )
         self.proxy = Proxy(
             upstream=self.upstream,
             server_state=self._server_state_words,
@@ -268,17 +285,41 @@ class Core:
             self.policy = self._policy_factory(self)
             self.proxy.policy = self.policy
         if s.models:
-            self.pool = ModelPool(self)
-            self.proxy.router = self.pool.route
-            self.proxy.models = self.pool.models_list
-            self._tasks.append(asyncio.create_task(self.pool.run()))
+            pool = self.pool = ModelPool(self)
+            self.proxy.router = pool.route
+            self.proxy.models = pool.models_list
+            self.sweeps.add("models", self._sweep_models, lambda: self.settings.pool.idle_check_s)
+        if self.cache_managers():
+            self.background = Background(
+                self.sweeps, self.pressure, lambda: self.settings, self.cache_managers
+            )
+            self.background.register()
         await self.proxy.start(s.proxy.host, s.proxy.port)
         self.subscribe(self._on_server_state, (ServerStateChanged,))
         self._write_runtime()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
-        background = getattr(self.policy, "background", None)  # the cache manager's sweeps
-        if background is not None:
-            self._tasks.append(asyncio.create_task(background(self.clock)))
+        if self.sweeps.sweeps:
+            self._tasks.append(asyncio.create_task(self.sweeps.run_forever()))
+
+    def cache_managers(self) -> list[CacheManager]:
+        """The cache manager of every model that has one: the primary's first, then each
+        pooled model's (made when the pool first loads it)."""
+        if self.pool is not None:
+            return self.pool.managers()
+        return [self.policy] if isinstance(self.policy, CacheManager) else []
+
+    def _server_pids(self) -> list[int]:
+        """Every running llama-server's pid (their RSS joins each pressure sample)."""
+        servers = [self.supervisor]
+        if self.pool is not None:
+            servers += [e.server for e in self.pool.entries.values() if not e.profile.primary]
+        return [pid for sup in servers if sup is not None and (pid := sup.pid) is not None]
+
+    async def _sweep_models(self) -> Outcome:
+        """The model pool's idle and pressure unloads, on the engine's scheduler."""
+        assert self.pool is not None
+        done = await self.pool.sweep()
+        return Outcome(len(done), {"unloaded": [d.model for d in done]})
 
     def _primary_settings(self) -> ServerSettings:
         """`server.*`, with the primary profile's overrides when profiles are configured."""

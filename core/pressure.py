@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,6 +136,8 @@ def assess(r: Reading, s: PressureSettings, margin: float = 0.0) -> tuple[str, t
 class Sampler:
     """Reads a `Reading`; every source is injectable for tests.
 
+    `server_pid` gives the llama-server pid, or several (every server Warmslot
+    runs: their RSS is summed), or None while none runs.
     `ps` is the psutil module or a stand-in with `virtual_memory()`,
     `swap_memory()` and `Process(pid).memory_info().rss`; `nvml` is passed to
     `read_gpus` (None: the real pynvml, if installed); `gpus=False` skips GPUs.
@@ -144,7 +146,7 @@ class Sampler:
     def __init__(
         self,
         state_dir: Path,
-        server_pid: Callable[[], int | None],
+        server_pid: Callable[[], int | Iterable[int] | None],
         *,
         ps: Any = psutil,
         nvml: Any = None,
@@ -168,13 +170,16 @@ class Sampler:
         return path
 
     def _server_rss(self) -> int | None:
-        pid = self.server_pid()
-        if pid is None:
-            return None
-        try:
-            return int(self.ps.Process(pid).memory_info().rss)
-        except Exception:  # gone between the check and the read, or not ours to read
-            return None
+        found = self.server_pid()
+        pids = [found] if isinstance(found, int) else list(found or ())
+        total: int | None = None
+        for pid in pids:
+            try:
+                rss = int(self.ps.Process(pid).memory_info().rss)
+            except Exception:  # gone between the check and the read, or not ours to read
+                continue
+            total = (total or 0) + rss
+        return total
 
     def _gpus(self) -> tuple[GpuInfo, ...]:
         if not self.gpus_enabled:

@@ -1,7 +1,9 @@
-"""The cache manager's background work: its sweeps, user commands and status.
+"""Background work: the engine's cache sweeps for every model, user commands, status.
 
-`run` registers the four sweeps on the manager's `Sweeps` scheduler and runs
-them until cancelled (the Core starts it when the cache manager is attached):
+`Background` registers four sweeps on the engine's one `Sweeps` scheduler. Each
+runs over the cache managers of every model the engine has (the primary's, and
+each pooled model's once it was first loaded; a model whose server is not
+running skips its turn), and the pressure monitor is one for the machine:
 
 ========== ======================================= ==================
 sweep      what                                    interval
@@ -12,78 +14,141 @@ keepalive  keep slots' prefixes warm               cache.keepalive_interval_s (2
 retention  disk retention: TTLs, keep-N, byte cap  cache.retention_interval_s (300 s, ≥ 60)
 ========== ======================================= ==================
 
+Saved states of every model share one index and one slot directory root, so
+the disk retention runs once per interval over all of them, protecting what
+any model holds or recently used. A model whose sweep fails does not stop the
+others' (the run records the failure).
+
 The user commands `pin`, `evict` and `rewarm` (wrapped by `CacheManager` and
 the Core) each record a `CacheEvent`.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from core.cache.retention import human_age
 from core.cache.store import StateRecord, safe_name
+from core.config import Settings
 from core.errors import CacheError
 from core.events import CacheEvent
-from core.pressure import Sampler
+from core.pressure import PressureMonitor
+from core.sweeps import Outcome, Sweeps
 
 if TYPE_CHECKING:
     from core.cache import prefix as pfx
     from core.cache.manager import CacheManager
 
 __all__ = [
+    "Background",
     "evict",
     "expiry_text",
     "extend_status",
     "format_background",
     "pin",
-    "register",
     "rewarm",
-    "run",
 ]
+
+log = logging.getLogger("warmslot.cache")
 
 SESSIONS_INTERVAL_S = 60.0
 KEEPALIVE_MIN_S = 30.0
 RETENTION_MIN_S = 60.0
 
 
-def register(mgr: CacheManager) -> None:
-    """Add the sweeps to `mgr.sweeps` (idempotent); give the pressure monitor a sampler."""
-    core = mgr.core
-    if mgr.pressure.sampler is None:
-        mgr.pressure.sampler = Sampler(
-            core.paths.state_dir,
-            lambda: mgr.server.pid if mgr.server is not None else None,
-            clock=mgr.clock.monotonic,
+class SweepFailed(Exception):
+    """One or more models' part of a sweep raised (the others' parts still ran)."""
+
+
+class Background:
+    """The cache sweeps of every model, and the machine's pressure, on one scheduler.
+
+    `managers` lists the cache managers of the models the engine has, the
+    primary's first; it is read at every run, so a model the pool loads later
+    joins at the next interval.
+    """
+
+    def __init__(
+        self,
+        sweeps: Sweeps,
+        pressure: PressureMonitor,
+        settings: Callable[[], Settings],
+        managers: Callable[[], Sequence[CacheManager]],
+    ) -> None:
+        self.sweeps = sweeps
+        self.pressure = pressure
+        self._settings = settings
+        self._managers = managers
+
+    def register(self) -> None:
+        """Add the four sweeps to the scheduler (once)."""
+        if "pressure" in self.sweeps.sweeps:
+            return
+        settings = self._settings
+        self.sweeps.add(
+            "pressure",
+            self.pressure.sample,
+            lambda: settings().pressure.sample_interval_s,
+            minimum=1.0,
+            first_delay=0.0,
         )
-    sw = mgr.sweeps
-    if sw.sweeps:
-        return
-    sw.add(
-        "pressure",
-        mgr.pressure.sample,
-        lambda: core.settings.pressure.sample_interval_s,
-        minimum=1.0,
-        first_delay=0.0,
-    )
-    sw.add("sessions", mgr.retention.sweep_idle, lambda: SESSIONS_INTERVAL_S, minimum=30.0)
-    sw.add(
-        "keepalive",
-        mgr.keepalive.sweep,
-        lambda: core.settings.cache.keepalive_interval_s,
-        minimum=KEEPALIVE_MIN_S,
-    )
-    sw.add(
-        "retention",
-        mgr.retention.sweep_disk,
-        lambda: core.settings.cache.retention_interval_s,
-        minimum=RETENTION_MIN_S,
-    )
+        self.sweeps.add("sessions", self.release_idle, lambda: SESSIONS_INTERVAL_S, minimum=30.0)
+        self.sweeps.add(
+            "keepalive",
+            self.keepalive,
+            lambda: settings().cache.keepalive_interval_s,
+            minimum=KEEPALIVE_MIN_S,
+        )
+        self.sweeps.add(
+            "retention",
+            self.retention,
+            lambda: settings().cache.retention_interval_s,
+            minimum=RETENTION_MIN_S,
+        )
+
+    async def release_idle(self) -> Outcome:
+        """Every model's idle-session release."""
+        return await _each(self._managers(), lambda m: m.retention.sweep_idle())
+
+    async def keepalive(self) -> Outcome:
+        """Every model's keep-alive."""
+        return await _each(self._managers(), lambda m: m.keepalive.sweep())
+
+    async def retention(self) -> Outcome:
+        """The disk retention, once over every model's saved states."""
+        managers = list(self._managers())
+        if not managers:
+            return Outcome()
+        return await managers[0].retention.sweep_disk(peers=managers[1:])
 
 
-async def run(mgr: CacheManager) -> None:
-    """Run the manager's sweeps until cancelled."""
-    register(mgr)
-    await mgr.sweeps.run_forever()
+def model_label(mgr: CacheManager) -> str:
+    """How a model is named in sweep details: its profile name, or "primary"."""
+    return mgr.model or "primary"
+
+
+async def _each(
+    managers: Sequence[CacheManager], part: Callable[[CacheManager], Awaitable[Outcome]]
+) -> Outcome:
+    """Run one sweep's part for each model; the details say what each did."""
+    actions = 0
+    details: dict[str, Any] = {}
+    errors: list[str] = []
+    for mgr in managers:
+        label = model_label(mgr)
+        try:
+            out = await part(mgr)
+        except Exception as e:  # one model's failure must not skip the others
+            log.exception("the %s part of a sweep failed", label)
+            errors.append(f"{label}: {type(e).__name__}: {e}")
+            continue
+        actions += out.actions
+        details[label] = out.details
+    if errors:
+        raise SweepFailed("; ".join(errors))
+    return Outcome(actions, {"models": details})
 
 
 # ---------------------------------------------------------------------------- commands
@@ -190,7 +255,7 @@ def extend_status(mgr: CacheManager, out: dict[str, Any]) -> None:
     """Add pressure, paused behaviours, sweeps, TTLs and expiries to a status dict."""
     out["pressure"] = mgr.pressure.snapshot()
     out["paused"] = list(mgr.pressure.paused().values())
-    out["sweeps"] = mgr.sweeps.status()
+    out["sweeps"] = mgr.sweeps.status() if mgr.sweeps is not None else []
     out["keepalive"] = {"last": mgr.keepalive.last}
     if mgr.core.telemetry is not None:  # the index lives in the telemetry database
         mgr.retention.annotate(out)

@@ -77,6 +77,7 @@ class CacheManager:
         *,
         model: str = "",
         upstream: Upstream | None = None,
+        pressure: PressureMonitor | None = None,
     ) -> None:
         self.core = core
         # The llama-server this manager works on: the core's (primary) supervisor unless
@@ -113,17 +114,15 @@ class CacheManager:
         self._identity_known = asyncio.Event()
         self._probe_suffix: list[int] | None = None
         self.boot = BootRewarm(self._emit, self.clock.time)  # progress of the boot re-warm
-        # Background work (core.cache.background): pressure gates, retention, keep-alive.
-        self.pressure = PressureMonitor(
-            lambda: core.settings.pressure,
-            None,
-            core.emit,
-            self.clock,
-            telemetry=lambda: core.telemetry,
-        )
+        # Background work: the engine's scheduler runs this manager's retention and
+        # keep-alive (core.cache.background); the pressure monitor is the machine's one,
+        # the engine's, and gates what this manager may do.
+        monitor = pressure if pressure is not None else core.pressure
+        assert monitor is not None, "the engine makes the pressure monitor before any manager"
+        self.pressure: PressureMonitor = monitor
+        self.sweeps: Sweeps | None = core.sweeps  # the engine's scheduler (for status)
         self.retention = Retention(self)
         self.keepalive = KeepAlive(self)
-        self.sweeps = Sweeps(self.clock, core.emit)
         core.subscribe(self._on_event, (ServerStateChanged,))
 
     # ------------------------------------------------------------ plumbing
@@ -828,14 +827,7 @@ class CacheManager:
         out["text"] = format_inventory(out) + "\n" + bg.format_background(out)
         return out
 
-    # ------------------------------------------------------------ background + commands
-    async def background(self, clock: Clock) -> None:
-        """Run the sweeps (pressure, sessions, keep-alive, retention) until cancelled.
-
-        `clock` is the core's clock, the one this manager took when it was made.
-        """
-        await bg.run(self)
-
+    # ------------------------------------------------------------ commands
     async def pin(self, filename: str, pinned: bool = True) -> dict[str, Any]:
         """Pin or unpin a saved state (pinned: never expires or swept, kept warm)."""
         return await bg.pin(self, filename, pinned)
@@ -894,4 +886,4 @@ def _render_body(body: dict[str, Any]) -> dict[str, Any]:
 
 def policy_factory(core: Core) -> CacheManager:
     """Entry point the CLI and the tray use to attach the cache manager to a core."""
-    return CacheManager(core, upstream=core.upstream)
+    return CacheManager(core, upstream=core.upstream, pressure=core.pressure)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -187,14 +187,17 @@ def plan_disk_sweep(
     ttl: Callable[[str], float],
     keep_recent: int,
     cap_bytes: int,
-    current_identity: str | None,
+    current_identities: Collection[str],
     in_use: set[str],
     file_size: Callable[[StateRecord], int | None],
 ) -> Plan:
     """Decide what the retention sweep deletes (pure: no I/O but `file_size`).
 
-    `in_use` holds fingerprints a slot holds (or that are being saved) right now;
-    `file_size` returns a record's file size, or None when the file is gone.
+    `current_identities` are the slot directories of the servers Warmslot runs (one
+    per model; empty: none known yet, nothing counts as foreign); each keeps its
+    `keep_recent` most recently used files. `in_use` holds fingerprints a slot holds
+    (or that are being saved) right now; `file_size` returns a record's file size,
+    or None when the file is gone.
     """
     plan = Plan(cap_bytes=cap_bytes)
     alive: list[tuple[StateRecord, int]] = []
@@ -220,10 +223,13 @@ def plan_disk_sweep(
         alive.append((rec, size))
 
     def foreign(rec: StateRecord) -> bool:
-        return current_identity is not None and rec.identity != current_identity
+        return bool(current_identities) and rec.identity not in current_identities
 
     ours = sorted((r for r, _ in alive if not foreign(r)), key=lambda r: -r.last_used)
-    recent = {r.filename for r in ours[: max(0, keep_recent)]}
+    recent: set[str] = set()
+    for identity in {r.identity for r in ours}:
+        mine = [r.filename for r in ours if r.identity == identity]
+        recent.update(mine[: max(0, keep_recent)])
     protected: dict[str, str] = {}
     for rec, _ in alive:
         if rec.pinned:
@@ -337,17 +343,25 @@ class Retention:
             return None
 
     # ------------------------------------------------------------------ disk
-    async def sweep_disk(self) -> Outcome:
+    async def sweep_disk(self, peers: Sequence[CacheManager] = ()) -> Outcome:
+        """Apply the retention rules to every saved state in the index.
+
+        `peers` are the other models' cache managers: the index and the slot
+        directory root are shared, so what any of them holds or recently used is
+        protected, and only files of no model's server count as foreign.
+        """
         store = self.mgr.store
         now = self.clock.time()
+        everyone = [self, *(p.retention for p in peers)]
+        identities = {i for r in everyone if (i := r.current_identity()) is not None}
         plan = plan_disk_sweep(
             store.all(),
             now=now,
             ttl=self.ttl,
             keep_recent=self.settings.keep_recent,
             cap_bytes=self.cap_bytes,
-            current_identity=self.current_identity(),
-            in_use=self.in_use(),
+            current_identities=identities,
+            in_use=set().union(*(r.in_use() for r in everyone)),
             file_size=self._file_size,
         )
         self.last_plan = plan

@@ -136,7 +136,9 @@ class ModelPool:
             return None  # cache management is off for the whole core
         from core.cache.manager import CacheManager
 
-        return CacheManager(self.core, server, model=prof.name, upstream=upstream)
+        return CacheManager(
+            self.core, server, model=prof.name, upstream=upstream, pressure=self.core.pressure
+        )
 
     async def budget(self) -> arbiter.Budget:
         """The budget: configured, else free VRAM per GPU and available RAM at first use."""
@@ -308,8 +310,8 @@ class ModelPool:
             return list(done.values())
 
     def _level(self) -> str:
-        mgr = _as_manager(self.core.policy)
-        return mgr.pressure.level if mgr is not None else "nominal"
+        pressure = self.core.pressure
+        return pressure.level if pressure is not None else "nominal"
 
     async def preload(self, name: str) -> bool:
         """Load `name` ahead of need, only under nominal pressure."""
@@ -322,14 +324,10 @@ class ModelPool:
         await self.ensure(name)
         return True
 
-    async def run(self) -> None:
-        """The idle/pressure sweep, every `pool.idle_check_s` until cancelled."""
-        while True:
-            await self.clock.sleep(self.core.settings.pool.idle_check_s)
-            try:
-                await self.sweep()
-            except Exception:
-                log.exception("model pool sweep failed")
+    def managers(self) -> list[CacheManager]:
+        """The cache managers of every model that has one, the primary's first."""
+        entries = sorted(self.entries.values(), key=lambda e: not e.profile.primary)
+        return [e.manager for e in entries if e.manager is not None]
 
     async def close(self) -> None:
         """Stop every non-primary model (the core stops the primary)."""

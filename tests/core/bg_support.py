@@ -24,7 +24,9 @@ from core.config import Settings
 from core.errors import UpstreamError
 from core.events import CacheEvent, Event
 from core.paths import Paths
+from core.pressure import PressureMonitor
 from core.server.client import SlotInfo
+from core.sweeps import Sweeps
 from core.telemetry import Telemetry
 
 IDENT = "0123456789abcdef"  # the running server's slot directory (launch id)
@@ -48,6 +50,16 @@ class FakeCore:
             run_id="run",
         )
         self.upstream = None  # FakeManager's client is a FakeLlama, not HTTP
+        # The engine's: one pressure monitor (no sampler: tests feed it readings) and
+        # one scheduler.
+        self.pressure = PressureMonitor(
+            lambda: self.settings.pressure,
+            None,
+            self.emit,
+            self.clock,
+            telemetry=lambda: self.telemetry,
+        )
+        self.sweeps = Sweeps(self.clock, self.emit)
 
     def subscribe(self, callback: Any, types: Any = None) -> Any:
         return lambda: None

@@ -1,19 +1,24 @@
-"""The fake clock, the sweep scheduler, and the Core starting the cache manager's sweeps."""
+"""The fake clock, the sweep scheduler, and the Core running every model's cache sweeps."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from core.cache.manager import CacheManager, policy_factory
+from core.cache.manager import CacheManager, DiskTier, policy_factory
 from core.clock import FakeClock, RealClock
+from core.config import ModelProfile
 from core.errors import CacheError
 from core.events import Event, SweepRun
+from core.server.supervisor import ServerState
 from core.sweeps import Outcome, Sweeps, clamp_interval, thin_runs
 from core.telemetry import Telemetry
 from tests.conftest import MakeCore
+from tests.core.bg_support import SERVER, FakeLlama, FakeManager, prefix
 from tests.helpers import wait_until
 
 
@@ -247,3 +252,92 @@ def test_old_uneventful_runs_are_thinned_eventful_ones_kept() -> None:
     assert deleted == 720 - 8
     assert len(rows) - len(old) == 720
     tel.close()
+
+
+class StandInServer:
+    """What a cache manager and the pool read of a running llama-server."""
+
+    def __init__(self, slot_dir: Path) -> None:
+        self.state = ServerState.READY
+        self.base_url = "http://fake/b"
+        self.port: int | None = None
+        self.pid: int | None = None
+        self.run_id = "run-b"
+        self.resolved = SimpleNamespace(slot_dir=slot_dir)
+
+    async def stop(self, requested_by: str = "") -> None:
+        self.state = ServerState.STOPPED
+
+    async def close(self) -> None:
+        await self.stop()
+
+
+def test_core_runs_keepalive_and_idle_release_for_a_pooled_model(make_core: MakeCore) -> None:
+    """Every model's cache sweeps run on the engine's one scheduler, not the primary's only.
+
+    Model b's llama-server is a model of its slots (`FakeLlama`): slot 0 holds a prefix
+    that keep-alive must re-warm once it idles, slot 1 a conversation that must be
+    released after its TTL. One fake hour, deterministic.
+    """
+    clock = FakeClock()
+    core = make_core(
+        policy_factory=policy_factory,
+        server__slots=3,
+        pressure__sample_interval_s=600,  # a few samples, not 720: not what this is about
+    )
+    core.settings.models = [
+        ModelProfile(name="a"),
+        ModelProfile(name="b", model="/m/b.gguf", ttl_s=-1),
+    ]
+    core.clock = clock
+    core.start(start_server=False)
+    pool = core.pool
+    assert pool is not None
+    prefix_tokens = list(range(1, 201))
+
+    async def load_b() -> FakeManager:
+        # What the pool's load does, with stand-ins for b's server and its HTTP client.
+        entry = pool.entries["b"]
+        entry.server = StandInServer(core.paths.slot_dir / "b-launch")  # type: ignore[assignment]
+        mgr = FakeManager(core, entry.server, model="b", pressure=core.pressure)  # type: ignore[arg-type]
+        mgr.fake = FakeLlama(core.paths.slot_dir / "b-launch", n_slots=3)
+        mgr.identity = SERVER
+        mgr.disk = DiskTier(False, "not what this test is about")
+        info = prefix(prefix_tokens)
+        mgr.by_fp[info.fingerprint] = info
+        mgr.fake.contents[0] = list(prefix_tokens)  # resident in slot 0
+        st = mgr.slots.slots[0]
+        st.prefix_fp, st.tokens_hint, st.last_used = info.fingerprint, 200, clock.monotonic()
+        conv = mgr.slots.slots[1]  # a conversation in slot 1
+        conv.session, conv.last_kind, conv.tokens_hint = "ses-b", "agent", 100
+        conv.last_used = clock.monotonic()
+        mgr.slots.sessions["ses-b"] = 1
+        entry.manager = mgr
+        return mgr
+
+    b = core.submit(load_b()).result(10)
+    assert [m.model for m in core.cache_managers()] == ["", "b"]
+
+    async def started() -> bool:
+        return clock.sleepers == 5  # pressure, sessions, keepalive, retention, models
+
+    wait_until(lambda: core.submit(started()).result(5), 10, message="sweeps started")
+    core.submit(clock.advance(3600)).result(120)
+
+    assert b.fake is not None and ("completion", 0) in b.fake.calls  # re-warmed slot 0
+    kept = core.query("recent_events", limit=50, category="cache", kind="keepalive").result(10)
+    assert kept and all(e["slot"] == 0 and e["details"]["resident"] for e in kept)
+    runs = core.query("sweep_runs", sweep="keepalive", limit=50).result(10)
+    assert len(runs) == 3600 // 240 and not any(r["error"] for r in runs)
+    assert all(set(r["details"]["models"]) == {"primary", "b"} for r in runs)
+    assert sum(r["actions"] for r in runs) == len(kept)
+
+    assert "ses-b" not in b.slots.sessions and b.slots.slots[1].session == ""
+    evicted = core.query("recent_events", limit=50, category="cache", kind="evicted").result(10)
+    (released,) = [e for e in evicted if e["details"].get("rule") == "idle_session"]
+    assert released["details"]["session"] == "ses-b" and released["slot"] == 1
+    sessions = core.query("sweep_runs", sweep="sessions", limit=100).result(10)
+    assert [r["details"]["models"]["b"]["released"] for r in sessions if r["actions"]] == [
+        ["ses-b"]
+    ]
+    core.stop()
