@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +21,7 @@ from tests.core.bg_support import (
     MB,
     OTHER,
     FakeCore,
+    FakeManager,
     add_state,
     make_manager,
     prefix,
@@ -143,8 +145,6 @@ def test_default_cap_is_a_tenth_of_free_disk(
     monkeypatch.setattr(ret.shutil, "disk_usage", lambda p: Usage)
     assert ret.default_cap_bytes(tmp_path / "not" / "yet") == 50 * MB
     core = FakeCore(tmp_path)
-    from tests.core.bg_support import FakeManager
-
     mgr = FakeManager(core)  # type: ignore[arg-type]
     assert mgr.retention.cap_bytes == 50 * MB  # cache.disk_cap_mb = 0
     core.settings.cache.disk_cap_mb = 7
@@ -165,6 +165,31 @@ async def test_other_identities_age_out_and_go_first_under_the_cap(tmp_path: Pat
     reasons = {e.details["file"]: e.reason for e in evicted(core)}
     assert "another server identity" in reasons[theirs_old.filename]
     assert "another server identity" in reasons[theirs_new.filename]
+
+
+async def test_another_loaded_models_files_are_its_own_not_foreign(tmp_path: Path) -> None:
+    """The same files as above, but OTHER is the slot directory of a second model the
+    engine runs: the one sweep over the shared index keeps each model's recent files
+    and what its slots hold."""
+    core, mgr = make_manager(tmp_path, settings(keep_recent=3, disk_cap_mb=5))
+    peer = FakeManager(
+        core,  # type: ignore[arg-type]
+        SimpleNamespace(resolved=SimpleNamespace(slot_dir=core.paths.slot_dir / OTHER)),  # type: ignore[arg-type]
+        model="b",
+    )
+    ours = [add_state(core, mgr, name_seed=f"o{i}", size=MB, age=10 * 86400) for i in range(2)]
+    theirs_old = add_state(core, mgr, name_seed="t0", age=2 * 86400, identity=OTHER)
+    theirs_new = add_state(core, mgr, name_seed="t1", size=4 * MB, age=60, identity=OTHER)
+    peer.slots.slots[0].prefix_fp = theirs_new.fingerprint  # b's slot holds it right now
+    await mgr.retention.sweep_disk(peers=[peer])
+    assert files(core) == {r.filename for r in ours}
+    # b's expired file is among b's 3 most recent; the larger one is current in b's slot
+    # (the cap cannot be met: everything left is protected).
+    assert files(core, OTHER) == {theirs_old.filename, theirs_new.filename}
+    assert evicted(core) == []
+    kept = mgr.retention.last_plan.kept if mgr.retention.last_plan else {}
+    assert kept[theirs_new.filename] == "current (held by a slot)"
+    assert kept[theirs_old.filename] == "one of the 3 most recently used"
 
 
 async def test_files_we_did_not_write_are_never_touched(tmp_path: Path) -> None:
