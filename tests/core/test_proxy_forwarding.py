@@ -12,6 +12,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -19,10 +20,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
+from core.cache.manager import CacheManager
 from core.events import Event, RequestCompleted
 from core.proxy import Proxy, ProxyRequest
 from core.server.client import Timings
 from core.server.upstream import Upstream
+from tests.core.bg_support import SERVER, FakeCore
 
 CHAT = "/v1/chat/completions"
 TIMINGS = {
@@ -108,6 +111,7 @@ class FailingPolicy:
 @dataclass
 class Rig:
     fake: FakeUpstream
+    upstream: Upstream
     proxy: Proxy
     client: aiohttp.ClientSession
     done: asyncio.Queue[RequestCompleted]
@@ -148,7 +152,7 @@ async def rig() -> AsyncIterator[Rig]:
     await proxy.start("127.0.0.1", 0)
     client = aiohttp.ClientSession()
     try:
-        yield Rig(fake, proxy, client, done)
+        yield Rig(fake, upstream, proxy, client, done)
     finally:
         await client.close()
         await proxy.stop()
@@ -343,6 +347,61 @@ async def test_failing_policy_forwards_the_request_untouched(rig: Rig) -> None:
     assert rig.fake.received[0][1] == {**chat(), "cache_prompt": True}
     assert rig.proxy.counters.bypasses == 1
     assert (await rig.next_record()).status == 200
+
+
+# ------------------------------------------------------------------ the real cache manager
+SYSTEM = "You are a careful coding agent. Follow the rules. " * 3 + "<env>date: today</env>"
+
+
+async def fake_llama(request: web.BaseRequest, body: dict[str, Any]) -> web.StreamResponse:
+    """What the cache manager asks of llama-server (render, tokenize) and a chat answer.
+
+    Rendering wraps each message in its role's tags; every character is one token.
+    """
+    if request.path == "/apply-template":
+        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in body["messages"])
+        return web.json_response({"prompt": text})
+    if request.path == "/tokenize":
+        return web.json_response({"tokens": [ord(c) for c in body["content"]]})
+    return web.json_response({**ANSWER, "id_slot": body.get("id_slot", -1)})
+
+
+async def test_cache_manager_prepares_and_learns_over_the_same_upstream(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """The real cache manager with the proxy's upstream: its own calls (render, tokenize)
+    and the forwarded request go to one server over one session; the slot it picks is
+    the one the request runs in, and `completed` records what the slot now holds."""
+    core = FakeCore(tmp_path)
+    mgr = CacheManager(core, upstream=rig.upstream, pressure=core.pressure)  # type: ignore[arg-type]
+    mgr.identity = SERVER  # what warm-up learns from /props after a start
+    rig.proxy.policy = mgr
+    rig.fake.handler = fake_llama
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "read", "parameters": {}}}],
+    }
+    headers = {"User-Agent": "opencode/1.2", "x-session-id": "s-1"}
+    async with rig.client.post(rig.url + CHAT, json=body, headers=headers) as resp:
+        assert resp.status == 200
+        assert resp.headers["X-Warmslot-Slot"] == "0"
+        assert resp.headers["X-Warmslot-Kind"] == "agent"
+        fp16, n = resp.headers["X-Warmslot-Prefix"].split(":")
+        await resp.read()
+    await rig.proxy.drain()
+
+    paths = [path for path, _, _ in rig.fake.received]
+    assert paths[0] == "/apply-template" and paths[-1] == CHAT and "/tokenize" in paths
+    forwarded = rig.fake.received[-1][1]
+    assert forwarded["id_slot"] == 0 and forwarded["cache_prompt"] is True
+    head = len("<system>" + SYSTEM[: SYSTEM.index("<env>")])
+    assert int(n) == head  # the stable prefix ends where opencode's volatile <env> starts
+    (learned,) = core.cache_events("prefix_learned")
+    assert learned.fingerprint == fp16 and learned.tokens == head
+    slot = mgr.slots.slots[0]
+    assert slot.prefix_fp.startswith(fp16) and slot.session_of_last == "s-1"
+    assert slot.inflight == 0 and slot.tokens_hint == 90 + 10 + 3  # cache + prompt + output
 
 
 # ------------------------------------------------------------------ the upstream
