@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -333,7 +334,10 @@ class Proxy:
             self.app, access_log=None, handle_signals=False, shutdown_timeout=5.0
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=False)
+        # SO_REUSEADDR on POSIX: a restart right after clients were connected must not
+        # fail on the old connections' TIME_WAIT; a second live listener is still refused
+        # there (that needs SO_REUSEPORT). On Windows the flag would allow exactly that.
+        site = web.TCPSite(self._runner, host, port, reuse_address=os.name == "posix")
         try:
             await site.start()
         except OSError as e:
