@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from core.cache.deps import CacheHost
 from core.cache.retention import human_age
 from core.cache.store import StateRecord, safe_name
 from core.config import Settings
@@ -39,7 +40,18 @@ from core.sweeps import Outcome, Sweeps
 
 if TYPE_CHECKING:
     from core.cache import prefix as pfx
-    from core.cache.manager import CacheManager
+    from core.cache.keepalive import KeepAlive
+    from core.cache.retention import Retention
+
+
+class Managed(CacheHost, Protocol):
+    """A model's cache manager with its keep-alive and retention sweeps."""
+
+    @property
+    def keepalive(self) -> KeepAlive: ...
+    @property
+    def retention(self) -> Retention: ...
+
 
 __all__ = [
     "Background",
@@ -75,7 +87,7 @@ class Background:
         sweeps: Sweeps,
         pressure: PressureMonitor,
         settings: Callable[[], Settings],
-        managers: Callable[[], Sequence[CacheManager]],
+        managers: Callable[[], Sequence[Managed]],
     ) -> None:
         self.sweeps = sweeps
         self.pressure = pressure
@@ -124,13 +136,13 @@ class Background:
         return await managers[0].retention.sweep_disk(peers=managers[1:])
 
 
-def model_label(mgr: CacheManager) -> str:
+def model_label(mgr: CacheHost) -> str:
     """How a model is named in sweep details: its profile name, or "primary"."""
     return mgr.model or "primary"
 
 
 async def _each(
-    managers: Sequence[CacheManager], part: Callable[[CacheManager], Awaitable[Outcome]]
+    managers: Sequence[Managed], part: Callable[[Managed], Awaitable[Outcome]]
 ) -> Outcome:
     """Run one sweep's part for each model; the details say what each did."""
     actions = 0
@@ -152,12 +164,12 @@ async def _each(
 
 
 # ---------------------------------------------------------------------------- commands
-def _emit(mgr: CacheManager, kind: str, reason: str, **kw: Any) -> None:
+def _emit(mgr: CacheHost, kind: str, reason: str, **kw: Any) -> None:
     details = kw.pop("details", {})
-    mgr.core.emit(CacheEvent(kind=kind, reason=reason, details=details, ts=mgr.clock.time(), **kw))
+    mgr.publish(CacheEvent(kind=kind, reason=reason, details=details, ts=mgr.clock.time(), **kw))
 
 
-def _record(mgr: CacheManager, filename: str) -> StateRecord:
+def _record(mgr: CacheHost, filename: str) -> StateRecord:
     if not safe_name(filename):
         raise CacheError(f"refusing {filename!r}: not the name of a state Warmslot saved")
     rec = mgr.store.get(filename)
@@ -166,7 +178,7 @@ def _record(mgr: CacheManager, filename: str) -> StateRecord:
     return rec
 
 
-async def pin(mgr: CacheManager, filename: str, pinned: bool) -> dict[str, Any]:
+async def pin(mgr: CacheHost, filename: str, pinned: bool) -> dict[str, Any]:
     """Pin (never expires, never swept, kept warm) or unpin a saved state."""
     rec = _record(mgr, filename)
     mgr.store.set_pinned(filename, pinned)
@@ -184,7 +196,7 @@ async def pin(mgr: CacheManager, filename: str, pinned: bool) -> dict[str, Any]:
     return {"file": filename, "fingerprint": rec.fingerprint[:16], "pinned": pinned}
 
 
-async def evict(mgr: CacheManager, filename: str) -> dict[str, Any]:
+async def evict(mgr: CacheHost, filename: str) -> dict[str, Any]:
     """Delete a saved state (file and index row) now."""
     rec = _record(mgr, filename)
     freed = mgr.store.delete(rec)
@@ -207,7 +219,7 @@ async def evict(mgr: CacheManager, filename: str) -> dict[str, Any]:
     return {"file": filename, "bytes": freed}
 
 
-def _find_prefix(mgr: CacheManager, fingerprint: str) -> pfx.PrefixInfo:
+def _find_prefix(mgr: CacheHost, fingerprint: str) -> pfx.PrefixInfo:
     fp = fingerprint.strip().lower()
     if len(fp) < 8:
         raise CacheError("give at least 8 characters of the fingerprint")
@@ -219,7 +231,7 @@ def _find_prefix(mgr: CacheManager, fingerprint: str) -> pfx.PrefixInfo:
     return matches[0]
 
 
-async def rewarm(mgr: CacheManager, fingerprint: str) -> dict[str, Any]:
+async def rewarm(mgr: Managed, fingerprint: str) -> dict[str, Any]:
     """Bring a prefix into its slot now: re-warm it there, or restore it into a free slot."""
     if mgr.client is None or mgr.identity is None:
         raise CacheError("llama-server is not ready")
@@ -251,13 +263,13 @@ async def rewarm(mgr: CacheManager, fingerprint: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- status
-def extend_status(mgr: CacheManager, out: dict[str, Any]) -> None:
+def extend_status(mgr: Managed, out: dict[str, Any]) -> None:
     """Add pressure, paused behaviours, sweeps, TTLs and expiries to a status dict."""
     out["pressure"] = mgr.pressure.snapshot()
     out["paused"] = list(mgr.pressure.paused().values())
     out["sweeps"] = mgr.sweeps.status() if mgr.sweeps is not None else []
     out["keepalive"] = {"last": mgr.keepalive.last}
-    if mgr.core.telemetry is not None:  # the index lives in the telemetry database
+    if mgr.has_db:  # the index lives in the telemetry database
         mgr.retention.annotate(out)
 
 

@@ -40,7 +40,7 @@ from core.server.client import SlotInfo, Timings
 from core.sweeps import Outcome
 
 if TYPE_CHECKING:
-    from core.cache.manager import CacheManager
+    from core.cache.deps import CacheHost
 
 __all__ = ["IDLE_SHARE", "KeepAlive", "Residency", "prewarm_body", "residency"]
 
@@ -93,7 +93,7 @@ def residency(prefix_n: int, expected: int, live: int) -> Residency:
 class KeepAlive:
     """The keep-alive sweep of one cache manager."""
 
-    def __init__(self, mgr: CacheManager) -> None:
+    def __init__(self, mgr: CacheHost) -> None:
         self.mgr = mgr
         self.clock = mgr.clock
         self.rewarmed_at: dict[int, float] = {}  # slot → monotonic time of our last re-warm
@@ -101,7 +101,7 @@ class KeepAlive:
 
     def _emit(self, kind: str, reason: str, **kw: Any) -> None:
         details = kw.pop("details", {})
-        self.mgr.core.emit(
+        self.mgr.publish(
             CacheEvent(kind=kind, reason=reason, details=details, ts=self.clock.time(), **kw)
         )
 
@@ -110,17 +110,17 @@ class KeepAlive:
         return rec is not None and rec.pinned
 
     def idle_threshold(self) -> float:
-        return IDLE_SHARE * self.mgr.core.settings.cache.ttl_short_s
+        return IDLE_SHARE * self.mgr.settings.cache.ttl_short_s
 
     def _busy(self, st: SlotState) -> bool:
-        return st.inflight > 0 or self.mgr._lock(st.id).locked()
+        return st.inflight > 0 or self.mgr.lock(st.id).locked()
 
     async def sweep(self) -> Outcome:
         mgr = self.mgr
         client = mgr.client
         decisions: list[dict[str, Any]] = []
         self.last = decisions
-        if client is None or mgr.identity is None or not mgr.core.settings.cache.enabled:
+        if client is None or mgr.identity is None or not mgr.settings.cache.enabled:
             return Outcome(0, {"skipped": "server not ready or cache management off"})
         aux = mgr.slots.aux_slot
         targets: list[tuple[SlotState, pfx.PrefixInfo, bool]] = []
@@ -217,7 +217,7 @@ class KeepAlive:
         client = mgr.client
         if client is None:
             return None
-        async with mgr._lock(slot):
+        async with mgr.lock(slot):
             st = mgr.slots.slots[slot]
             if st.inflight:
                 return None
@@ -301,11 +301,11 @@ class KeepAlive:
         mgr = self.mgr
         rec = mgr.store.for_fingerprint(info.fingerprint)
         if rec is not None and mgr.disk.usable:
-            async with mgr._lock(slot):
+            async with mgr.lock(slot):
                 if mgr.slots.slots[slot].inflight:
                     return False
                 try:
-                    await mgr._restore(rec, slot)
+                    await mgr.restore(rec, slot)
                 except (VerificationFailed, UpstreamError):
                     pass
                 else:

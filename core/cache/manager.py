@@ -25,13 +25,15 @@ import sqlite3
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from core.cache import background as bg
 from core.cache import prefix as pfx
 from core.cache import warmup
 from core.cache.boot import BootRewarm
 from core.cache.definitions import DefinitionStore
+from core.cache.deps import CacheDeps, EngineParts, ServerHandle, deps_from
+from core.cache.deps import DiskTier as DiskTier
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
@@ -44,9 +46,9 @@ from core.cache.probe import (
 from core.cache.retention import Retention
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore, file_sha256
-from core.cache.warmup import DiskTier as DiskTier
 from core.cache.warmup import disk_tier_for as disk_tier_for
-from core.clock import Clock, RealClock
+from core.clock import Clock
+from core.config import Settings
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, Event, Notice, ServerStateChanged
 from core.pressure import PressureMonitor
@@ -54,10 +56,6 @@ from core.proxy import ProxyRequest
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
 from core.sweeps import Sweeps
-
-if TYPE_CHECKING:
-    from core.engine import Core
-    from core.server.supervisor import Supervisor
 
 log = logging.getLogger("warmslot.cache")
 
@@ -68,26 +66,20 @@ RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
 
 
 class CacheManager:
-    """Implements `core.proxy.CachePolicy` on top of the core's supervisor and telemetry."""
+    """Implements `core.proxy.CachePolicy` for one llama-server, built from `CacheDeps`.
 
-    def __init__(
-        self,
-        core: Core,
-        server: Supervisor | None = None,
-        *,
-        model: str = "",
-        upstream: Upstream | None = None,
-        pressure: PressureMonitor | None = None,
-    ) -> None:
-        self.core = core
-        # The llama-server this manager works on: the core's (primary) supervisor unless
-        # a model pool gives each loaded model its own — and the HTTP session to it,
-        # which its maker (the core or the pool) closes.
-        self._server = server
-        self.upstream = upstream if upstream is not None else core.upstream
-        self.model = model  # the model profile's name; "" for the primary server
-        s = core.settings
-        self.clock: Clock = getattr(core, "clock", None) or RealClock()
+    Its public slot operations (`lock`, `prewarm`, `restore`, `persist_soon`, `emit`)
+    are what warm-up, keep-alive, retention and the commands call (`CacheHost`).
+    """
+
+    def __init__(self, deps: CacheDeps) -> None:
+        self.deps = deps
+        # The llama-server this manager works on (the primary's, or a pooled model's)
+        # and the HTTP session to it, which its maker (the engine or the pool) closes.
+        self.upstream: Upstream | None = deps.upstream
+        self.model = deps.model  # the model profile's name; "" for the primary server
+        s = deps.settings()
+        self.clock: Clock = deps.clock
         self.slots = SlotMap(
             s.server.slots, reserve_aux=s.cache.aux_slot, clock=self.clock.monotonic
         )
@@ -112,21 +104,19 @@ class CacheManager:
         # Set once the identity of the (re)started server is learned (or failed): a
         # request arriving right after "ready" waits for it rather than go unmanaged.
         self._identity_known = asyncio.Event()
-        self._probe_suffix: list[int] | None = None
-        self.boot = BootRewarm(self._emit, self.clock.time)  # progress of the boot re-warm
+        self.probe_suffix: list[int] | None = None
+        self.boot = BootRewarm(self.emit, self.clock.time)  # progress of the boot re-warm
         # Background work: the engine's scheduler runs this manager's retention and
         # keep-alive (core.cache.background); the pressure monitor is the machine's one,
         # the engine's, and gates what this manager may do.
-        monitor = pressure if pressure is not None else core.pressure
-        assert monitor is not None, "the engine makes the pressure monitor before any manager"
-        self.pressure: PressureMonitor = monitor
-        self.sweeps: Sweeps | None = core.sweeps  # the engine's scheduler (for status)
-        self.retention = Retention(self)
+        self.pressure: PressureMonitor = deps.pressure
+        self.sweeps: Sweeps | None = deps.sweeps  # the engine's scheduler (for status)
+        self.retention = Retention(self, slot_dir=deps.slot_dir)
         self.keepalive = KeepAlive(self)
-        core.subscribe(self._on_event, (ServerStateChanged,))
+        deps.subscribe(self._on_event, (ServerStateChanged,))
 
     # ------------------------------------------------------------ plumbing
-    def _emit(
+    def emit(
         self,
         kind: str,
         reason: str = "",
@@ -137,7 +127,7 @@ class CacheManager:
         nbytes: int | None = None,
         **details: Any,
     ) -> None:
-        self.core.emit(
+        self.publish(
             CacheEvent(
                 kind=kind,
                 reason=reason,
@@ -149,8 +139,27 @@ class CacheManager:
             )
         )
 
-    def _lock(self, slot: int) -> asyncio.Lock:
+    def publish(self, event: Event) -> None:
+        """Emit any event as it is."""
+        self.deps.emit(event)
+
+    def lock(self, slot: int) -> asyncio.Lock:
+        """Held while Warmslot itself uses `slot` (restore + verify, build + save + probe):
+        a request for that slot waits, so nothing slips in between our steps."""
         return self._locks.setdefault(slot, asyncio.Lock())
+
+    @property
+    def persisting(self) -> frozenset[str]:
+        """Fingerprints of the prefixes being saved in the background now."""
+        return frozenset(self._persisting)
+
+    def persist_soon(self, info: pfx.PrefixInfo) -> bool:
+        """Save the prefix in the background unless a save of it is under way."""
+        if info.fingerprint in self._persisting:
+            return False
+        self._persisting.add(info.fingerprint)
+        self._spawn(self._persist(info))
+        return True
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
@@ -164,8 +173,17 @@ class CacheManager:
             log.error("cache job failed: %r", task.exception(), exc_info=task.exception())
 
     @property
-    def server(self) -> Supervisor | None:
-        return self._server if self._server is not None else self.core.supervisor
+    def settings(self) -> Settings:
+        return self.deps.settings()
+
+    @property
+    def server(self) -> ServerHandle | None:
+        return self.deps.server()
+
+    @property
+    def has_db(self) -> bool:
+        """Whether the engine's database is open (the index and definitions live there)."""
+        return self.deps.db() is not None
 
     @property
     def client(self) -> LlamaClient | None:
@@ -175,19 +193,17 @@ class CacheManager:
     @property
     def store(self) -> StateStore:
         if self._store is None:
-            assert self.core.telemetry is not None
-            self._store = StateStore(
-                self.core.telemetry.db, self.core.paths.slot_dir, clock=self.clock.time
-            )
+            db = self.deps.db()
+            assert db is not None
+            self._store = StateStore(db, self.deps.slot_dir, clock=self.clock.time)
         return self._store
 
     @property
     def definitions(self) -> DefinitionStore | None:
         """The learned prefix definitions (None while the core has no database)."""
-        if self._definitions is None and self.core.telemetry is not None:
-            self._definitions = DefinitionStore(
-                self.core.telemetry.db, monotonic=self.clock.monotonic
-            )
+        db = self.deps.db()
+        if self._definitions is None and db is not None:
+            self._definitions = DefinitionStore(db, monotonic=self.clock.monotonic)
         return self._definitions
 
     def remember(self, info: pfx.PrefixInfo) -> None:
@@ -237,11 +253,11 @@ class CacheManager:
             await warmup.learn_identity(self)
         except Exception as e:
             log.exception("could not read the server identity; cache management paused")
-            self._emit("identity_failed", f"could not read server identity: {e!r}")
+            self.emit("identity_failed", f"could not read server identity: {e!r}")
             return
         finally:
             self._identity_known.set()
-        if not self.core.settings.cache.enabled:
+        if not self.settings.cache.enabled:
             return
         await warmup.warm_known(self)
 
@@ -255,7 +271,7 @@ class CacheManager:
 
     # ------------------------------------------------------------ request path
     async def prepare(self, req: ProxyRequest) -> None:
-        settings = self.core.settings.cache
+        settings = self.settings.cache
         if settings.enabled and self._ready_task is not None and not self._identity_known.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._identity_known.wait(), IDENTITY_WAIT_S)
@@ -279,7 +295,7 @@ class CacheManager:
         req.slot = slot
         req.notes["slot_reason"] = why_slot
         if req.kind == "aux" and slot == self.slots.aux_slot:
-            self._emit(
+            self.emit(
                 "aux_isolated",
                 req.notes.get("aux_reason", "marked as side call"),
                 slot=slot,
@@ -287,7 +303,7 @@ class CacheManager:
             )
         # Never wait for the boot re-warm of another prefix: skip or stop it.
         self.boot.claim(slot, info.fingerprint if info is not None else "")
-        async with self._lock(slot):  # wait for Warmslot's own work on this slot
+        async with self.lock(slot):  # wait for Warmslot's own work on this slot
             pass
         if info is not None:
             info.last_used = time.time()
@@ -358,7 +374,7 @@ class CacheManager:
                 self._no_prefix.clear()
             self._no_prefix.add((key, session))
         if len(tokens) < pfx.MIN_PREFIX_TOKENS:
-            self._emit(
+            self.emit(
                 "no_boundary",
                 "no stable prefix found for this client yet",
                 client=req.client,
@@ -381,7 +397,7 @@ class CacheManager:
         if info.fingerprint not in self.by_fp:
             self.by_fp[info.fingerprint] = info
             share = round(len(tokens) / max(1, len(full)), 4)
-            self._emit(
+            self.emit(
                 "prefix_learned",
                 f"stable prefix of {len(tokens)} of {len(full)} rendered tokens ({source})",
                 fp=info.fingerprint,
@@ -404,8 +420,8 @@ class CacheManager:
         )
         if self.template_warning is None:
             self.template_warning = text
-            self._emit("template_drops_tools", text, client=req.client, lost=lost)
-            self.core.emit(
+            self.emit("template_drops_tools", text, client=req.client, lost=lost)
+            self.publish(
                 Notice(
                     level="warning",
                     text=text,
@@ -434,9 +450,9 @@ class CacheManager:
         rec = self.store.for_fingerprint(info.fingerprint) if self.disk.usable else None
         if rec is None:
             return  # the request warms it; `completed` persists it
-        async with self._lock(slot):
+        async with self.lock(slot):
             with contextlib.suppress(VerificationFailed):
-                await self._restore(rec, slot)
+                await self.restore(rec, slot)
 
     def _extends(self, held_fp: str, info: pfx.PrefixInfo) -> bool:
         """Whether the prefix `held_fp` starts with all of `info`'s tokens."""
@@ -461,7 +477,7 @@ class CacheManager:
         st.prompt_n_last = timings.cache_n + timings.prompt_n
         if req.kind == "aux":
             if previous_fp and slot != self.slots.aux_slot:
-                self._emit(
+                self.emit(
                     "displaced",
                     "a side call ran in the primary slot (one slot only); "
                     "the server's RAM cache brings the prefix back",
@@ -523,7 +539,7 @@ class CacheManager:
                 f"{where['char_index']}): …{where['before'][-30:]!r} then "
                 f"{where['old'][:30]!r} → {where['new'][:30]!r}"
             )
-        self._emit(
+        self.emit(
             "divergence",
             text,
             fp=req.notes.get("prefix_fp", ""),
@@ -534,7 +550,7 @@ class CacheManager:
         )
 
     # ------------------------------------------------------------ warm / save / restore
-    async def _prewarm(
+    async def prewarm(
         self, info: pfx.PrefixInfo, slot: int, *, reason: str, chunk: int = 0
     ) -> Timings | None:
         """Fill `slot` with exactly the prefix (n_predict 0 keeps only the prompt in KV).
@@ -567,7 +583,7 @@ class CacheManager:
         st.prefix_fp = info.fingerprint
         st.tokens_hint = info.n_tokens
         hit = total is not None and total.cache_n >= info.n_tokens - REUSE_SLACK - 4
-        self._emit(
+        self.emit(
             "prewarm_hit" if hit else "prewarm_cold",
             reason,
             fp=info.fingerprint,
@@ -602,7 +618,7 @@ class CacheManager:
         try:
             if not self.pressure.allows_persist():
                 why = self.pressure.paused().get("persist", "")
-                self._emit("persist_skipped", why, fp=info.fingerprint)
+                self.emit("persist_skipped", why, fp=info.fingerprint)
                 return
             slot = self._scratch_slot()
             deadline = time.monotonic() + SCRATCH_WAIT_S
@@ -612,22 +628,22 @@ class CacheManager:
                 slot = self._scratch_slot()
             client = self.client
             if slot is None or client is None or self.identity is None:
-                self._emit(
+                self.emit(
                     "persist_skipped",
                     f"no idle scratch slot within {SCRATCH_WAIT_S:.0f} s;"
                     " the next request with this prefix tries again",
                     fp=info.fingerprint,
                 )
                 return
-            async with self._lock(slot):
+            async with self.lock(slot):
                 await self._persist_in(info, slot, client)
         except UpstreamError as e:
-            self._emit("save_failed", str(e), fp=info.fingerprint)
+            self.emit("save_failed", str(e), fp=info.fingerprint)
         finally:
             self._persisting.discard(info.fingerprint)
 
     async def _persist_in(self, info: pfx.PrefixInfo, slot: int, client: LlamaClient) -> None:
-        await self._prewarm(info, slot, reason="building the state to save")
+        await self.prewarm(info, slot, reason="building the state to save")
         name = state_filename(info.fingerprint)
         self.retention.journal.begin(self.launch_id, name)  # a save that never ends is swept
         saved = await client.slot_action(slot, "save", name)
@@ -635,7 +651,7 @@ class CacheManager:
         if int(saved.get("n_saved", 0)) != info.n_tokens or not path.is_file():
             path.unlink(missing_ok=True)
             self.retention.journal.end(name)
-            self._emit(
+            self.emit(
                 "save_failed",
                 f"server saved {saved.get('n_saved')} tokens, expected {info.n_tokens}",
                 fp=info.fingerprint,
@@ -643,8 +659,8 @@ class CacheManager:
             )
             return
         await self._wait_idle(exclude=slot)
-        assert self._probe_suffix is not None
-        answer = await client.completion(probe_request(info.tokens, self._probe_suffix, slot))
+        assert self.probe_suffix is not None
+        answer = await client.completion(probe_request(info.tokens, self.probe_suffix, slot))
         tokens, logprobs, margins = probe_answer(answer)
         now = self.clock.time()
         rec = StateRecord(
@@ -657,7 +673,7 @@ class CacheManager:
             n_tokens=int(saved["n_saved"]),
             bytes=path.stat().st_size,
             sha256=file_sha256(path),
-            ttl_class=self.core.settings.cache.prefix_class,
+            ttl_class=self.settings.cache.prefix_class,
             pinned=False,
             created=now,
             last_used=now,
@@ -665,7 +681,7 @@ class CacheManager:
             verify_result="reference",
             probe={
                 "prefix": info.tokens,
-                "suffix": self._probe_suffix,
+                "suffix": self.probe_suffix,
                 "tokens": tokens,
                 "logprobs": logprobs,
                 "margins": margins,
@@ -673,7 +689,7 @@ class CacheManager:
         )
         self.store.add(rec)
         self.retention.journal.end(name)
-        self._emit(
+        self.emit(
             "save",
             f"saved the {info.n_tokens}-token prefix",
             fp=info.fingerprint,
@@ -687,9 +703,9 @@ class CacheManager:
         sup = self.server
         if sup is not None and sup.resolved is not None and sup.resolved.slot_dir is not None:
             return sup.resolved.slot_dir
-        return self.core.paths.slot_dir
+        return self.deps.slot_dir
 
-    async def _restore(self, rec: StateRecord, slot: int) -> None:
+    async def restore(self, rec: StateRecord, slot: int) -> None:
         """Restore `rec` into an expendable slot and verify it; raise VerificationFailed."""
         client = self.client
         assert client is not None
@@ -712,7 +728,7 @@ class CacheManager:
             st.tokens_hint = rec.n_tokens
             self.store.mark_verified(rec.filename, "ok")
             self.store.touch(rec.filename)
-            self._emit(
+            self.emit(
                 "restore_ok",
                 "restored and verified",
                 fp=rec.fingerprint,
@@ -728,7 +744,7 @@ class CacheManager:
         st = self.slots.slots[slot]
         st.prefix_fp, st.tokens_hint = "", 0
         freed = self.store.delete(rec)
-        self._emit(
+        self.emit(
             "restore_rejected",
             problem,
             fp=rec.fingerprint,
@@ -773,9 +789,9 @@ class CacheManager:
             with contextlib.suppress(UpstreamError):
                 slots_live = {s.id: s.n_prompt_tokens for s in await client.slots()}
         ident = self.launch_id if self.identity else None
-        states = self.store.all() if self.core.telemetry is not None else []
+        states = self.store.all() if self.has_db else []
         out: dict[str, Any] = {
-            "enabled": self.core.settings.cache.enabled,
+            "enabled": self.settings.cache.enabled,
             "identity": ident,
             "disk_tier": {"usable": self.disk.usable, "reason": self.disk.reason},
             "aux_slot": self.slots.aux_slot,
@@ -869,7 +885,7 @@ class CacheManager:
     async def close(self) -> None:
         if self._ready_task is not None:
             self._ready_task.cancel()
-        if self._definitions is not None and self.core.telemetry is not None:
+        if self._definitions is not None and self.has_db:
             with contextlib.suppress(sqlite3.Error):
                 self._definitions.flush()  # the uses noted since the last write
         for task in list(self._jobs):
@@ -884,6 +900,6 @@ def _render_body(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k in keep}
 
 
-def policy_factory(core: Core) -> CacheManager:
+def policy_factory(core: EngineParts) -> CacheManager:
     """Entry point the CLI and the tray use to attach the cache manager to a core."""
-    return CacheManager(core, upstream=core.upstream, pressure=core.pressure)
+    return CacheManager(deps_from(core))

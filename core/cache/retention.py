@@ -42,7 +42,7 @@ import shutil
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import sqlite_utils
 from sqlite_utils import Migrations
@@ -54,7 +54,7 @@ from core.events import CacheEvent
 from core.sweeps import Outcome
 
 if TYPE_CHECKING:
-    from core.cache.manager import CacheManager
+    from core.cache.deps import CacheHost
 
 __all__ = [
     "TTL_CLASSES",
@@ -282,16 +282,21 @@ def plan_disk_sweep(
 
 
 # ---------------------------------------------------------------------------- the sweeps
+class HasRetention(Protocol):
+    """Another model's cache manager, as the shared disk sweep sees it."""
+
+    @property
+    def retention(self) -> Retention: ...
+
+
 class Retention:
     """The disk retention sweep and the idle-session sweep of one cache manager."""
 
-    def __init__(self, mgr: CacheManager, *, free_disk_cap: int | None = None) -> None:
+    def __init__(self, mgr: CacheHost, *, slot_dir: Path, free_disk_cap: int | None = None) -> None:
         self.mgr = mgr
         self.clock = mgr.clock
         self._default_cap = (
-            free_disk_cap
-            if free_disk_cap is not None
-            else default_cap_bytes(mgr.core.paths.slot_dir)
+            free_disk_cap if free_disk_cap is not None else default_cap_bytes(slot_dir)
         )
         self._journal: WriteJournal | None = None
         self.last_plan: Plan | None = None
@@ -299,7 +304,7 @@ class Retention:
 
     @property
     def settings(self) -> CacheSettings:
-        return self.mgr.core.settings.cache
+        return self.mgr.settings.cache
 
     @property
     def cap_bytes(self) -> int:
@@ -324,11 +329,11 @@ class Retention:
 
     def in_use(self) -> set[str]:
         held = {s.prefix_fp for s in self.mgr.slots.slots if s.prefix_fp}
-        return held | set(self.mgr._persisting)
+        return held | set(self.mgr.persisting)
 
     def _emit(self, kind: str, reason: str, **kw: Any) -> None:
         details = kw.pop("details", {})
-        self.mgr.core.emit(
+        self.mgr.publish(
             CacheEvent(kind=kind, reason=reason, details=details, ts=self.clock.time(), **kw)
         )
 
@@ -343,7 +348,7 @@ class Retention:
             return None
 
     # ------------------------------------------------------------------ disk
-    async def sweep_disk(self, peers: Sequence[CacheManager] = ()) -> Outcome:
+    async def sweep_disk(self, peers: Sequence[HasRetention] = ()) -> Outcome:
         """Apply the retention rules to every saved state in the index.
 
         `peers` are the other models' cache managers: the index and the slot
@@ -480,7 +485,7 @@ class Retention:
         now = self.clock.monotonic()
         released: list[str] = []
         for st in mgr.slots.slots:
-            if not st.session or st.inflight or mgr._lock(st.id).locked():
+            if not st.session or st.inflight or mgr.lock(st.id).locked():
                 continue
             cls = self.session_class(st.id, st.last_kind)
             limit = self.session_limit(cls)
@@ -523,12 +528,11 @@ class Retention:
             return f"not saved: {mgr.disk.reason}"
         if mgr.store.for_fingerprint(fp) is not None:
             return "its prefix is already saved on disk"
-        if fp in mgr._persisting:
+        if fp in mgr.persisting:
             return "its prefix is being saved"
         if not mgr.pressure.allows_persist():
             return f"not saved: {mgr.pressure.paused()['persist']}"
-        mgr._persisting.add(fp)
-        mgr._spawn(mgr._persist(info))
+        mgr.persist_soon(info)
         return "saving its prefix to disk"
 
     # ------------------------------------------------------------------ status

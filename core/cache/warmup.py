@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,15 +18,16 @@ from typing import TYPE_CHECKING, Any
 from core.cache import prefix as pfx
 from core.cache.boot import BootStep
 from core.cache.definitions import PrefixDefinition
+from core.cache.deps import DiskTier as DiskTier
 from core.cache.fingerprint import ServerIdentity, fingerprint, template_hash
-from core.cache.probe import LOGPROB_TOLERANCE, PROBE_SUFFIX, SWA_LOGPROB_TOLERANCE
+from core.cache.probe import PROBE_SUFFIX, SWA_LOGPROB_TOLERANCE
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord
 from core.errors import VerificationFailed
 from core.server.argv import kv_relevant
 
 if TYPE_CHECKING:
-    from core.cache.manager import CacheManager
+    from core.cache.deps import CacheHost
 
 log = logging.getLogger("warmslot.cache")
 
@@ -40,17 +40,6 @@ PATCH_FIELD = "warmslot_patches"
 # Patch levels a patched server lists in GET /props (docs/patches.md); exact strings.
 PATCH_CHECKPOINTS = "slot-checkpoints-v1"  # SWA/hybrid slot files restore their checkpoints
 PATCH_SWA_FULL = "swa-full-state-v1"  # with --swa-full, files keep every SWA cell
-
-
-@dataclass
-class DiskTier:
-    usable: bool
-    reason: str
-    # How far a restored state's probe log-probs may move. Dense models and full SWA
-    # state reproduce them exactly; a sliding-window ring buffer restored in another
-    # cell order sums in another order (measured up to ~0.15, greedy tokens equal —
-    # docs/llama-server-facts.md#swa-log-prob-noise), so only the tokens are held exact there.
-    logprob_tolerance: float = LOGPROB_TOLERANCE
 
 
 def disk_tier_for(
@@ -86,7 +75,7 @@ def disk_tier_for(
     return DiskTier(True, "dense model")
 
 
-async def learn_identity(mgr: CacheManager) -> None:
+async def learn_identity(mgr: CacheHost) -> None:
     """Read the running server's identity, disk-tier validity and saved prefixes."""
     client = mgr.client
     sup = mgr.server
@@ -100,13 +89,11 @@ async def learn_identity(mgr: CacheManager) -> None:
         chat_template=template_hash(str(props.get("chat_template", ""))),
         patches=patches,
     )
-    n = int(props.get("total_slots", mgr.core.settings.server.slots))
+    n = int(props.get("total_slots", mgr.settings.server.slots))
     if n != mgr.slots.n_slots:
-        mgr.slots = SlotMap(
-            n, reserve_aux=mgr.core.settings.cache.aux_slot, clock=mgr.clock.monotonic
-        )
+        mgr.slots = SlotMap(n, reserve_aux=mgr.settings.cache.aux_slot, clock=mgr.clock.monotonic)
     mgr.disk = disk_tier(mgr, sup.resolved.model.path, patches)
-    mgr._probe_suffix = await client.tokenize(PROBE_SUFFIX)
+    mgr.probe_suffix = await client.tokenize(PROBE_SUFFIX)
     # Prefixes learned under an older identity are re-fingerprinted for this one.
     for info in list(mgr.prefixes.values()):
         info.fingerprint = fingerprint(mgr.identity, info.tokens)
@@ -117,7 +104,7 @@ async def learn_identity(mgr: CacheManager) -> None:
         log.exception("could not read the stored prefix definitions")
         loaded = 0
     load_saved(mgr)
-    mgr._emit(
+    mgr.emit(
         "server_identity",
         "server ready",
         identity=mgr.identity.short,
@@ -135,7 +122,7 @@ def slot_context(props: dict[str, Any]) -> int | None:
     return n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
 
 
-def load_definitions(mgr: CacheManager, n_ctx: int | None) -> int:
+def load_definitions(mgr: CacheHost, n_ctx: int | None) -> int:
     """Know again the prefixes learned before (by an earlier run of Warmslot too).
 
     Only definitions for this model file and chat template are loaded, the most
@@ -150,7 +137,7 @@ def load_definitions(mgr: CacheManager, n_ctx: int | None) -> int:
         return 0
     defs = book.load(ident.model, ident.chat_template, LOAD_AT_START)
     if book.ignored:
-        mgr._emit(
+        mgr.emit(
             "definitions_ignored",
             f"{book.ignored} stored prefix definitions were damaged; deleted",
         )
@@ -205,7 +192,7 @@ def definition_of(info: pfx.PrefixInfo, ident: ServerIdentity) -> PrefixDefiniti
     )
 
 
-def load_saved(mgr: CacheManager) -> None:
+def load_saved(mgr: CacheHost) -> None:
     """Know the prefixes saved for this server; drop those its identity invalidates."""
     assert mgr.identity is not None
     for rec in mgr.store.all(mgr.launch_id):
@@ -215,7 +202,7 @@ def load_saved(mgr: CacheManager) -> None:
         fp = fingerprint(mgr.identity, tokens) if tokens else ""
         if fp != rec.fingerprint:
             freed = mgr.store.delete(rec)
-            mgr._emit(
+            mgr.emit(
                 "invalidated",
                 "saved for a different server identity (chat "
                 "template, build or flags changed); it will be rebuilt once",
@@ -240,9 +227,9 @@ def load_saved(mgr: CacheManager) -> None:
             mgr.remember(info)
 
 
-def disk_tier(mgr: CacheManager, model_path: Path, patches: tuple[str, ...]) -> DiskTier:
+def disk_tier(mgr: CacheHost, model_path: Path, patches: tuple[str, ...]) -> DiskTier:
     """Whether slot files can be valid for this model on the running server."""
-    if not mgr.core.settings.cache.persist:
+    if not mgr.settings.cache.persist:
         return DiskTier(False, "persistence is off (cache.persist)")
     try:
         from core.server.gguf_facts import read_facts
@@ -260,7 +247,7 @@ def disk_tier(mgr: CacheManager, model_path: Path, patches: tuple[str, ...]) -> 
     )
 
 
-def boot_steps(mgr: CacheManager) -> list[BootStep]:
+def boot_steps(mgr: CacheHost) -> list[BootStep]:
     """Which prefix goes into which slot after a start: pinned first, then the most
     recently used (by request, or by its saved state), one per primary slot."""
     targets = [s.id for s in mgr.slots.primary_slots][:RESTORE_AT_START]
@@ -278,7 +265,7 @@ def boot_steps(mgr: CacheManager) -> list[BootStep]:
     ]
 
 
-async def warm_known(mgr: CacheManager) -> None:
+async def warm_known(mgr: CacheHost) -> None:
     """After a (re)start: bring back the most recently used prefixes (the boot re-warm).
 
     Restored from disk and verified where the disk tier is valid, else (and for
@@ -289,43 +276,43 @@ async def warm_known(mgr: CacheManager) -> None:
     await mgr.boot.run(boot_steps(mgr), partial(warm_step, mgr))
 
 
-async def warm_step(mgr: CacheManager, step: BootStep) -> bool:
+async def warm_step(mgr: CacheHost, step: BootStep) -> bool:
     """Warm one boot step under its slot's lock; False when skipped (busy, pressure)."""
     if mgr.slots.slots[step.slot].inflight:
         return False  # a request runs there already
-    async with mgr._lock(step.slot):
+    async with mgr.lock(step.slot):
         if step.saved is not None:
             return await restore_or_prewarm(mgr, step.saved, step.slot, chunk=BOOT_CHUNK_TOKENS)
         if not mgr.pressure.allows_prewarm(False):
             why = mgr.pressure.paused().get("prewarm", "")
-            mgr._emit("prewarm_skipped", why, fp=step.info.fingerprint, slot=step.slot)
+            mgr.emit("prewarm_skipped", why, fp=step.info.fingerprint, slot=step.slot)
             return False
-        await mgr._prewarm(
+        await mgr.prewarm(
             step.info, step.slot, reason="after server start", chunk=BOOT_CHUNK_TOKENS
         )
         return True
 
 
 async def restore_or_prewarm(
-    mgr: CacheManager, rec: StateRecord, slot: int, *, chunk: int = 0
+    mgr: CacheHost, rec: StateRecord, slot: int, *, chunk: int = 0
 ) -> bool:
     """Restore (verified) a saved prefix into `slot`, else prewarm it from its tokens
-    (`chunk` tokens per request into an empty slot, see `CacheManager._prewarm`).
+    (`chunk` tokens per request into an empty slot, see `CacheManager.prewarm`).
 
     Returns whether the slot now holds the prefix.
     """
     if not mgr.pressure.allows_prewarm(rec.pinned):
         why = mgr.pressure.paused().get("prewarm", "")
-        mgr._emit("prewarm_skipped", why, fp=rec.fingerprint, slot=slot)
+        mgr.emit("prewarm_skipped", why, fp=rec.fingerprint, slot=slot)
         return False
     info = mgr.by_fp.get(rec.fingerprint)
     if mgr.disk.usable:
         try:
-            await mgr._restore(rec, slot)
+            await mgr.restore(rec, slot)
             return True
         except VerificationFailed:
             pass  # recorded; fall through to a cold prewarm when we know the tokens
     if info is not None:
-        await mgr._prewarm(info, slot, reason="after server start", chunk=chunk)
+        await mgr.prewarm(info, slot, reason="after server start", chunk=chunk)
         return True
     return False

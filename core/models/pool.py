@@ -16,9 +16,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.cache import prefix as pfx
+from core.cache.deps import EngineParts, deps_from
 from core.config import ServerSettings
 from core.errors import WarmslotError
 from core.events import ModelEvent
@@ -31,7 +32,19 @@ from core.server.upstream import Upstream
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
-    from core.engine import Core
+    from core.proxy import CachePolicy
+
+
+class PoolHost(EngineParts, Protocol):
+    """What the pool uses of the engine (`core.engine.Core`): its parts, the primary's
+    server and cache policy, and how a server's binary and model are resolved."""
+
+    @property
+    def supervisor(self) -> Supervisor | None: ...
+    @property
+    def policy(self) -> CachePolicy | None: ...
+    async def resolve_for(self, s: ServerSettings) -> Resolved: ...
+
 
 log = logging.getLogger("warmslot.models")
 VRAM_MARGIN = 1024 * MIB  # per GPU, like the fit planner's
@@ -73,7 +86,7 @@ class ModelPool:
 
     def __init__(
         self,
-        core: Core,
+        core: PoolHost,
         *,
         server_factory: ServerFactory | None = None,
         budget: arbiter.Budget | None = None,
@@ -136,9 +149,7 @@ class ModelPool:
             return None  # cache management is off for the whole core
         from core.cache.manager import CacheManager
 
-        return CacheManager(
-            self.core, server, model=prof.name, upstream=upstream, pressure=self.core.pressure
-        )
+        return CacheManager(deps_from(self.core, server, model=prof.name, upstream=upstream))
 
     async def budget(self) -> arbiter.Budget:
         """The budget: configured, else free VRAM per GPU and available RAM at first use."""
@@ -323,6 +334,11 @@ class ModelPool:
             return False
         await self.ensure(name)
         return True
+
+    @property
+    def loading(self) -> bool:
+        """Whether a model is being loaded now."""
+        return bool(self._loading)
 
     def managers(self) -> list[CacheManager]:
         """The cache managers of every model that has one, the primary's first."""

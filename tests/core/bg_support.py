@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from core.cache import prefix as pfx
+from core.cache.deps import deps_from
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
 from core.cache.manager import CacheManager, DiskTier
 from core.cache.store import StateRecord
@@ -154,13 +155,13 @@ def make_manager(
 ) -> tuple[FakeCore, FakeManager]:
     core = FakeCore(home, settings)
     core.settings.server.slots = slots
-    mgr = FakeManager(core)  # type: ignore[arg-type]
+    mgr = FakeManager(deps_from(core))  # type: ignore[arg-type]
     mgr.retention._default_cap = 1 << 40
     if server:
         mgr.fake = FakeLlama(core.paths.slot_dir / IDENT, n_slots=slots)
         mgr.identity = SERVER
         mgr.disk = DiskTier(True, "dense model")
-        mgr._probe_suffix = [900, 901, 902]
+        mgr.probe_suffix = [900, 901, 902]
     return core, mgr
 
 

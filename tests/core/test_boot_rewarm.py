@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from core.cache import warmup
+from core.cache.deps import deps_from
 from core.cache.fingerprint import ServerIdentity
 from core.cache.inventory import format_inventory
 from core.cache.manager import DiskTier
@@ -72,7 +73,7 @@ def request(session: str, project: str = "alpha", n_words: int = 60) -> ProxyReq
 
 def attach(core: FakeCore, identity: ServerIdentity = SERVER) -> tuple[FakeManager, RenderingLlama]:
     """A cache manager for a freshly started server (what a new Warmslot process has)."""
-    mgr = FakeManager(core)  # type: ignore[arg-type]
+    mgr = FakeManager(deps_from(core))  # type: ignore[arg-type]
     fake = RenderingLlama(core.paths.slot_dir / "x", n_slots=core.settings.server.slots)
     mgr.fake = fake
     mgr.identity = identity

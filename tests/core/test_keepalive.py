@@ -112,7 +112,7 @@ async def test_busy_slots_are_skipped(tmp_path: Path) -> None:
     mgr.slots.slots[0].inflight = 1
     assert (await mgr.keepalive.sweep()).actions == 0
     mgr.slots.slots[0].inflight = 0
-    async with mgr._lock(0):  # Warmslot's own work on the slot (restore, persist)
+    async with mgr.lock(0):  # Warmslot's own work on the slot (restore, persist)
         assert (await mgr.keepalive.sweep()).actions == 0
     assert (await mgr.keepalive.sweep()).actions == 1
 
@@ -237,7 +237,7 @@ async def test_prewarm_and_keepalive_send_one_body(tmp_path: Path) -> None:
 
     fake.completion = recording  # type: ignore[method-assign]
     info = prefix(PREFIX)
-    await mgr._prewarm(info, 0, reason="test", chunk=64)  # an empty slot: 64 at a time
+    await mgr.prewarm(info, 0, reason="test", chunk=64)  # an empty slot: 64 at a time
     await mgr.keepalive.rewarm_in(info, 1, reason="test")
 
     ends = [64, 128, 192, 200]

@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
+from core.cache.deps import deps_from
 from core.cache.manager import CacheManager
 from core.events import Event, RequestCompleted
 from core.proxy import Proxy, ProxyRequest
@@ -373,7 +374,7 @@ async def test_cache_manager_prepares_and_learns_over_the_same_upstream(
     and the forwarded request go to one server over one session; the slot it picks is
     the one the request runs in, and `completed` records what the slot now holds."""
     core = FakeCore(tmp_path)
-    mgr = CacheManager(core, upstream=rig.upstream, pressure=core.pressure)  # type: ignore[arg-type]
+    mgr = CacheManager(deps_from(core, upstream=rig.upstream))  # type: ignore[arg-type]
     mgr.identity = SERVER  # what warm-up learns from /props after a start
     rig.proxy.policy = mgr
     rig.fake.handler = fake_llama

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from core.cache import retention as ret
+from core.cache.deps import deps_from
 from core.cache.fingerprint import state_filename
 from core.config import Settings
 from core.events import CacheEvent
@@ -145,7 +146,7 @@ def test_default_cap_is_a_tenth_of_free_disk(
     monkeypatch.setattr(ret.shutil, "disk_usage", lambda p: Usage)
     assert ret.default_cap_bytes(tmp_path / "not" / "yet") == 50 * MB
     core = FakeCore(tmp_path)
-    mgr = FakeManager(core)  # type: ignore[arg-type]
+    mgr = FakeManager(deps_from(core))  # type: ignore[arg-type]
     assert mgr.retention.cap_bytes == 50 * MB  # cache.disk_cap_mb = 0
     core.settings.cache.disk_cap_mb = 7
     assert mgr.retention.cap_bytes == 7 * MB
@@ -173,9 +174,11 @@ async def test_another_loaded_models_files_are_its_own_not_foreign(tmp_path: Pat
     and what its slots hold."""
     core, mgr = make_manager(tmp_path, settings(keep_recent=3, disk_cap_mb=5))
     peer = FakeManager(
-        core,  # type: ignore[arg-type]
-        SimpleNamespace(resolved=SimpleNamespace(slot_dir=core.paths.slot_dir / OTHER)),  # type: ignore[arg-type]
-        model="b",
+        deps_from(
+            core,  # type: ignore[arg-type]
+            SimpleNamespace(resolved=SimpleNamespace(slot_dir=core.paths.slot_dir / OTHER)),  # type: ignore[arg-type]
+            model="b",
+        )
     )
     ours = [add_state(core, mgr, name_seed=f"o{i}", size=MB, age=10 * 86400) for i in range(2)]
     theirs_old = add_state(core, mgr, name_seed="t0", age=2 * 86400, identity=OTHER)

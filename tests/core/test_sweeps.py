@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from core.cache.deps import deps_from
 from core.cache.manager import CacheManager, DiskTier, policy_factory
 from core.clock import FakeClock, RealClock
 from core.config import ModelProfile
@@ -299,7 +300,7 @@ def test_core_runs_keepalive_and_idle_release_for_a_pooled_model(make_core: Make
         # What the pool's load does, with stand-ins for b's server and its HTTP client.
         entry = pool.entries["b"]
         entry.server = StandInServer(core.paths.slot_dir / "b-launch")  # type: ignore[assignment]
-        mgr = FakeManager(core, entry.server, model="b", pressure=core.pressure)  # type: ignore[arg-type]
+        mgr = FakeManager(deps_from(core, entry.server, model="b"))  # type: ignore[arg-type]
         mgr.fake = FakeLlama(core.paths.slot_dir / "b-launch", n_slots=3)
         mgr.identity = SERVER
         mgr.disk = DiskTier(False, "not what this test is about")
