@@ -346,10 +346,9 @@ class Proxy:
                 f"proxy port {host}:{port} is already in use ({e.strerror})",
                 hint="is another Warmslot running? `warmslot status` tells; or set proxy.port",
             ) from e
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
+        addresses = self._runner.addresses  # (host, port, …) of each listening socket
         self.host = host
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        self.port = int(addresses[0][1]) if addresses else port
         log.info("proxy listening on http://%s:%d", self.host, self.port)
 
     async def stop(self) -> None:

@@ -33,7 +33,7 @@ def settle(core: Core, timeout: float = 600) -> None:
         pool = core.pool
         if pool is not None:
             managers = [e.manager for e in pool.entries.values() if e.manager is not None]
-            return all(m.idle() for m in managers) and not pool._loading
+            return all(m.idle() for m in managers) and not pool.loading
         check = getattr(core.policy, "idle", None)
         return check is None or bool(check())
 
