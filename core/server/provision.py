@@ -112,6 +112,13 @@ class Provisioner:
                     hint='set server.build = "auto" to let Warmslot build one for this CPU, '
                     "run `warmslot build`, or set server.binary to one that works here",
                 )
+            tools = build_mod.check_toolchain()
+            if not tools.ok:  # say so before promising a build
+                raise BuildError(
+                    f"no llama-server works on this machine ({result.failures()}), and one "
+                    f"cannot be built here: {', '.join(tools.problems)}",
+                    hint=tools.hint,
+                )
             self._emit(
                 Notice(
                     level="warning",

@@ -126,6 +126,12 @@ def test_a_missing_compiler_is_named_before_anything_is_downloaded(
     assert "Install a C/C++ compiler" in e.value.hint and "server.binary" in e.value.hint
     assert not any(isinstance(ev, BuildProgress) for ev in events)
     assert not paths.builds_dir.exists() or not any(paths.builds_dir.iterdir())
+    # A start says both what failed and why no build can help, without promising one.
+    with pytest.raises(BuildError) as start:
+        run(prov.binary_for(ServerSettings(), paths.data_dir / "m.gguf"))
+    assert "no llama-server works on this machine" in str(start.value)
+    assert "cannot be built here: no C++ compiler" in str(start.value)
+    assert not any(isinstance(ev, Notice) for ev in events)
 
 
 @needs_toolchain
