@@ -25,6 +25,7 @@ import pytest
 
 from core.config import Settings
 from core.engine import Core
+from core.events import BuildProgress
 from core.paths import Paths
 from core.server import discover
 from core.server.tinymodel import make_tiny_model
@@ -85,7 +86,14 @@ def ensure_server_binary() -> Path:
     found = discover.discover(home).found
     if found is None:
         print("\nno llama-server works on this CPU: building one (cached for later runs)")
-        build_sync(BuildRequest(purpose="test session"), home)
+        shown = [-10.0]
+
+        def progress(ev: BuildProgress) -> None:
+            if ev.done or ev.percent >= shown[0] + 10:
+                shown[0] = ev.percent
+                print(f"  {ev.describe()}", flush=True)
+
+        build_sync(BuildRequest(purpose="test session"), home, on_progress=progress)
         found = discover.discover(home).found
         assert found is not None, "the llama-server built for this CPU fails its smoke start"
     if found.source == "build-cache":  # the package and PATH are found without help
