@@ -155,12 +155,13 @@ class CacheHost(Protocol):
     slots: SlotMap
     identity: ServerIdentity | None
     disk: DiskTier
-    prefixes: dict[str, PrefixInfo]  # shape key → prefix
     by_fp: dict[str, PrefixInfo]
     probe_suffix: list[int] | None  # the known-answer probe's tokens (learned at start)
     pressure: PressureMonitor
     boot: BootRewarm
 
+    @property
+    def prefixes(self) -> dict[str, PrefixInfo]: ...  # shape key → prefix
     @property
     def settings(self) -> Settings: ...
     @property

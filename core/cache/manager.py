@@ -34,9 +34,10 @@ from core.cache.boot import BootRewarm
 from core.cache.definitions import DefinitionStore
 from core.cache.deps import CacheDeps, EngineParts, ServerHandle, deps_from
 from core.cache.deps import DiskTier as DiskTier
-from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
+from core.cache.fingerprint import ServerIdentity, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
+from core.cache.learner import PrefixLearner, render_body
 from core.cache.probe import (
     REUSE_SLACK,
     check_answer,
@@ -50,7 +51,7 @@ from core.cache.warmup import disk_tier_for as disk_tier_for
 from core.clock import Clock
 from core.config import Settings
 from core.errors import UpstreamError, VerificationFailed
-from core.events import CacheEvent, Event, Notice, ServerStateChanged
+from core.events import CacheEvent, Event, ServerStateChanged
 from core.pressure import PressureMonitor
 from core.proxy import ProxyRequest
 from core.server.client import LlamaClient, Timings
@@ -83,15 +84,15 @@ class CacheManager:
         self.slots = SlotMap(
             s.server.slots, reserve_aux=s.cache.aux_slot, clock=self.clock.monotonic
         )
-        self.prefixes: dict[str, pfx.PrefixInfo] = {}  # shape key → prefix
         self.by_fp: dict[str, pfx.PrefixInfo] = {}
-        self.learn: dict[str, list[tuple[str, list[int]]]] = {}  # tools key → first turns
-        self._no_prefix: set[tuple[str, str]] = set()  # (shape, session) without a prefix
         self.client_tools: dict[str, bool] = {}
         self.identity: ServerIdentity | None = None
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
-        self.template_warning: str | None = None  # set when the template drops tools
+        # Finds each request's stable prefix (rendering, boundaries, template check).
+        self.learner = PrefixLearner(
+            self.emit, self.publish, self.remember, lambda: self.identity, lambda: self.by_fp
+        )
         self._store: StateStore | None = None
         self._definitions: DefinitionStore | None = None
         # Held while Warmslot itself uses a slot (restore + verify, build + save + probe):
@@ -173,6 +174,16 @@ class CacheManager:
             log.error("cache job failed: %r", task.exception(), exc_info=task.exception())
 
     @property
+    def prefixes(self) -> dict[str, pfx.PrefixInfo]:
+        """Known prefixes by request shape (the learner's)."""
+        return self.learner.prefixes
+
+    @property
+    def template_warning(self) -> str | None:
+        """Set when the server's chat template drops tools or system text."""
+        return self.learner.template_warning
+
+    @property
     def settings(self) -> Settings:
         return self.deps.settings()
 
@@ -243,7 +254,7 @@ class CacheManager:
         elif event.state in ("starting", "stopped", "failed"):
             self.slots.reset()
             self.identity = None
-            self.template_warning = None
+            self.learner.server_gone()
             self.boot.forget()  # the last start's re-warm says nothing about the next
 
     # ------------------------------------------------------------ server start
@@ -290,7 +301,7 @@ class CacheManager:
                 req.notes["aux_reason"] = why
         session = req.session or pfx.derived_session(req.client, body)
         req.notes["session"] = session
-        info = None if req.kind == "aux" else await self._prefix_for(req, client)
+        info = None if req.kind == "aux" else await self.learner.prefix_for(req, client)
         slot, why_slot = self.slots.pick(session, req.kind)
         req.slot = slot
         req.notes["slot_reason"] = why_slot
@@ -317,120 +328,14 @@ class CacheManager:
         req.notes["began"] = True
         req.response_headers["X-Warmslot-Slot"] = str(slot)
         req.response_headers["X-Warmslot-Kind"] = req.kind
-        if self.template_warning and (req.has_tools or req.kind == "agent"):
-            header = self.template_warning.replace("…", "...")
+        warning = self.learner.template_warning
+        if warning and (req.has_tools or req.kind == "agent"):
+            header = warning.replace("…", "...")
             req.response_headers["X-Warmslot-Warning"] = header.encode("ascii", "replace").decode()[
                 :200
             ]
         if info is not None:
             req.response_headers["X-Warmslot-Prefix"] = f"{info.fingerprint[:16]}:{info.n_tokens}"
-
-    async def _prefix_for(self, req: ProxyRequest, client: LlamaClient) -> pfx.PrefixInfo | None:
-        """The stable prefix of a chat request, from the server's own rendering.
-
-        A profile gives the head before the first volatile marker; sessions of the
-        same client and tools teach a longer boundary (their longest common rendered
-        prefix, e.g. when the <env> block is the same all day). The longer one wins.
-        Rendering happens once per new session and request shape, not per turn.
-        """
-        body = req.body
-        key = pfx.shape_key(req.client, body)
-        tkey = pfx.tools_key(req.client, body)
-        session = req.notes.get("session", "")
-        known = self.prefixes.get(key)
-        group = self.learn.setdefault(tkey, [])
-        if known is not None and any(s == session for s, _ in group):
-            return known
-        if (key, session) in self._no_prefix:
-            return None  # this session's shape was rendered before and had none
-        rendered = await client.apply_template(_render_body(body))
-        self._check_template(req, rendered)
-        full = await client.tokenize(rendered, add_special=True)
-        head: list[int] = []
-        source = "none"
-        cut = pfx.profile_cut(req.client, rendered, pfx.system_text(body))
-        if cut is not None:
-            head_tokens = await client.tokenize(rendered[: cut[0]], add_special=True)
-            # Tokenizing at a boundary can differ from tokenizing the whole text: keep
-            # only the tokens both agree on (docs/llama-server-facts.md#tokenizing-at-a-boundary).
-            head = full[: pfx.common_prefix_len(head_tokens, full)]
-            source = cut[1]
-        learned: list[int] = []
-        for other_session, other in group:
-            if other_session != session:
-                n = pfx.common_prefix_len(other, full)
-                learned = full[:n] if n > len(learned) else learned
-        if not any(s == session for s, _ in group):
-            group.append((session, full))
-            del group[:-4]
-        tokens = head
-        if len(learned) >= len(head) + pfx.MIN_PREFIX_TOKENS:
-            tokens, source = learned, "learned"
-        if known is not None and known.n_tokens >= len(tokens):
-            return known
-        if len(tokens) < pfx.MIN_PREFIX_TOKENS and known is None:
-            # Remember, so later turns of this session skip the render round trips.
-            if len(self._no_prefix) > 10_000:
-                self._no_prefix.clear()
-            self._no_prefix.add((key, session))
-        if len(tokens) < pfx.MIN_PREFIX_TOKENS:
-            self.emit(
-                "no_boundary",
-                "no stable prefix found for this client yet",
-                client=req.client,
-                tokens=len(tokens),
-            )
-            return known
-        assert self.identity is not None
-        info = pfx.PrefixInfo(
-            key=key,
-            tokens=tokens,
-            text=rendered[: cut[0]] if cut else "",
-            source=source,
-            client=req.client,
-            fingerprint=fingerprint(self.identity, tokens),
-            first_seen=time.time(),
-            meta={"rendered_tokens": len(full), "head_n": len(head)},
-        )
-        self.prefixes[key] = info
-        self.remember(info)
-        if info.fingerprint not in self.by_fp:
-            self.by_fp[info.fingerprint] = info
-            share = round(len(tokens) / max(1, len(full)), 4)
-            self.emit(
-                "prefix_learned",
-                f"stable prefix of {len(tokens)} of {len(full)} rendered tokens ({source})",
-                fp=info.fingerprint,
-                tokens=len(tokens),
-                client=req.client,
-                source=source,
-                share=share,
-                first_volatile_char=cut[0] if cut else None,
-            )
-        return info
-
-    def _check_template(self, req: ProxyRequest, rendered: str) -> None:
-        """Say loudly when the server's chat template drops tools or system text."""
-        lost = pfx.dropped_parts(req.body, rendered)
-        if not lost:
-            return
-        text = (
-            f"the server's chat template dropped {', '.join(lost[:5])}"
-            f"{' …' if len(lost) > 5 else ''} from the prompt: the model never sees them"
-        )
-        if self.template_warning is None:
-            self.template_warning = text
-            self.emit("template_drops_tools", text, client=req.client, lost=lost)
-            self.publish(
-                Notice(
-                    level="warning",
-                    text=text,
-                    hint=(
-                        "set server.chat_template_file to a tool-capable template (see "
-                        "resources/templates/) — `warmslot doctor` suggests one"
-                    ),
-                )
-            )
 
     async def _ensure_slot(self, info: pfx.PrefixInfo, slot: int, session: str = "") -> None:
         """Make the slot hold the prefix before the request runs, if that can be done cheaply."""
@@ -498,8 +403,7 @@ class CacheManager:
         if info is not None and self.disk.usable and fp not in self._persisting:
             rec = self.store.for_fingerprint(fp)
             if rec is None:
-                self._persisting.add(fp)
-                self._spawn(self._persist(info))
+                self.persist_soon(info)
             else:
                 self.store.touch(rec.filename)
 
@@ -509,8 +413,8 @@ class CacheManager:
         client = self.client
         if client is None:
             return
-        old = await client.apply_template(_render_body(previous))
-        new = await client.apply_template(_render_body(req.body))
+        old = await client.apply_template(render_body(previous))
+        new = await client.apply_template(render_body(req.body))
         where = pfx.divergence(old, new)
         if where is not None:
             where["token_index"] = len(
@@ -754,9 +658,8 @@ class CacheManager:
             ms=round(ms, 1),
         )
         info = self.by_fp.get(rec.fingerprint)
-        if info is not None and self.disk.usable and rec.fingerprint not in self._persisting:
-            self._persisting.add(rec.fingerprint)
-            self._spawn(self._persist(info))
+        if info is not None and self.disk.usable:
+            self.persist_soon(info)
         raise VerificationFailed(problem)
 
     async def _verify(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
@@ -834,7 +737,7 @@ class CacheManager:
                 for r in states
             ],
             "divergences": list(self.divergences)[:5],
-            "template_warning": self.template_warning,
+            "template_warning": self.learner.template_warning,
             # True while the restore / prewarm after a (re)start still runs.
             "warming": self._ready_task is not None and not self._ready_task.done(),
             "boot_rewarm": self.boot.snapshot(),
@@ -892,12 +795,6 @@ class CacheManager:
             task.cancel()
         if self._jobs:
             await asyncio.wait(set(self._jobs), timeout=5)
-
-
-def _render_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The fields `/apply-template` needs to render a chat request as the server will."""
-    keep = ("messages", "tools", "tool_choice", "chat_template_kwargs")
-    return {k: v for k, v in body.items() if k in keep}
 
 
 def policy_factory(core: EngineParts) -> CacheManager:

@@ -1,0 +1,168 @@
+"""The prefix learner: a chat request's stable prefix, from the server's own rendering.
+
+A client profile gives the head before the first volatile marker; sessions of the
+same client and tools teach a longer boundary (their longest common rendered
+prefix). Every new prefix is fingerprinted for the running server, remembered
+(its definition kept across restarts) and announced as a ``prefix_learned`` cache
+event. A chat template that drops tools or system text is reported once per
+server start (``template_drops_tools`` and a `Notice`).
+
+Split out of `core.cache.manager`, which asks it for each request's prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from core.cache import prefix as pfx
+from core.cache.fingerprint import ServerIdentity, fingerprint
+from core.events import Event, Notice
+from core.proxy import ProxyRequest
+from core.server.client import LlamaClient
+
+
+def render_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields `/apply-template` needs to render a chat request as the server will."""
+    keep = ("messages", "tools", "tool_choice", "chat_template_kwargs")
+    return {k: v for k, v in body.items() if k in keep}
+
+
+class PrefixLearner:
+    """Known prefixes by request shape, what sessions taught, and the template check."""
+
+    def __init__(
+        self,
+        emit: Callable[..., None],
+        publish: Callable[[Event], None],
+        remember: Callable[[pfx.PrefixInfo], None],
+        identity: Callable[[], ServerIdentity | None],
+        by_fp: Callable[[], dict[str, pfx.PrefixInfo]],
+    ) -> None:
+        self._emit = emit  # a cache event (the manager's `emit`)
+        self._publish = publish  # any event as it is
+        self._remember = remember  # keep a new prefix's definition across restarts
+        self._identity = identity  # the running server's (None while it is not known)
+        self._by_fp = by_fp  # every known prefix by fingerprint (the manager's)
+        self.prefixes: dict[str, pfx.PrefixInfo] = {}  # shape key → prefix
+        self.learn: dict[str, list[tuple[str, list[int]]]] = {}  # tools key → first turns
+        self._no_prefix: set[tuple[str, str]] = set()  # (shape, session) without a prefix
+        self.template_warning: str | None = None  # set when the template drops tools
+
+    def server_gone(self) -> None:
+        """The server stopped or restarts: its template is checked again."""
+        self.template_warning = None
+
+    async def prefix_for(
+        self,
+        req: ProxyRequest,
+        client: LlamaClient,
+    ) -> pfx.PrefixInfo | None:
+        """The stable prefix of a chat request, from the server's own rendering.
+
+        A profile gives the head before the first volatile marker; sessions of the
+        same client and tools teach a longer boundary (their longest common rendered
+        prefix, e.g. when the <env> block is the same all day). The longer one wins.
+        Rendering happens once per new session and request shape, not per turn.
+        """
+        body = req.body
+        key = pfx.shape_key(req.client, body)
+        tkey = pfx.tools_key(req.client, body)
+        session = req.notes.get("session", "")
+        known = self.prefixes.get(key)
+        group = self.learn.setdefault(tkey, [])
+        if known is not None and any(s == session for s, _ in group):
+            return known
+        if (key, session) in self._no_prefix:
+            return None  # this session's shape was rendered before and had none
+        rendered = await client.apply_template(render_body(body))
+        self.check_template(req, rendered)
+        full = await client.tokenize(rendered, add_special=True)
+        head: list[int] = []
+        source = "none"
+        cut = pfx.profile_cut(req.client, rendered, pfx.system_text(body))
+        if cut is not None:
+            head_tokens = await client.tokenize(rendered[: cut[0]], add_special=True)
+            # Tokenizing at a boundary can differ from tokenizing the whole text: keep
+            # only the tokens both agree on (docs/llama-server-facts.md#tokenizing-at-a-boundary).
+            head = full[: pfx.common_prefix_len(head_tokens, full)]
+            source = cut[1]
+        learned: list[int] = []
+        for other_session, other in group:
+            if other_session != session:
+                n = pfx.common_prefix_len(other, full)
+                learned = full[:n] if n > len(learned) else learned
+        if not any(s == session for s, _ in group):
+            group.append((session, full))
+            del group[:-4]
+        tokens = head
+        if len(learned) >= len(head) + pfx.MIN_PREFIX_TOKENS:
+            tokens, source = learned, "learned"
+        if known is not None and known.n_tokens >= len(tokens):
+            return known
+        if len(tokens) < pfx.MIN_PREFIX_TOKENS and known is None:
+            # Remember, so later turns of this session skip the render round trips.
+            if len(self._no_prefix) > 10_000:
+                self._no_prefix.clear()
+            self._no_prefix.add((key, session))
+        if len(tokens) < pfx.MIN_PREFIX_TOKENS:
+            self._emit(
+                "no_boundary",
+                "no stable prefix found for this client yet",
+                client=req.client,
+                tokens=len(tokens),
+            )
+            return known
+        identity = self._identity()
+        assert identity is not None
+        info = pfx.PrefixInfo(
+            key=key,
+            tokens=tokens,
+            text=rendered[: cut[0]] if cut else "",
+            source=source,
+            client=req.client,
+            fingerprint=fingerprint(identity, tokens),
+            first_seen=time.time(),
+            meta={"rendered_tokens": len(full), "head_n": len(head)},
+        )
+        self.prefixes[key] = info
+        self._remember(info)
+        by_fp = self._by_fp()
+        if info.fingerprint not in by_fp:
+            by_fp[info.fingerprint] = info
+            share = round(len(tokens) / max(1, len(full)), 4)
+            self._emit(
+                "prefix_learned",
+                f"stable prefix of {len(tokens)} of {len(full)} rendered tokens ({source})",
+                fp=info.fingerprint,
+                tokens=len(tokens),
+                client=req.client,
+                source=source,
+                share=share,
+                first_volatile_char=cut[0] if cut else None,
+            )
+        return info
+
+    def check_template(self, req: ProxyRequest, rendered: str) -> None:
+        """Say loudly when the server's chat template drops tools or system text."""
+        lost = pfx.dropped_parts(req.body, rendered)
+        if not lost:
+            return
+        text = (
+            f"the server's chat template dropped {', '.join(lost[:5])}"
+            f"{' …' if len(lost) > 5 else ''} from the prompt: the model never sees them"
+        )
+        if self.template_warning is None:
+            self.template_warning = text
+            self._emit("template_drops_tools", text, client=req.client, lost=lost)
+            self._publish(
+                Notice(
+                    level="warning",
+                    text=text,
+                    hint=(
+                        "set server.chat_template_file to a tool-capable template (see "
+                        "resources/templates/) — `warmslot doctor` suggests one"
+                    ),
+                )
+            )
