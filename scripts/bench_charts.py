@@ -33,13 +33,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from app import demo  # noqa: E402
 from app.backend import TelemetryBackend, status_from_telemetry  # noqa: E402
 from app.bridge import Bridge  # noqa: E402
 from app.dashboard import Dashboard, Tab, ViewContext  # noqa: E402
 from app.qt import QtCore, QtWidgets  # noqa: E402
 from app.tasks import Tasks  # noqa: E402
 from core.telemetry import Telemetry  # noqa: E402
+from tests.fixtures import demo_data as demo  # noqa: E402
 
 CLIENTS = ("opencode", "openai-python", "aider", "curl")
 COLUMNS = (

@@ -5,7 +5,7 @@
 
 Runs offscreen (``QT_QPA_PLATFORM=offscreen``) unless a display is set (e.g.
 under ``xvfb-run``). The data is a month of realistic synthetic telemetry
-(`app.demo`) in a temporary SQLite database, read through the same telemetry
+(`tests/fixtures/demo_data.py`) in a temporary SQLite database, read through the same telemetry
 queries the live dashboard uses.
 """
 
@@ -23,7 +23,6 @@ sys.path.insert(0, str(REPO))
 if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from app import demo  # noqa: E402
 from app.backend import TelemetryBackend  # noqa: E402
 from app.bridge import Bridge  # noqa: E402
 from app.dashboard import Dashboard, Tab, ViewContext  # noqa: E402
@@ -35,6 +34,7 @@ from app.state import AppState, TrayState, derive_state  # noqa: E402
 from app.tasks import Tasks  # noqa: E402
 from core.events import BuildProgress, LogLine  # noqa: E402
 from core.telemetry import Telemetry  # noqa: E402
+from tests.fixtures import demo_data as demo  # noqa: E402
 
 LOG = """\
 main: build = 7e4c0a9 (b7e41c2) with cc (GCC) 13.2.0 for x86_64-linux-gnu

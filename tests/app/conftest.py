@@ -226,11 +226,11 @@ def expected(known_db: Path) -> Iterator[Any]:
 @pytest.fixture
 def offline(qtbot: Any, known_db: Path) -> Iterator[Any]:
     """A ViewContext over the known database (no core, no server)."""
-    from app import demo
     from app.backend import TelemetryBackend
     from app.bridge import Bridge
     from app.dashboard import ViewContext
     from app.tasks import Tasks
+    from tests.fixtures import demo_data as demo
 
     calls: list[tuple[str, tuple[Any, ...]]] = []
     commands = {

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from app import demo
 from app.icons import icon_path, state_icon
 from app.menu import (
     CANCEL_BUILD,
@@ -25,6 +24,7 @@ from app.qt import QtWidgets
 from app.state import AppState, TrayState, derive_state
 from core.events import BuildProgress
 from tests.app.conftest import NOW
+from tests.fixtures import demo_data as demo
 
 ALWAYS = (DASHBOARD, SETTINGS, LOGS, QUIT)
 
