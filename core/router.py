@@ -1,0 +1,189 @@
+"""The router: the one place that classifies a request.
+
+From what the proxy parsed (endpoint, headers, body) it returns a frozen
+`Decision`: which model serves the request and over which upstream, the session
+key the cache pins a slot by, the kind of call (an agent turn, a side call such
+as a title or summary, or a plain request the cache leaves alone) and why, in
+words. Everything after the router — the model pool's admission, the cache
+manager's `prepare`, the accounting — reads the Decision and classifies nothing.
+
+Single-model mode is a pool of one: `Router.single(upstream)`. With a model pool
+the request's ``model`` field picks the target (unknown names go to the primary,
+or are refused when ``pool.strict_models`` is set), and a side call addressed to
+the primary goes to the pool's ``side`` profile when ``pool.side_calls`` is on.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from core.cache import prefix as pfx
+from core.server.upstream import Upstream
+
+__all__ = [
+    "AUX_HEADER",
+    "SESSION_HEADERS",
+    "Decision",
+    "Kind",
+    "Refused",
+    "Router",
+    "Target",
+    "client_name",
+    "session_key",
+]
+
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-session-affinity",
+    "x-litellm-session-id",
+    "x-opencode-session",
+    "x-conversation-id",
+)
+AUX_HEADER = "x-warmslot-aux"
+_YES = ("1", "true", "yes")
+
+
+class Kind(enum.Enum):
+    """What a request is to the cache."""
+
+    AGENT = "agent"  # an agent turn: its stable prefix is kept warm in its session's slot
+    SIDE = "side"  # a side call (title, summary …): kept off the agent's slots
+    PLAIN = "plain"  # not a chat request: the server's own prefix reuse applies
+
+    @property
+    def label(self) -> str:
+        """The word in telemetry, events and the ``X-Warmslot-Kind`` header."""
+        return "aux" if self is Kind.SIDE else "agent"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One model the router can send a request to."""
+
+    name: str  # the model profile's name; "" for the single server of single-model mode
+    upstream: Upstream | None
+    primary: bool = False
+    side: bool = False  # the pool's profile for side calls
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes and what it is; computed once, read by every later step."""
+
+    model: str  # the target's name ("" in single-model mode)
+    upstream: Upstream | None
+    kind: Kind
+    why: str  # in words: why this kind (and why this model, when a side call moved)
+    session: str  # the slot pinning key: the client's session header, else derived
+    client: str  # the client's product name, from its User-Agent
+    routed_to_side: bool = False  # a side call moved from the primary to the side model
+
+    @property
+    def side(self) -> bool:
+        return self.kind is Kind.SIDE
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The router's answer for a request it cannot route (an unknown model, strict)."""
+
+    status: int
+    error: str
+
+
+def client_name(user_agent: str) -> str:
+    """The product name of a User-Agent ('opencode/1.18 ai-sdk/…' → 'opencode')."""
+    first = user_agent.strip().split(" ", 1)[0] if user_agent.strip() else ""
+    name = first.split("/", 1)[0].lower()
+    return name[:64] or "unknown"
+
+
+def session_key(headers: Mapping[str, str]) -> str:
+    """The session the client names in a header ("" when it names none)."""
+    for h in SESSION_HEADERS:
+        value = headers.get(h)
+        if value:
+            return value.strip()[:200]
+    return ""
+
+
+class Router:
+    """Classifies each request once and picks its target among `targets`."""
+
+    def __init__(
+        self,
+        targets: Callable[[], Sequence[Target]],
+        *,
+        strict: Callable[[], bool] = lambda: False,
+        side_calls: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self._targets = targets
+        self._strict = strict
+        self._side_calls = side_calls
+        # (target, client) pairs whose agent turns carried tools: a tool-less chat
+        # request from such a client is a side call.
+        self._uses_tools: set[tuple[str, str]] = set()
+
+    @classmethod
+    def single(cls, upstream: Upstream | None) -> Router:
+        """Single-model mode: a pool of one, the primary server."""
+        only = (Target("", upstream, primary=True),)
+        return cls(lambda: only)
+
+    def decide(
+        self, endpoint: str, headers: Mapping[str, str], body: dict[str, Any]
+    ) -> Decision | Refused:
+        """The decision for one request (`headers` with lower-case names)."""
+        targets = self._targets()
+        asked = body.get("model")
+        target = next((t for t in targets if t.name == asked), None)
+        if target is None:
+            if self._strict() and asked:
+                return Refused(
+                    404,
+                    f"Warmslot: model {asked!r} is not configured (GET /v1/models lists them)",
+                )
+            target = next(t for t in targets if t.primary)
+        client = client_name(headers.get("user-agent", ""))
+        kind, why = self._classify(target.name, client, endpoint, headers, body)
+        session = session_key(headers)
+        if endpoint == "chat" and not session:
+            session = pfx.derived_session(client, body)
+        routed = False
+        side = next((t for t in targets if t.side), None)
+        if (
+            kind is Kind.SIDE
+            and endpoint == "chat"
+            and target.primary
+            and side is not None
+            and self._side_calls()
+        ):
+            target, routed = side, True
+            why = f"{why}; sent to the side model {side.name!r}"
+        return Decision(target.name, target.upstream, kind, why, session, client, routed)
+
+    def _classify(
+        self,
+        model: str,
+        client: str,
+        endpoint: str,
+        headers: Mapping[str, str],
+        body: dict[str, Any],
+    ) -> tuple[Kind, str]:
+        has_tools = bool(body.get("tools"))
+        seen = (model, client) in self._uses_tools
+        if endpoint == "chat" and has_tools:
+            self._uses_tools.add((model, client))
+        if headers.get(AUX_HEADER, "") in _YES:
+            return Kind.SIDE, f"marked as side call ({AUX_HEADER} header)"
+        if endpoint != "chat":
+            return Kind.PLAIN, f"{endpoint} request: the server's own prefix reuse applies"
+        why = pfx.classify_aux(body, has_tools, seen)
+        if why:
+            return Kind.SIDE, why
+        if has_tools:
+            return Kind.AGENT, "agent turn: chat request with tools"
+        return Kind.AGENT, "agent turn: chat request"
