@@ -286,7 +286,8 @@ class Core:
             self.proxy.policy = self.policy
         if s.models:
             pool = self.pool = ModelPool(self)
-            self.proxy.router = pool.route
+            self.proxy.router = pool.router
+            self.proxy.admit = pool.route
             self.proxy.models = pool.models_list
             self.sweeps.add("models", self._sweep_models, lambda: self.settings.pool.idle_check_s)
         if self.cache_managers():

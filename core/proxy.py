@@ -1,9 +1,11 @@
 """The OpenAI-compatible proxy in front of llama-server.
 
 Each request is validated (malformed input gets a 4xx in OpenAI's error format
-and nothing is forwarded), handed to the cache policy (which may pick a slot),
-forwarded with ``cache_prompt: true``, streamed back without buffering, and
-recorded with its reuse numbers. A failing cache policy never blocks a request:
+and nothing is forwarded), classified once by the router (`core.router`: its
+model, session, kind and why, in a frozen `Decision`), handed to the cache
+policy (which may return a `SlotPlan`: the slot and its prefix), forwarded with
+``cache_prompt: true``, streamed back without buffering, and recorded with its
+reuse numbers. A failing cache policy never blocks a request:
 the request goes through untouched and the failure is logged and recorded
 (fail-open).
 """
@@ -25,21 +27,15 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from core.cache.plan import SlotPlan
 from core.errors import PortInUse
 from core.events import CacheEvent, Event, RequestCompleted
+from core.router import Decision, Refused, Router, session_key
 from core.server.client import Timings
 from core.server.upstream import Upstream
 
 log = logging.getLogger("warmslot.proxy")
 
-SESSION_HEADERS = (
-    "x-session-id",
-    "x-session-affinity",
-    "x-litellm-session-id",
-    "x-opencode-session",
-    "x-conversation-id",
-)
-AUX_HEADER = "x-warmslot-aux"
 # Hop-by-hop and per-connection headers that must not be copied between legs.
 _DROP_HEADERS = {
     "connection",
@@ -76,25 +72,31 @@ GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/props", "/slot
 
 @dataclass
 class ProxyRequest:
-    """One client request as the cache policy sees it."""
+    """One client request as the cache policy sees it: what the client sent, the
+    router's `Decision`, and what later steps decided (the slot plan, the slot)."""
 
     request_id: str
     path: str
     endpoint: str
     client: str
     user_agent: str
-    session: str
+    session: str  # as the client's header names it ("" when none; see decision.session)
     headers: Mapping[str, str]
     body: dict[str, Any]
     stream: bool
     has_tools: bool
-    kind: str = "agent"
+    decision: Decision
     slot: int | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
-    notes: dict[str, Any] = field(default_factory=dict)
+    plan: SlotPlan | None = None  # the cache manager's, from `prepare`
     model: str = ""  # the model profile that serves it (when a model pool routes)
     upstream: Upstream | None = None
     policy: CachePolicy | None = None
+
+    @property
+    def kind(self) -> str:
+        """The kind's word in telemetry and headers: "agent" or "aux" (a side call)."""
+        return self.decision.kind.label
 
 
 @dataclass
@@ -110,14 +112,16 @@ class Route:
     retry_after: int | None = None
 
 
-Router = Callable[[ProxyRequest], Awaitable[Route]]
+# A model pool's admission: load the decided model, count the request in flight.
+Admit = Callable[[Decision], Awaitable[Route]]
 
 
 class CachePolicy(Protocol):
     """What the proxy asks of the prefix-cache manager."""
 
-    async def prepare(self, req: ProxyRequest) -> None:
-        """Classify, pick a slot, make sure it holds the prefix; may edit `req.body`."""
+    async def prepare(self, req: ProxyRequest) -> SlotPlan | None:
+        """Pick a slot, make sure it holds the prefix; may edit `req.body`. The plan
+        (None: the cache leaves the request alone) comes back to `completed`."""
 
     async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
         """Learn from a finished request (runs after the response is complete)."""
@@ -148,21 +152,6 @@ def error_response(
     """An error in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return web.json_response(body, status=status, headers=headers)
-
-
-def client_name(user_agent: str) -> str:
-    """The product name of a User-Agent ('opencode/1.18 ai-sdk/…' → 'opencode')."""
-    first = user_agent.strip().split(" ", 1)[0] if user_agent.strip() else ""
-    name = first.split("/", 1)[0].lower()
-    return name[:64] or "unknown"
-
-
-def session_key(headers: Mapping[str, str]) -> str:
-    for h in SESSION_HEADERS:
-        value = headers.get(h)
-        if value:
-            return value.strip()[:200]
-    return ""
 
 
 def validate(endpoint: str, body: Any, n_slots: int) -> None:
@@ -304,9 +293,11 @@ class Proxy:
         self._status = status
         self._extra_metrics = extra_metrics
         self.policy = policy
-        # Set by a model pool: routes each generation request by its `model` field, and
+        # The one place that classifies. Single-model mode: a pool of one. A model pool
+        # sets its own router (by the `model` field) and `admit` (loads the model), and
         # answers GET /v1/models with the configured profiles.
-        self.router: Router | None = None
+        self.router: Router = Router.single(upstream)
+        self.admit: Admit | None = None
         self.models: Callable[[], dict[str, Any]] | None = None
         self.counters = ProxyCounters()
         # Per request: the session is the upstream's, shared with Warmslot's own calls.
@@ -472,28 +463,32 @@ class Proxy:
             validate(endpoint, body, self._n_slots())
         except _Invalid as e:
             return error_response(e.status, str(e), param=e.param)
-        if self.router is None and (err := self._not_ready()):
+        if self.admit is None and (err := self._not_ready()):
             return err
         headers = {k.lower(): v for k, v in request.headers.items()}
-        ua = headers.get("user-agent", "")
+        decision = self.router.decide(endpoint, headers, body)
+        if isinstance(decision, Refused):
+            return error_response(
+                decision.status, decision.error, type_="not_found_error", param="model"
+            )
         req = ProxyRequest(
             request_id=uuid.uuid4().hex[:16],
             path=request.path,
             endpoint=endpoint,
-            client=client_name(ua),
-            user_agent=ua,
+            client=decision.client,
+            user_agent=headers.get("user-agent", ""),
             session=session_key(headers),
             headers=headers,
             body=body,
             stream=bool(body.get("stream", False)),
             has_tools=bool(body.get("tools")),
-            kind="aux" if headers.get(AUX_HEADER, "") in ("1", "true", "yes") else "agent",
-            upstream=self._upstream,
+            decision=decision,
+            upstream=decision.upstream or self._upstream,
             policy=self.policy,
         )
-        if self.router is None:
+        if self.admit is None:
             return await self._prepare_and_forward(request, req, generation, t0)
-        route = await self.router(req)
+        route = await self.admit(decision)
         if route.error:
             retry = {"Retry-After": str(route.retry_after)} if route.retry_after else None
             return error_response(
@@ -520,12 +515,13 @@ class Proxy:
             if req.policy is not None:
                 original = json.dumps(body)
                 try:
-                    await req.policy.prepare(req)
+                    req.plan = await req.policy.prepare(req)
                 except Exception as e:  # fail-open: the request goes through untouched
                     log.exception("cache policy failed; forwarding the request untouched")
                     self.counters.bypasses += 1
                     req.body = json.loads(original)
                     req.slot = None
+                    req.plan = None
                     req.response_headers["X-Warmslot-Cache"] = "bypass"
                     self._emit(
                         CacheEvent(

@@ -58,6 +58,7 @@ class PrefixLearner:
         self,
         req: ProxyRequest,
         client: LlamaClient,
+        session: str,
     ) -> pfx.PrefixInfo | None:
         """The stable prefix of a chat request, from the server's own rendering.
 
@@ -69,7 +70,6 @@ class PrefixLearner:
         body = req.body
         key = pfx.shape_key(req.client, body)
         tkey = pfx.tools_key(req.client, body)
-        session = req.notes.get("session", "")
         known = self.prefixes.get(key)
         group = self.learn.setdefault(tkey, [])
         if known is not None and any(s == session for s, _ in group):

@@ -38,6 +38,7 @@ from core.cache.fingerprint import ServerIdentity, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
 from core.cache.learner import PrefixLearner, render_body
+from core.cache.plan import SlotPlan
 from core.cache.probe import (
     REUSE_SLACK,
     check_answer,
@@ -54,6 +55,7 @@ from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, Event, ServerStateChanged
 from core.pressure import PressureMonitor
 from core.proxy import ProxyRequest
+from core.router import Kind
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
 from core.sweeps import Sweeps
@@ -85,7 +87,6 @@ class CacheManager:
             s.server.slots, reserve_aux=s.cache.aux_slot, clock=self.clock.monotonic
         )
         self.by_fp: dict[str, pfx.PrefixInfo] = {}
-        self.client_tools: dict[str, bool] = {}
         self.identity: ServerIdentity | None = None
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
@@ -281,37 +282,28 @@ class CacheManager:
         await warmup.restore_or_prewarm(self, rec, slot)
 
     # ------------------------------------------------------------ request path
-    async def prepare(self, req: ProxyRequest) -> None:
+    async def prepare(self, req: ProxyRequest) -> SlotPlan | None:
+        """The slot for a chat request, made to hold its stable prefix where that is
+        cheap; None when the cache leaves the request alone. Reads the router's
+        decision (kind, session), classifies nothing."""
         settings = self.settings.cache
         if settings.enabled and self._ready_task is not None and not self._identity_known.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._identity_known.wait(), IDENTITY_WAIT_S)
         client = self.client
         if not settings.enabled or client is None or self.identity is None:
-            return
+            return None
         if req.endpoint != "chat":
-            return  # raw completions: the server's own LCP reuse applies
+            return None  # raw completions: the server's own LCP reuse applies
         body = req.body
-        if req.has_tools:
-            self.client_tools[req.client] = True
-        if req.kind != "aux":
-            why = pfx.classify_aux(body, req.has_tools, self.client_tools.get(req.client, False))
-            if why:
-                req.kind = "aux"
-                req.notes["aux_reason"] = why
-        session = req.session or pfx.derived_session(req.client, body)
-        req.notes["session"] = session
-        info = None if req.kind == "aux" else await self.learner.prefix_for(req, client)
+        decision = req.decision
+        side = decision.side
+        session = decision.session
+        info = None if side else await self.learner.prefix_for(req, client, session)
         slot, why_slot = self.slots.pick(session, req.kind)
         req.slot = slot
-        req.notes["slot_reason"] = why_slot
-        if req.kind == "aux" and slot == self.slots.aux_slot:
-            self.emit(
-                "aux_isolated",
-                req.notes.get("aux_reason", "marked as side call"),
-                slot=slot,
-                client=req.client,
-            )
+        if side and slot == self.slots.aux_slot:
+            self.emit("aux_isolated", decision.why, slot=slot, client=req.client)
         # Never wait for the boot re-warm of another prefix: skip or stop it.
         self.boot.claim(slot, info.fingerprint if info is not None else "")
         async with self.lock(slot):  # wait for Warmslot's own work on this slot
@@ -319,23 +311,22 @@ class CacheManager:
         if info is not None:
             info.last_used = time.time()
             self._touch(info)
-            req.notes["prefix_fp"] = info.fingerprint
-            req.notes["prefix_n"] = info.n_tokens
             await self._ensure_slot(info, slot, session)
         body["id_slot"] = slot
         body["cache_prompt"] = True
         self.slots.begin(slot)
-        req.notes["began"] = True
+        plan = SlotPlan(slot, why_slot, session, decision.kind, info)
         req.response_headers["X-Warmslot-Slot"] = str(slot)
         req.response_headers["X-Warmslot-Kind"] = req.kind
         warning = self.learner.template_warning
-        if warning and (req.has_tools or req.kind == "agent"):
+        if warning and (req.has_tools or not side):
             header = warning.replace("…", "...")
             req.response_headers["X-Warmslot-Warning"] = header.encode("ascii", "replace").decode()[
                 :200
             ]
         if info is not None:
             req.response_headers["X-Warmslot-Prefix"] = f"{info.fingerprint[:16]}:{info.n_tokens}"
+        return plan
 
     async def _ensure_slot(self, info: pfx.PrefixInfo, slot: int, session: str = "") -> None:
         """Make the slot hold the prefix before the request runs, if that can be done cheaply."""
@@ -366,21 +357,22 @@ class CacheManager:
         return held is not None and held.n_tokens >= n and held.tokens[:n] == info.tokens
 
     async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
-        slot = req.slot
-        if slot is None or not req.notes.get("began"):
+        plan = req.plan
+        if plan is None:
             return
+        slot = plan.slot
         self.slots.end(slot)
         st = self.slots.slots[slot]
-        fp = req.notes.get("prefix_fp", "")
+        fp = plan.prefix_fp
         if status != 200 or timings is None:
             return
         previous_body, previous_fp = st.last_body, st.prefix_fp
         previous_session, previous_prompt = st.session_of_last, st.prompt_n_last
         st.tokens_hint = timings.cache_n + timings.prompt_n + timings.predicted_n
         st.last_body, st.last_kind, st.prefix_fp = req.body, req.kind, fp
-        st.session_of_last = req.notes.get("session", "")
+        st.session_of_last = plan.session
         st.prompt_n_last = timings.cache_n + timings.prompt_n
-        if req.kind == "aux":
+        if plan.kind is Kind.SIDE:
             if previous_fp and slot != self.slots.aux_slot:
                 self.emit(
                     "displaced",
@@ -428,7 +420,7 @@ class CacheManager:
         entry = {
             "ts": time.time(),
             "client": req.client,
-            "session": req.notes.get("session"),
+            "session": req.plan.session if req.plan is not None else None,
             "slot": req.slot,
             "cache_n": t.cache_n,
             "prompt_n": t.prompt_n,
@@ -446,7 +438,7 @@ class CacheManager:
         self.emit(
             "divergence",
             text,
-            fp=req.notes.get("prefix_fp", ""),
+            fp=req.plan.prefix_fp if req.plan is not None else "",
             slot=req.slot,
             tokens=t.cache_n,
             client=req.client,

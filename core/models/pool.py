@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from core.cache import prefix as pfx
 from core.cache.deps import EngineParts, deps_from
 from core.config import ServerSettings
 from core.errors import WarmslotError
 from core.events import ModelEvent
 from core.models import arbiter, profiles
 from core.models.profiles import MIB, Footprint, Profile
-from core.proxy import ProxyRequest, Route
+from core.proxy import Route
+from core.router import Decision, Router, Target
 from core.server import devices, model
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
@@ -108,7 +108,22 @@ class ModelPool:
                 e.server = core.supervisor
                 e.upstream = core.upstream
                 e.manager = _as_manager(core.policy)
+            else:  # the one HTTP session to the model's server, whenever it runs
+                e.upstream = Upstream(_base_url_of(e), name=prof.name)
             self.entries[prof.name] = e
+        # The proxy's router: by the `model` field, side calls to the side profile.
+        self.router = Router(
+            self.targets,
+            strict=lambda: self.core.settings.pool.strict_models,
+            side_calls=lambda: self.core.settings.pool.side_calls,
+        )
+
+    def targets(self) -> list[Target]:
+        """Every configured model, as the router sees it."""
+        return [
+            Target(e.profile.name, e.upstream, e.profile.primary, e.profile.role == "side")
+            for e in self.entries.values()
+        ]
 
     # ------------------------------------------------------------ plumbing
     @property
@@ -255,7 +270,7 @@ class ModelPool:
                 )
             if e.server is None:
                 server = e.server = self._server_factory(e.profile)
-                e.upstream = Upstream(lambda: server.base_url, name=name)
+                assert e.upstream is not None
                 e.manager = self._make_manager(e.profile, server, e.upstream)
             try:
                 await e.server.start("pool")
@@ -361,31 +376,13 @@ class ModelPool:
                 await e.upstream.close()
 
     # ------------------------------------------------------------ routing
-    async def route(self, req: ProxyRequest) -> Route:
-        """Pick the model for a request (by `model`), load it if needed, count it in flight."""
+    async def route(self, decision: Decision) -> Route:
+        """Admit a request the router sent to one of the pool's models: load it if
+        needed, count the request in flight."""
         s = self.core.settings.pool
-        asked = req.body.get("model")
-        e = self.entries.get(asked) if isinstance(asked, str) else None
-        if e is None:
-            if s.strict_models and asked:
-                return Route(
-                    status=404,
-                    error=f"Warmslot: model {asked!r} is not configured (GET /v1/models lists "
-                    "them)",
-                )
-            e = self.primary
-        side = next((x for x in self.entries.values() if x.profile.role == "side"), None)
-        if (
-            s.side_calls
-            and side is not None
-            and e.profile.primary
-            and req.endpoint == "chat"
-            and self._is_aux(req)
-        ):
-            req.kind = "aux"
-            req.notes["routed_to_side"] = side.profile.name
+        e = self.entries[decision.model]
+        if decision.routed_to_side:
             self.routed_side += 1
-            e = side
         name = e.profile.name
         try:
             await asyncio.wait_for(self.ensure(name), s.load_timeout_s)
@@ -402,7 +399,7 @@ class ModelPool:
             return Route(status=503, error=f"Warmslot: model {name!r} is not ready", retry_after=2)
         e.inflight += 1
         e.last_used = self.clock.monotonic()
-        e.calls["aux" if req.kind == "aux" else "agent"] += 1
+        e.calls["aux" if decision.side else "agent"] += 1
         policy = e.manager if e.manager is not None or not e.profile.primary else self.core.policy
 
         def release() -> None:
@@ -410,18 +407,6 @@ class ModelPool:
             e.last_used = self.clock.monotonic()
 
         return Route(model=name, upstream=e.upstream, policy=policy, release=release)
-
-    def _is_aux(self, req: ProxyRequest) -> bool:
-        if req.kind == "aux":
-            return True
-        mgr = self.primary.manager
-        tools_seen = mgr.client_tools.get(req.client, False) if mgr is not None else False
-        if req.has_tools and mgr is not None:
-            mgr.client_tools[req.client] = True
-        why = pfx.classify_aux(req.body, req.has_tools, tools_seen)
-        if why:
-            req.notes["aux_reason"] = why
-        return bool(why)
 
     # ------------------------------------------------------------ status
     def models_list(self) -> dict[str, Any]:
@@ -470,6 +455,13 @@ def _as_manager(policy: Any) -> CacheManager | None:
     from core.cache.manager import CacheManager
 
     return policy if isinstance(policy, CacheManager) else None
+
+
+def _base_url_of(e: Entry) -> Callable[[], str | None]:
+    def base_url() -> str | None:
+        return e.server.base_url if e.server is not None else None
+
+    return base_url
 
 
 def _safe(name: str) -> str:

@@ -15,7 +15,7 @@ from core.events import Event, ModelEvent
 from core.models import arbiter
 from core.models.pool import ModelPool, ModelUnavailable
 from core.models.profiles import MIB, Footprint, Profile
-from core.proxy import ProxyRequest
+from core.router import Decision, Refused
 from core.server.supervisor import ServerState
 from core.server.upstream import Upstream
 
@@ -162,10 +162,17 @@ def make_pool(level: list[str]) -> tuple[ModelPool, FakeClock, list[ModelEvent]]
     return pool, clock, events
 
 
-def req(model: str, **kw: Any) -> ProxyRequest:
+def routed(pool: ModelPool, model: str, aux: bool = False, **kw: Any) -> Decision | Refused:
+    """What the pool's router decides for a chat request naming `model`."""
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **kw}
-    return ProxyRequest("r", "/v1/chat/completions", "chat", "c", "c", "", {}, body, False,
-                        "tools" in kw)  # fmt: skip
+    headers = {"user-agent": "c", **({"x-warmslot-aux": "1"} if aux else {})}
+    return pool.router.decide("chat", headers, body)
+
+
+def req(pool: ModelPool, model: str, aux: bool = False, **kw: Any) -> Decision:
+    decision = routed(pool, model, aux, **kw)
+    assert isinstance(decision, Decision)
+    return decision
 
 
 def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
@@ -174,19 +181,19 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
         pool, clock, events = make_pool(level)
         # the primary (4 GiB) and the side model (2 GiB) fit; then the 4 GiB chat model
         # needs room: the idle side model goes (lower priority), not the primary.
-        r = await pool.route(req("coder"))
+        r = await pool.route(req(pool, "coder"))
         assert r.upstream is not None and r.upstream.base_url == "http://fake/coder"
         assert r.release is not None
         r.release()
-        side = await pool.route(req("anything", tools=None))  # unknown → primary → side call?
+        side = await pool.route(req(pool, "anything", tools=None))  # unknown → primary → side call?
         assert side.model == "coder"  # a plain user turn is not a side call
         assert side.release is not None
         side.release()
-        title = await pool.route(req("titles"))
+        title = await pool.route(req(pool, "titles"))
         assert title.release is not None
         title.release()
         await clock.advance(10)
-        chat = await pool.route(req("chat"))
+        chat = await pool.route(req(pool, "chat"))
         assert chat.model == "chat"
         kinds = [(e.kind, e.model) for e in events]
         assert ("unload", "titles") in kinds and ("unload", "coder") not in kinds
@@ -194,11 +201,11 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
         assert admit.numbers["unload"][0]["model"] == "titles"
         assert admit.numbers["budget"]["ram_mib"] == 9216.0
         # embed (priority 50) does not fit next to coder (100) and chat (80, in flight)
-        emb = await pool.route(req("embed"))
+        emb = await pool.route(req(pool, "embed"))
         assert emb.status == 503 and "higher priority" in emb.error
         assert chat.release is not None
         chat.release()
-        title = await pool.route(req("titles"))  # 4 + 4 + 2 > 9: chat (idle, 80 ≥ 20)? no:
+        title = await pool.route(req(pool, "titles"))  # 4 + 4 + 2 > 9: chat (idle, 80 ≥ 20)? no:
         assert title.status == 503  # a side model may not push out higher priorities
         # idle TTLs: chat (text, 1800 s); the primary never
         await clock.advance(1799)
@@ -209,7 +216,7 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
         assert "TTL of 1800 s" in done[0].reason
         assert pool.primary.loaded
         # in flight: never unloaded, even under critical pressure
-        busy = await pool.route(req("chat"))
+        busy = await pool.route(req(pool, "chat"))
         level[0] = "critical"
         await clock.advance(5000)
         assert await pool.sweep() == []  # chat busy; primary never for pressure or TTL
@@ -233,9 +240,9 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
 def test_refusal_is_a_503_with_retry_after_and_strict_unknown_is_404() -> None:
     async def scenario() -> None:
         pool, _clock, events = make_pool(["nominal"])
-        first = await pool.route(req("coder"))
-        second = await pool.route(req("chat"))  # 8 GiB in use, both busy
-        r = await pool.route(req("embed"))  # 2 GiB more does not fit, nothing may go
+        first = await pool.route(req(pool, "coder"))
+        second = await pool.route(req(pool, "chat"))  # 8 GiB in use, both busy
+        r = await pool.route(req(pool, "embed"))  # 2 GiB more does not fit, nothing may go
         assert r.status == 503 and r.retry_after and "in use" in r.error
         assert events[-1].kind == "refuse"
         with pytest.raises(ModelUnavailable):
@@ -244,8 +251,9 @@ def test_refusal_is_a_503_with_retry_after_and_strict_unknown_is_404() -> None:
             assert x.release is not None
             x.release()
         pool.core.settings.pool.strict_models = True
-        r = await pool.route(req("nope"))
-        assert r.status == 404 and "GET /v1/models" in r.error
+        refused = routed(pool, "nope")
+        assert isinstance(refused, Refused)
+        assert refused.status == 404 and "GET /v1/models" in refused.error
         assert [m["id"] for m in pool.models_list()["data"]] == ["coder", "chat", "titles", "embed"]
 
     asyncio.run(scenario())
@@ -254,13 +262,13 @@ def test_refusal_is_a_503_with_retry_after_and_strict_unknown_is_404() -> None:
 def test_side_calls_go_to_the_side_profile_and_are_counted() -> None:
     async def scenario() -> None:
         pool, _clock, _events = make_pool(["nominal"])
-        agent = await pool.route(req("coder", tools=[{"type": "function"}]))
+        agent = await pool.route(req(pool, "coder", tools=[{"type": "function"}]))
         assert agent.model == "coder" and agent.release is not None
         agent.release()
-        marked = req("coder")
-        marked.kind = "aux"
+        marked = req(pool, "coder", aux=True)
+        assert marked.routed_to_side and marked.model == "titles"
         aux = await pool.route(marked)
-        assert aux.model == "titles" and marked.notes["routed_to_side"] == "titles"
+        assert aux.model == "titles"
         assert aux.release is not None
         aux.release()
         calls = {m["name"]: m["calls"] for m in pool.status()}

@@ -14,9 +14,10 @@ from core.cache import warmup
 from core.cache.deps import deps_from
 from core.cache.fingerprint import ServerIdentity
 from core.cache.inventory import format_inventory
-from core.cache.manager import DiskTier
+from core.cache.manager import CacheManager, DiskTier
 from core.pressure import Reading
 from core.proxy import ProxyRequest
+from core.router import Decision, Router
 from tests.core.bg_support import SERVER, FakeCore, FakeLlama, FakeManager, make_manager
 
 
@@ -57,6 +58,9 @@ def request(session: str, project: str = "alpha", n_words: int = 60) -> ProxyReq
         ],
         "tools": [{"type": "function", "function": {"name": "read"}}],
     }
+    headers = {"user-agent": "opencode/1.0", "x-session-id": session}
+    decision = Router.single(None).decide("chat", headers, body)
+    assert isinstance(decision, Decision)
     return ProxyRequest(
         request_id=session,
         path="/v1/chat/completions",
@@ -64,11 +68,19 @@ def request(session: str, project: str = "alpha", n_words: int = 60) -> ProxyReq
         client="opencode",
         user_agent="opencode/1.0",
         session=session,
-        headers={},
+        headers=headers,
         body=body,
         stream=False,
         has_tools=True,
+        decision=decision,
     )
+
+
+async def prepared_fp(mgr: CacheManager, req: ProxyRequest) -> str:
+    """The fingerprint of the prefix `prepare` planned for `req` ("" for none)."""
+    plan = await mgr.prepare(req)
+    assert plan is not None
+    return plan.prefix_fp
 
 
 def attach(core: FakeCore, identity: ServerIdentity = SERVER) -> tuple[FakeManager, RenderingLlama]:
@@ -90,8 +102,7 @@ async def learn_and_stop(tmp_path: Path, *projects: str, n_words: int = 60) -> t
     fp = ""
     for project in projects or ("alpha",):
         req = request(f"s-{project}", project, n_words)
-        await first.prepare(req)
-        fp = str(req.notes["prefix_fp"])
+        fp = await prepared_fp(first, req)
         assert fp and fp in first.by_fp
     await first.close()
     return core, fp
@@ -124,8 +135,7 @@ async def test_a_learned_prefix_is_rewarmed_after_warmslot_restarts(tmp_path: Pa
     assert core.cache_events("prewarm_cold")
     # A new session of the same client and system prompt gets that prefix, warm.
     req = request("s2")
-    await mgr.prepare(req)
-    assert req.notes["prefix_fp"] == fp and req.slot == 0
+    assert await prepared_fp(mgr, req) == fp and req.slot == 0
     status = await mgr.status()
     assert status["boot_rewarm"]["state"] == "done"
     assert [p["fingerprint"] for p in status["prefixes"]] == [fp[:16]]
@@ -177,8 +187,8 @@ async def test_a_request_for_another_prefix_stops_the_running_rewarm(tmp_path: P
     task = await boot(mgr)
     assert mgr.boot.snapshot()["current_slot"] == 0
     req = request("s2", project="beta")  # another prefix, for the same (only) slot
-    await asyncio.wait_for(mgr.prepare(req), 2.0)  # does not wait for the gate
-    assert req.slot == 0 and req.notes["prefix_fp"] != fp
+    got = await asyncio.wait_for(prepared_fp(mgr, req), 2.0)  # does not wait for the gate
+    assert req.slot == 0 and got != fp
     await asyncio.wait_for(task, 2.0)
     snap = mgr.boot.snapshot()
     assert (snap["state"], snap["warmed"], snap["skipped"]) == ("done", 0, 1)
@@ -193,14 +203,14 @@ async def test_a_request_for_the_same_prefix_waits_for_its_rewarm(tmp_path: Path
     fake.gate = asyncio.Event()
     task = await boot(mgr)
     req = request("s2")  # same system prompt: the prefix being re-warmed
-    waiting = asyncio.ensure_future(mgr.prepare(req))
+    waiting = asyncio.ensure_future(prepared_fp(mgr, req))
     await asyncio.sleep(0.05)
     assert not waiting.done()  # it waits: that is the quickest way to a warm slot
     fake.gate.set()
     await asyncio.wait_for(waiting, 2.0)
     await asyncio.wait_for(task, 2.0)
     assert mgr.boot.snapshot()["warmed"] == 1
-    assert req.notes["prefix_fp"] == fp and mgr.slots.slots[0].prefix_fp == fp
+    assert waiting.result() == fp and mgr.slots.slots[0].prefix_fp == fp
     assert not core.cache_events("boot_rewarm_skipped")
 
 

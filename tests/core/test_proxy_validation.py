@@ -12,11 +12,10 @@ from core.proxy import (
     _Invalid,
     _SSEScanner,
     _timings_from_json,
-    client_name,
     error_response,
-    session_key,
     validate,
 )
+from core.router import client_name, session_key
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
