@@ -23,7 +23,8 @@ from aiohttp.test_utils import RawTestServer
 from core.cache.deps import deps_from
 from core.cache.manager import CacheManager
 from core.events import Event, RequestCompleted
-from core.proxy import Proxy, ProxyRequest
+from core.proxy import Proxy, ProxyRequest, Route
+from core.router import Decision, Kind, Router, Target
 from core.server.client import Timings
 from core.server.upstream import Upstream
 from tests.core.bg_support import SERVER, FakeCore
@@ -403,6 +404,68 @@ async def test_cache_manager_prepares_and_learns_over_the_same_upstream(
     slot = mgr.slots.slots[0]
     assert slot.prefix_fp.startswith(fp16) and slot.session_of_last == "s-1"
     assert slot.inflight == 0 and slot.tokens_hint == 90 + 10 + 3  # cache + prompt + output
+
+
+async def test_a_title_call_is_classified_once_and_runs_in_the_side_slot(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """The router classifies; the real cache manager reads its decision: the title call
+    goes to the reserved slot with the router's reason, learns no prefix, and is
+    recorded as a side call."""
+    core = FakeCore(tmp_path)
+    core.settings.server.slots, core.settings.cache.aux_slot = 2, True
+    mgr = CacheManager(deps_from(core, upstream=rig.upstream))  # type: ignore[arg-type]
+    mgr.identity = SERVER
+    rig.proxy.policy = mgr
+    rig.fake.handler = fake_llama
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "You are a title generator."},
+            {"role": "user", "content": "Generate a title for this conversation: hi"},
+        ],
+    }
+    headers = {"User-Agent": "opencode/1.2", "x-session-id": "s-1"}
+    async with rig.client.post(rig.url + CHAT, json=body, headers=headers) as resp:
+        assert resp.status == 200
+        assert (resp.headers["X-Warmslot-Kind"], resp.headers["X-Warmslot-Slot"]) == ("aux", "1")
+        assert "X-Warmslot-Prefix" not in resp.headers
+        await resp.read()
+    rec = await rig.next_record()
+    assert (rec.kind, rec.slot, rec.session) == ("aux", 1, "s-1")
+    await rig.proxy.drain()
+    assert [path for path, _, _ in rig.fake.received] == [CHAT]  # nothing rendered
+    (isolated,) = core.cache_events("aux_isolated")
+    assert isolated.reason == "title/summary request shape" and isolated.slot == 1
+    assert mgr.slots.slots[1].inflight == 0 and mgr.slots.slots[1].session_of_last == "s-1"
+
+
+async def test_a_pool_router_refuses_an_unknown_model_and_admits_a_known_one(rig: Rig) -> None:
+    """Pool mode: the router picks the model by the `model` field (strict: an unknown
+    name is a 404 in OpenAI's format), the pool's admission gets the decision."""
+    targets = [Target("coder", rig.upstream, primary=True)]
+    rig.proxy.router = Router(lambda: targets, strict=lambda: True)
+    admitted: list[Decision] = []
+    released: list[bool] = []
+
+    async def admit(decision: Decision) -> Route:
+        admitted.append(decision)
+        return Route(
+            model=decision.model, upstream=decision.upstream, release=lambda: released.append(True)
+        )
+
+    rig.proxy.admit = admit
+    async with rig.client.post(rig.url + CHAT, json=chat(model="nope")) as resp:
+        assert resp.status == 404
+        error = (await resp.json())["error"]
+    assert error["type"] == "not_found_error" and error["param"] == "model"
+    assert "'nope'" in error["message"] and rig.fake.received == [] and admitted == []
+    async with rig.client.post(rig.url + CHAT, json=chat(model="coder")) as resp:
+        assert resp.status == 200 and resp.headers["X-Warmslot-Model"] == "coder"
+        await resp.read()
+    (decision,) = admitted
+    assert (decision.model, decision.kind, decision.upstream) == ("coder", Kind.AGENT, rig.upstream)
+    assert released == [True] and len(rig.fake.received) == 1
 
 
 # ------------------------------------------------------------------ the upstream
