@@ -31,7 +31,7 @@ from core.cache.plan import SlotPlan
 from core.errors import PortInUse
 from core.events import CacheEvent, Event, RequestCompleted
 from core.router import Decision, Refused, Router, session_key
-from core.server.client import Timings
+from core.server.client import Timings, stale_connection
 from core.server.upstream import Upstream
 
 log = logging.getLogger("warmslot.proxy")
@@ -638,15 +638,17 @@ class Proxy:
 
         llama-server closes the connection after every streamed response (without
         ``Connection: close``), and idle ones after 5 s. A pooled connection reused
-        just as the close arrives fails with ServerDisconnectedError before any
-        response byte: that request never ran, so it goes once more on a new one.
+        just as the close arrives fails before any response byte (`stale_connection`):
+        that request never ran, so it goes once more on a new one.
         """
         session = upstream.session
         kw: dict[str, Any] = {"timeout": self._timeout, "auto_decompress": False}
         try:
             return await session.post(url, data=payload, headers=headers, **kw)
-        except aiohttp.ServerDisconnectedError:
-            log.debug("llama-server closed a pooled connection; resending on a new one")
+        except aiohttp.ClientError as e:
+            if not stale_connection(e):
+                raise
+            log.debug("llama-server closed a pooled connection (%r); resending on a new one", e)
             return await session.post(url, data=payload, headers=headers, **kw)
 
     async def _stream(

@@ -7,6 +7,7 @@ rendering templates, prewarm completions and slot save/restore/erase.
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from dataclasses import dataclass
@@ -31,6 +32,15 @@ def valid_slot_filename(name: str) -> bool:
         and ".." not in name
         and name != "."
     )
+
+
+def stale_connection(e: BaseException) -> bool:
+    """A pooled keep-alive connection that llama-server had already closed when it was
+    reused: it ends before any response byte (a disconnect, or a reset/broken pipe when
+    the close and the write cross), so the request never ran and may be sent again."""
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(e, aiohttp.ClientOSError) and e.errno in (errno.ECONNRESET, errno.EPIPE)
 
 
 @dataclass(frozen=True)
@@ -95,7 +105,9 @@ class LlamaClient:
         try:
             try:
                 return await self._request(method, url, path, body, expect_json)
-            except aiohttp.ServerDisconnectedError:
+            except aiohttp.ClientError as e:
+                if not stale_connection(e):
+                    raise
                 # A pooled connection the server had just closed (it closes idle ones
                 # after 5 s): the request never ran, so it goes once more on a new one.
                 return await self._request(method, url, path, body, expect_json)
