@@ -161,6 +161,7 @@ class Core:
             self.paths, self.emit, self._record_build, check=binary_check, request=build_request
         )
         self._upgrade_task: asyncio.Task[None] | None = None
+        self._upgrade_failed = False
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0
 
@@ -529,6 +530,8 @@ class Core:
         s = self._primary_settings()
         if sup is None or sup.resolved is None or s.build != "auto" or self.provision.building:
             return
+        if self._upgrade_failed:  # once per run: a failing build is not retried per restart
+            return
         binary, mdl = sup.resolved.binary, sup.resolved.model
         loop = asyncio.get_running_loop()
         why = await loop.run_in_executor(None, self.provision.upgrade_reason, s, binary, mdl.path)
@@ -554,6 +557,7 @@ class Core:
                     hint=e.hint or "serving goes on with the stock server, without the disk tier",
                 )
             )
+            self._upgrade_failed = True
             return
         found = await self.provision.discover(s)
         if found.found is None or not found.found.patched:
