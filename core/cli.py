@@ -248,7 +248,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except WarmslotError as e:
         print(f"settings:    INVALID — {e.user_message()}")
         return 1
-    from core.server.build import check_toolchain
+    from core.build import check_toolchain
     from core.server.validate import cpu_info
 
     print(f"cpu:         {cpu_info().summary()}")

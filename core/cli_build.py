@@ -13,10 +13,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from core.errors import BuildError
-from core.events import BuildProgress
-from core.paths import Paths
-from core.server.build import (
+from core.build import (
     BACKENDS,
     DEFAULT_SOURCE,
     BuildRecord,
@@ -24,6 +21,9 @@ from core.server.build import (
     build_sync,
     list_builds,
 )
+from core.errors import BuildError
+from core.events import BuildProgress
+from core.paths import Paths
 
 __all__ = ["ProgressBar", "register"]
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core import config as config_mod
+from core.build import BuildRequest
 from core.cache.background import Background
 from core.cache.manager import CacheManager
 from core.cli_fit import request_from_settings
@@ -43,7 +44,6 @@ from core.pressure import PressureMonitor, Sampler
 from core.proxy import CachePolicy, Proxy
 from core.server import discover, model
 from core.server.argv import LaunchInputs, build_argv, kv_relevant
-from core.server.build import BuildRequest
 from core.server.devices import read_gpus, read_host
 from core.server.fit import FitPlan, format_plan, plan_argv
 from core.server.fit import plan as plan_fit

@@ -80,7 +80,7 @@ def ensure_server_binary() -> Path:
     """
     if _chosen:
         return _chosen[0]
-    from core.server.build import BuildRequest, build_sync
+    from core.build import BuildRequest, build_sync
 
     home = test_home()
     found = discover.discover(home).found

@@ -106,7 +106,7 @@ def _package_candidate() -> tuple[Path, dict[str, str]] | None:
 
 def _build_candidates(paths: Paths) -> list[Path]:
     """The binaries of every complete build in the cache, newest first."""
-    from core.server.build import list_builds
+    from core.build import list_builds
 
     return [rec.binary for rec in list_builds(paths)]
 

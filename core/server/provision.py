@@ -26,11 +26,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import core.build as build_mod
 from core.config import ServerSettings
 from core.errors import BinaryNotFound, BuildError, WarmslotError
 from core.events import BuildProgress, Event, Notice
 from core.paths import Paths
-from core.server import build as build_mod
 from core.server import discover
 from core.server.discover import Checker, Discovery, ServerBinary
 

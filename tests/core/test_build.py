@@ -27,18 +27,19 @@ from typing import Any
 import psutil
 import pytest
 
+import core.build as b
 from core import cli_build
-from core.errors import BuildError
-from core.events import BuildProgress
-from core.paths import Paths
-from core.server import build as b
-from core.server import source as s
-from core.server.buildlog import (
+from core.build import run as build_run
+from core.build import source as s
+from core.build.log import (
     LogTail,
     ProgressTracker,
     describe_step,
     parse_progress_line,
 )
+from core.errors import BuildError
+from core.events import BuildProgress
+from core.paths import Paths
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 FAKE_SRC = FIXTURES / "fake_llama_src"
@@ -776,7 +777,7 @@ async def test_cancel_kills_the_build_and_leaves_nothing(
     generator: str,
 ) -> None:
     if generator == "make":
-        monkeypatch.setattr(b, "_generator_args", lambda: ["-G", "Unix Makefiles"])
+        monkeypatch.setattr(build_run, "_generator_args", lambda: ["-G", "Unix Makefiles"])
     elif not shutil.which("ninja"):
         pytest.skip("ninja not installed")
     cancel = asyncio.Event()

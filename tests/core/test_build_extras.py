@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+import core.build as b
+from core.build.log import ProgressTracker, estimate_eta, parse_progress_line
 from core.events import BuildProgress
-from core.server import build as b
-from core.server.buildlog import ProgressTracker, estimate_eta, parse_progress_line
 
 
 def test_ninja_lines_carry_their_step_counts() -> None:

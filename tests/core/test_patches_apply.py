@@ -1,7 +1,7 @@
 """Every patch in patches/ applies cleanly, in order, to the pinned llama.cpp source.
 
 The build applies ``patches/*.patch`` in name order with ``git apply -p1`` (each checked
-first, see core/server/source.py); this test does the same on a scratch copy of just the
+first, see core/build/patches.py); this test does the same on a scratch copy of just the
 files the patches touch, so it stays fast. The pinned tree comes from
 tests/fixtures/llama_source.py (a local unpacked sdist, the test cache, or PyPI).
 """

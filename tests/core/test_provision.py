@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from core.build import BuildRequest
 from core.config import ServerSettings
 from core.engine import Core
 from core.errors import BinaryNotFound, BuildError
 from core.events import BuildProgress, Event, Notice, ServerStateChanged
 from core.paths import Paths
 from core.server import discover, validate
-from core.server.build import BuildRequest
 from core.server.provision import NO_BINARY_PURPOSE, PATCHED_PURPOSE, Provisioner
 from tests.conftest import settings_for
 from tests.helpers import FAKE_SERVER, EventLog, make_fake_binary, wait_until

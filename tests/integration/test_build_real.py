@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
+import core.build as b
+from core.build.source import PINNED_SDIST_SHA256
 from core.events import BuildProgress
 from core.paths import Paths
-from core.server import build as b
-from core.server.source import PINNED_SDIST_SHA256
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(3600)]
 

@@ -15,7 +15,7 @@ useless (no reuse after a restore) or wrong (with --swa-full). It checks issue 6
   leaves the slot as it was; /slots/-1 is a 400.
 
 Binaries: ``WARMSLOT_PATCHED_SERVER`` and ``WARMSLOT_STOCK_SERVER``; when unset, both are built
-from the pinned source with core.server.build (with and without patches/; ~8 minutes each on
+from the pinned source with core.build (with and without patches/; ~8 minutes each on
 2 cores, cached under ``WARMSLOT_BUILD_TEST_HOME`` or the test cache). Prompts are token arrays
 sent to /completion (no tokenizer or template drift), greedy, ``n_probs`` for log-probs.
 """
@@ -68,8 +68,8 @@ class Binaries:
 
 def _build(patches: bool) -> Path:
     try:
+        import core.build as b
         from core.paths import Paths
-        from core.server import build as b
     except ImportError as e:  # the build capability is not there
         pytest.skip(f"set WARMSLOT_PATCHED_SERVER and WARMSLOT_STOCK_SERVER ({e})")
     home = Path(os.environ.get("WARMSLOT_BUILD_TEST_HOME") or test_cache() / "patched-restore")
