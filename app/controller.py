@@ -25,17 +25,29 @@ from app.qt import QObject, QTimer, Signal
 from app.state import AppState, TrayState, derive_state
 from app.tasks import Tasks, gather
 from core.errors import BinaryNotFound, WarmslotError
-from core.events import BuildProgress, CacheEvent, Notice, ServerExited, ServerStateChanged
+from core.events import (
+    BuildProgress,
+    CacheEvent,
+    CacheEventKind,
+    Notice,
+    ServerExited,
+    ServerStateChanged,
+)
 
 log = logging.getLogger("warmslot.gui")
 
 STATUS_POLL_MS = 3000
 STATUS_SOON_MS = 150
 CACHE_ALERTS = {
-    "invalidated": "Saved cache invalidated",
-    "restore_rejected": "Cache state rejected",
+    CacheEventKind.INVALIDATED: "Saved cache invalidated",
+    CacheEventKind.RESTORE_REJECTED: "Cache state rejected",
 }
-WARMING_KINDS = ("restore_ok", "restore_rejected", "prewarm_hit", "prewarm_cold")
+WARMING_KINDS = (
+    CacheEventKind.RESTORE_OK,
+    CacheEventKind.RESTORE_REJECTED,
+    CacheEventKind.PREWARM_HIT,
+    CacheEventKind.PREWARM_COLD,
+)
 
 
 def error_text(exc: BaseException) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 
@@ -94,17 +95,63 @@ class RequestCompleted(Event):
     error: str = ""
 
 
+class CacheEventKind(StrEnum):
+    """What a `CacheEvent` says happened. A `StrEnum`: each member equals its string, so
+    telemetry rows, JSON and the kinds read back from the database stay plain strings."""
+
+    # The server's identity and what Warmslot knows about it
+    SERVER_IDENTITY = "server_identity"  # the server is ready and its identity was read
+    IDENTITY_FAILED = "identity_failed"  # the identity could not be read: cache paused
+    DEFINITIONS_IGNORED = "definitions_ignored"  # damaged stored prefix definitions deleted
+    INVALIDATED = "invalidated"  # a saved state of another server identity was deleted
+    # Learning prefixes from requests
+    PREFIX_LEARNED = "prefix_learned"  # a new stable prefix was found for a client
+    NO_BOUNDARY = "no_boundary"  # no stable prefix found for this client (yet)
+    TEMPLATE_DROPS_TOOLS = "template_drops_tools"  # the chat template drops tools/system text
+    # Slots and requests
+    AUX_ISOLATED = "aux_isolated"  # a side call was sent to the auxiliary slot
+    DISPLACED = "displaced"  # a side call ran in the only primary slot, displacing its prefix
+    DIVERGENCE = "divergence"  # a request reused less of its slot than its prefix promised
+    BYPASS = "bypass"  # the cache manager failed; the request was forwarded untouched
+    # Prewarming a prefix into a slot
+    PREWARM_HIT = "prewarm_hit"  # a prewarm found the prefix already in the slot
+    PREWARM_COLD = "prewarm_cold"  # a prewarm had to compute the prefix
+    PREWARM_SKIPPED = "prewarm_skipped"  # a prewarm or restore was skipped under pressure
+    # Saving prefix states to disk and restoring them
+    SAVE = "save"  # a prefix state was saved to disk with its probe answer
+    SAVE_FAILED = "save_failed"  # saving a prefix state failed
+    PERSIST_SKIPPED = "persist_skipped"  # a save was not attempted (pressure, no scratch slot)
+    RESTORE_OK = "restore_ok"  # a saved state was restored and verified
+    RESTORE_REJECTED = "restore_rejected"  # a restored state failed checks and was deleted
+    EVICTED = "evicted"  # a saved state was deleted (retention rule, disk cap or the user)
+    PINNED = "pinned"  # the user pinned a saved state
+    UNPINNED = "unpinned"  # the user unpinned a saved state
+    # Keeping prefixes warm
+    KEEPALIVE = "keepalive"  # keep-alive re-warmed (or restored) a prefix in its slot
+    KEEPALIVE_FAILED = "keepalive_failed"  # a keep-alive re-warm failed
+    REWARM = "rewarm"  # a re-warm the user asked for
+    REWARM_FAILED = "rewarm_failed"  # a re-warm the user asked for failed
+    BOOT_REWARM_STARTED = "boot_rewarm_started"  # re-warming recent prefixes after a start
+    BOOT_REWARM_SKIPPED = "boot_rewarm_skipped"  # one boot re-warm step skipped or stopped
+    BOOT_REWARM_FAILED = "boot_rewarm_failed"  # one boot re-warm step failed
+    BOOT_REWARM_DONE = "boot_rewarm_done"  # the boot re-warm finished (counts in details)
+
+
 @dataclass(frozen=True)
 class CacheEvent(Event):
     """Something happened to a cached prefix/state: kind + reason + numbers."""
 
-    kind: str
+    kind: CacheEventKind
     reason: str = ""
     fingerprint: str = ""
     slot: int | None = None
     tokens: int | None = None
     bytes: int | None = None
     details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A plain string (a test, a row read back) becomes its member; an unknown one raises.
+        object.__setattr__(self, "kind", CacheEventKind(self.kind))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from core.cache.plan import SlotPlan
 from core.errors import PortInUse
-from core.events import CacheEvent, Event, RequestCompleted
+from core.events import CacheEvent, CacheEventKind, Event, RequestCompleted
 from core.router import Decision, Refused, Router, session_key
 from core.server.client import Timings, stale_connection
 from core.server.upstream import Upstream
@@ -525,7 +525,7 @@ class Proxy:
                     req.response_headers["X-Warmslot-Cache"] = "bypass"
                     self._emit(
                         CacheEvent(
-                            kind="bypass",
+                            kind=CacheEventKind.BYPASS,
                             reason=f"cache manager failed: {e!r}",
                             details={"request_id": req.request_id},
                         )

@@ -9,26 +9,32 @@ from typing import Any
 from app import fmt
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import QtGui, QtWidgets
+from core.events import CacheEventKind
 
 CATEGORIES = ["all", "cache", "server", "pressure", "notice", "build"]
+# The cache event kinds the kind filter offers (any other can be typed in).
+CACHE_KINDS = [
+    CacheEventKind.EVICTED,
+    CacheEventKind.INVALIDATED,
+    CacheEventKind.SAVE,
+    CacheEventKind.SAVE_FAILED,
+    CacheEventKind.RESTORE_OK,
+    CacheEventKind.RESTORE_REJECTED,
+    CacheEventKind.PREWARM_HIT,
+    CacheEventKind.PREWARM_COLD,
+    CacheEventKind.REWARM,
+    CacheEventKind.KEEPALIVE,
+    CacheEventKind.PINNED,
+    CacheEventKind.UNPINNED,
+    CacheEventKind.DIVERGENCE,
+    CacheEventKind.DISPLACED,
+    CacheEventKind.PREFIX_LEARNED,
+    CacheEventKind.SERVER_IDENTITY,
+    CacheEventKind.IDENTITY_FAILED,
+]
+# Then kinds of other categories: server states, pressure levels, notice levels.
 KNOWN_KINDS = [
-    "evicted",
-    "invalidated",
-    "save",
-    "save_failed",
-    "restore_ok",
-    "restore_rejected",
-    "prewarm_hit",
-    "prewarm_cold",
-    "rewarm",
-    "keepalive",
-    "pinned",
-    "unpinned",
-    "divergence",
-    "displaced",
-    "prefix_learned",
-    "server_identity",
-    "identity_failed",
+    *(k.value for k in CACHE_KINDS),
     "ready",
     "failed",
     "low",
@@ -45,13 +51,13 @@ SINCE = {
 }
 LIMIT = 500
 BAD = {
-    "invalidated",
-    "restore_rejected",
-    "save_failed",
-    "identity_failed",
+    CacheEventKind.INVALIDATED,
+    CacheEventKind.RESTORE_REJECTED,
+    CacheEventKind.SAVE_FAILED,
+    CacheEventKind.IDENTITY_FAILED,
     "failed",
     "error",
-    "evicted",
+    CacheEventKind.EVICTED,
     "critical",
 }
 

@@ -11,6 +11,7 @@ from app.charts import BarChart, TimeChart
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.dashboard.buckets import BucketCache
 from app.qt import QtWidgets
+from core.events import CacheEventKind
 from core.telemetry import BUCKETS
 
 # bucket → (label, window in seconds)
@@ -100,7 +101,7 @@ class ReuseTab(Tab):
             "clients": ("per_client", {"since": detail}),
             "divergences": (
                 "recent_events",
-                {"category": "cache", "kind": "divergence", "limit": 10},
+                {"category": "cache", "kind": CacheEventKind.DIVERGENCE.value, "limit": 10},
             ),
         }
 

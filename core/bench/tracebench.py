@@ -26,6 +26,7 @@ from core.bench.common import post_json, settle
 from core.bench.trace import TraceRequest, make_trace
 from core.config import Settings
 from core.engine import Core
+from core.events import CacheEventKind
 from core.paths import Paths
 from core.server.client import parse_metrics
 
@@ -121,7 +122,7 @@ def replay(
     result.wall_s = time.perf_counter() - t0
     for e in core.query("recent_events", limit=1000, category="cache").result(30):
         result.cache_events[e["kind"]] = result.cache_events.get(e["kind"], 0) + 1
-        if e["kind"] == "restore_rejected":
+        if e["kind"] == CacheEventKind.RESTORE_REJECTED:
             result.rejections.append(e["reason"])
     return result
 

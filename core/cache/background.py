@@ -34,7 +34,7 @@ from core.cache.retention import human_age
 from core.cache.store import StateRecord, safe_name
 from core.config import Settings
 from core.errors import CacheError
-from core.events import CacheEvent
+from core.events import CacheEvent, CacheEventKind
 from core.pressure import PressureMonitor
 from core.sweeps import Outcome, Sweeps
 
@@ -164,7 +164,7 @@ async def _each(
 
 
 # ---------------------------------------------------------------------------- commands
-def _emit(mgr: CacheHost, kind: str, reason: str, **kw: Any) -> None:
+def _emit(mgr: CacheHost, kind: CacheEventKind, reason: str, **kw: Any) -> None:
     details = kw.pop("details", {})
     mgr.publish(CacheEvent(kind=kind, reason=reason, details=details, ts=mgr.clock.time(), **kw))
 
@@ -184,7 +184,7 @@ async def pin(mgr: CacheHost, filename: str, pinned: bool) -> dict[str, Any]:
     mgr.store.set_pinned(filename, pinned)
     _emit(
         mgr,
-        "pinned" if pinned else "unpinned",
+        CacheEventKind.PINNED if pinned else CacheEventKind.UNPINNED,
         "pinned by the user: never expires, never swept, kept warm by keep-alive"
         if pinned
         else f"unpinned by the user: expires after its {rec.ttl_class} TTL again",
@@ -202,7 +202,7 @@ async def evict(mgr: CacheHost, filename: str) -> dict[str, Any]:
     freed = mgr.store.delete(rec)
     _emit(
         mgr,
-        "evicted",
+        CacheEventKind.EVICTED,
         "deleted by the user",
         fingerprint=rec.fingerprint[:16],
         tokens=rec.n_tokens,
@@ -243,7 +243,7 @@ async def rewarm(mgr: Managed, fingerprint: str) -> dict[str, Any]:
     reason = "re-warm requested by the user"
     if holding:
         slot = holding[0]
-        t = await ka.rewarm_in(info, slot, reason=reason, kind="rewarm")
+        t = await ka.rewarm_in(info, slot, reason=reason, kind=CacheEventKind.REWARM)
         if t is None:
             raise CacheError(f"slot {slot} is busy or the server refused the re-warm")
         return {
@@ -256,7 +256,7 @@ async def rewarm(mgr: Managed, fingerprint: str) -> dict[str, Any]:
     free = ka.free_slot()
     if free is None:
         raise CacheError("no free slot: every slot holds a session or is busy")
-    ok = await ka.restore_or_rewarm(info, free, reason=reason, kind="rewarm")
+    ok = await ka.restore_or_rewarm(info, free, reason=reason, kind=CacheEventKind.REWARM)
     if not ok:
         raise CacheError(f"could not re-warm the prefix into slot {free}")
     return {"fingerprint": info.fingerprint[:16], "slot": free, "restored": True}

@@ -32,17 +32,32 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from core.cache import prefix as pfx
 from core.cache.store import StateRecord
 from core.errors import UpstreamError
+from core.events import CacheEventKind
 
 __all__ = ["BootRewarm", "BootStep", "Emit"]
 
 log = logging.getLogger("warmslot.cache")
 
-Emit = Callable[..., None]  # CacheManager._emit: (kind, reason, *, fp=, slot=, tokens=, **details)
+
+class Emit(Protocol):
+    """The cache manager's `emit`: one cache event of a known kind (fingerprint shortened)."""
+
+    def __call__(
+        self,
+        kind: CacheEventKind,
+        reason: str = "",
+        *,
+        fp: str = "",
+        slot: int | None = None,
+        tokens: int | None = None,
+        nbytes: int | None = None,
+        **details: Any,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,7 @@ class BootRewarm:
         if step is not None:
             self.skipped += 1
             self._emit(
-                "boot_rewarm_skipped",
+                CacheEventKind.BOOT_REWARM_SKIPPED,
                 f"a client request needed slot {slot} before its re-warm began",
                 fp=step.info.fingerprint,
                 slot=slot,
@@ -140,7 +155,7 @@ class BootRewarm:
         if not steps:
             return  # nothing known yet (a first start): no events to clutter the log
         self._emit(
-            "boot_rewarm_done",
+            CacheEventKind.BOOT_REWARM_DONE,
             f"{self.warmed} of {self.total} prefixes re-warmed after the server start"
             + (f", {self.skipped} skipped" if self.skipped else "")
             + (f", {self.failed} failed" if self.failed else ""),
@@ -161,7 +176,7 @@ class BootRewarm:
         if not steps:
             return
         self._emit(
-            "boot_rewarm_started",
+            CacheEventKind.BOOT_REWARM_STARTED,
             f"re-warming {len(steps)} recently used prefixes after the server start",
             total=len(steps),
             slots=[s.slot for s in steps],
@@ -185,7 +200,7 @@ class BootRewarm:
             if not run.preempted:
                 why = "the re-warm was cancelled"
             self._emit(
-                "boot_rewarm_skipped",
+                CacheEventKind.BOOT_REWARM_SKIPPED,
                 why,
                 fp=step.info.fingerprint,
                 slot=step.slot,
@@ -203,7 +218,7 @@ class BootRewarm:
         if not isinstance(error, UpstreamError):
             log.error("boot re-warm of slot %d failed", step.slot, exc_info=error)
         self._emit(
-            "boot_rewarm_failed",
+            CacheEventKind.BOOT_REWARM_FAILED,
             f"could not re-warm slot {step.slot}: {error}",
             fp=step.info.fingerprint,
             slot=step.slot,

@@ -30,7 +30,7 @@ from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore
 from core.clock import Clock
 from core.config import Settings
-from core.events import Event
+from core.events import CacheEventKind, Event
 from core.pressure import PressureMonitor
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
@@ -187,7 +187,7 @@ class CacheHost(Protocol):
 
     def emit(
         self,
-        kind: str,
+        kind: CacheEventKind,
         reason: str = "",
         *,
         fp: str = "",

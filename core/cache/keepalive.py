@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from core.cache import prefix as pfx
 from core.cache.slots import SlotState
 from core.errors import UpstreamError, VerificationFailed
-from core.events import CacheEvent
+from core.events import CacheEvent, CacheEventKind
 from core.server.client import SlotInfo, Timings
 from core.sweeps import Outcome
 
@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 __all__ = ["IDLE_SHARE", "KeepAlive", "Residency", "prewarm_body", "residency"]
 
 log = logging.getLogger("warmslot.cache")
+
+# The failure kind of each re-warm kind (keep-alive's own, or one the user asked for).
+FAILED = {
+    CacheEventKind.KEEPALIVE: CacheEventKind.KEEPALIVE_FAILED,
+    CacheEventKind.REWARM: CacheEventKind.REWARM_FAILED,
+}
 
 IDLE_SHARE = 0.8  # re-warm a resident prefix idle this share of the short TTL
 HINT_SLACK = 2  # the slot holds prompt + output − 1 tokens; our hint counts the last one
@@ -99,7 +105,7 @@ class KeepAlive:
         self.rewarmed_at: dict[int, float] = {}  # slot → monotonic time of our last re-warm
         self.last: list[dict[str, Any]] = []  # the last sweep's decisions (status)
 
-    def _emit(self, kind: str, reason: str, **kw: Any) -> None:
+    def _emit(self, kind: CacheEventKind, reason: str, **kw: Any) -> None:
         details = kw.pop("details", {})
         self.mgr.publish(
             CacheEvent(kind=kind, reason=reason, details=details, ts=self.clock.time(), **kw)
@@ -210,7 +216,7 @@ class KeepAlive:
         *,
         reason: str,
         resident: bool | None = None,
-        kind: str = "keepalive",
+        kind: CacheEventKind = CacheEventKind.KEEPALIVE,
     ) -> Timings | None:
         """Prewarm `info` into `slot` under the slot's lock; record the cost."""
         mgr = self.mgr
@@ -225,7 +231,7 @@ class KeepAlive:
                 resp = await client.completion(prewarm_body(info.tokens, slot))
             except UpstreamError as e:
                 self._emit(
-                    f"{kind}_failed",
+                    FAILED[kind],
                     f"re-warm failed: {e}",
                     fingerprint=info.fingerprint[:16],
                     slot=slot,
@@ -295,7 +301,12 @@ class KeepAlive:
         return ok
 
     async def restore_or_rewarm(
-        self, info: pfx.PrefixInfo, slot: int, *, reason: str, kind: str = "keepalive"
+        self,
+        info: pfx.PrefixInfo,
+        slot: int,
+        *,
+        reason: str,
+        kind: CacheEventKind = CacheEventKind.KEEPALIVE,
     ) -> bool:
         """Restore the prefix from disk (verified) into `slot`, else prewarm it there."""
         mgr = self.mgr

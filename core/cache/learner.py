@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from core.cache import prefix as pfx
+from core.cache.boot import Emit
 from core.cache.fingerprint import ServerIdentity, fingerprint
-from core.events import Event, Notice
+from core.events import CacheEventKind, Event, Notice
 from core.proxy import ProxyRequest
 from core.server.client import LlamaClient
 
@@ -34,7 +35,7 @@ class PrefixLearner:
 
     def __init__(
         self,
-        emit: Callable[..., None],
+        emit: Emit,
         publish: Callable[[Event], None],
         remember: Callable[[pfx.PrefixInfo], None],
         identity: Callable[[], ServerIdentity | None],
@@ -108,7 +109,7 @@ class PrefixLearner:
             self._no_prefix.add((key, session))
         if len(tokens) < pfx.MIN_PREFIX_TOKENS:
             self._emit(
-                "no_boundary",
+                CacheEventKind.NO_BOUNDARY,
                 "no stable prefix found for this client yet",
                 client=req.client,
                 tokens=len(tokens),
@@ -133,7 +134,7 @@ class PrefixLearner:
             by_fp[info.fingerprint] = info
             share = round(len(tokens) / max(1, len(full)), 4)
             self._emit(
-                "prefix_learned",
+                CacheEventKind.PREFIX_LEARNED,
                 f"stable prefix of {len(tokens)} of {len(full)} rendered tokens ({source})",
                 fp=info.fingerprint,
                 tokens=len(tokens),
@@ -155,7 +156,7 @@ class PrefixLearner:
         )
         if self.template_warning is None:
             self.template_warning = text
-            self._emit("template_drops_tools", text, client=req.client, lost=lost)
+            self._emit(CacheEventKind.TEMPLATE_DROPS_TOOLS, text, client=req.client, lost=lost)
             self._publish(
                 Notice(
                     level="warning",

@@ -52,7 +52,7 @@ from core.cache.warmup import disk_tier_for as disk_tier_for
 from core.clock import Clock
 from core.config import Settings
 from core.errors import UpstreamError, VerificationFailed
-from core.events import CacheEvent, Event, ServerStateChanged
+from core.events import CacheEvent, CacheEventKind, Event, ServerStateChanged
 from core.pressure import PressureMonitor
 from core.proxy import ProxyRequest
 from core.router import Kind
@@ -120,7 +120,7 @@ class CacheManager:
     # ------------------------------------------------------------ plumbing
     def emit(
         self,
-        kind: str,
+        kind: CacheEventKind,
         reason: str = "",
         *,
         fp: str = "",
@@ -265,7 +265,7 @@ class CacheManager:
             await warmup.learn_identity(self)
         except Exception as e:
             log.exception("could not read the server identity; cache management paused")
-            self.emit("identity_failed", f"could not read server identity: {e!r}")
+            self.emit(CacheEventKind.IDENTITY_FAILED, f"could not read server identity: {e!r}")
             return
         finally:
             self._identity_known.set()
@@ -303,7 +303,7 @@ class CacheManager:
         slot, why_slot = self.slots.pick(session, req.kind)
         req.slot = slot
         if side and slot == self.slots.aux_slot:
-            self.emit("aux_isolated", decision.why, slot=slot, client=req.client)
+            self.emit(CacheEventKind.AUX_ISOLATED, decision.why, slot=slot, client=req.client)
         # Never wait for the boot re-warm of another prefix: skip or stop it.
         self.boot.claim(slot, info.fingerprint if info is not None else "")
         async with self.lock(slot):  # wait for Warmslot's own work on this slot
@@ -375,7 +375,7 @@ class CacheManager:
         if plan.kind is Kind.SIDE:
             if previous_fp and slot != self.slots.aux_slot:
                 self.emit(
-                    "displaced",
+                    CacheEventKind.DISPLACED,
                     "a side call ran in the primary slot (one slot only); "
                     "the server's RAM cache brings the prefix back",
                     fp=previous_fp,
@@ -436,7 +436,7 @@ class CacheManager:
                 f"{where['old'][:30]!r} → {where['new'][:30]!r}"
             )
         self.emit(
-            "divergence",
+            CacheEventKind.DIVERGENCE,
             text,
             fp=req.plan.prefix_fp if req.plan is not None else "",
             slot=req.slot,
@@ -480,7 +480,7 @@ class CacheManager:
         st.tokens_hint = info.n_tokens
         hit = total is not None and total.cache_n >= info.n_tokens - REUSE_SLACK - 4
         self.emit(
-            "prewarm_hit" if hit else "prewarm_cold",
+            CacheEventKind.PREWARM_HIT if hit else CacheEventKind.PREWARM_COLD,
             reason,
             fp=info.fingerprint,
             slot=slot,
@@ -514,7 +514,7 @@ class CacheManager:
         try:
             if not self.pressure.allows_persist():
                 why = self.pressure.paused().get("persist", "")
-                self.emit("persist_skipped", why, fp=info.fingerprint)
+                self.emit(CacheEventKind.PERSIST_SKIPPED, why, fp=info.fingerprint)
                 return
             slot = self._scratch_slot()
             deadline = time.monotonic() + SCRATCH_WAIT_S
@@ -525,7 +525,7 @@ class CacheManager:
             client = self.client
             if slot is None or client is None or self.identity is None:
                 self.emit(
-                    "persist_skipped",
+                    CacheEventKind.PERSIST_SKIPPED,
                     f"no idle scratch slot within {SCRATCH_WAIT_S:.0f} s;"
                     " the next request with this prefix tries again",
                     fp=info.fingerprint,
@@ -534,7 +534,7 @@ class CacheManager:
             async with self.lock(slot):
                 await self._persist_in(info, slot, client)
         except UpstreamError as e:
-            self.emit("save_failed", str(e), fp=info.fingerprint)
+            self.emit(CacheEventKind.SAVE_FAILED, str(e), fp=info.fingerprint)
         finally:
             self._persisting.discard(info.fingerprint)
 
@@ -548,7 +548,7 @@ class CacheManager:
             path.unlink(missing_ok=True)
             self.retention.journal.end(name)
             self.emit(
-                "save_failed",
+                CacheEventKind.SAVE_FAILED,
                 f"server saved {saved.get('n_saved')} tokens, expected {info.n_tokens}",
                 fp=info.fingerprint,
                 slot=slot,
@@ -586,7 +586,7 @@ class CacheManager:
         self.store.add(rec)
         self.retention.journal.end(name)
         self.emit(
-            "save",
+            CacheEventKind.SAVE,
             f"saved the {info.n_tokens}-token prefix",
             fp=info.fingerprint,
             slot=slot,
@@ -625,7 +625,7 @@ class CacheManager:
             self.store.mark_verified(rec.filename, "ok")
             self.store.touch(rec.filename)
             self.emit(
-                "restore_ok",
+                CacheEventKind.RESTORE_OK,
                 "restored and verified",
                 fp=rec.fingerprint,
                 slot=slot,
@@ -641,7 +641,7 @@ class CacheManager:
         st.prefix_fp, st.tokens_hint = "", 0
         freed = self.store.delete(rec)
         self.emit(
-            "restore_rejected",
+            CacheEventKind.RESTORE_REJECTED,
             problem,
             fp=rec.fingerprint,
             slot=slot,

@@ -50,7 +50,7 @@ from sqlite_utils.db import Table
 
 from core.cache.store import StateRecord, safe_name
 from core.config import TTL_CLASSES, CacheSettings
-from core.events import CacheEvent
+from core.events import CacheEvent, CacheEventKind
 from core.sweeps import Outcome
 
 if TYPE_CHECKING:
@@ -331,7 +331,7 @@ class Retention:
         held = {s.prefix_fp for s in self.mgr.slots.slots if s.prefix_fp}
         return held | set(self.mgr.persisting)
 
-    def _emit(self, kind: str, reason: str, **kw: Any) -> None:
+    def _emit(self, kind: CacheEventKind, reason: str, **kw: Any) -> None:
         details = kw.pop("details", {})
         self.mgr.publish(
             CacheEvent(kind=kind, reason=reason, details=details, ts=self.clock.time(), **kw)
@@ -403,7 +403,7 @@ class Retention:
             self.mgr.store.table.delete_where("filename = ?", [rec.filename])
             freed = 0
         self._emit(
-            "evicted",
+            CacheEventKind.EVICTED,
             reason,
             fingerprint=rec.fingerprint[:16],
             tokens=rec.n_tokens,
@@ -443,7 +443,7 @@ class Retention:
             count += 1
             freed += size
             self._emit(
-                "evicted",
+                CacheEventKind.EVICTED,
                 "a save that never finished (Warmslot or the server stopped mid-write)",
                 bytes=size,
                 details={
@@ -502,7 +502,7 @@ class Retention:
                 f"({mgr.pressure.why}): idle sessions are released first"
             )
             self._emit(
-                "evicted",
+                CacheEventKind.EVICTED,
                 f"{why}: slot {st.id} released for other sessions; {saved}",
                 fingerprint=st.prefix_fp[:16],
                 slot=st.id,

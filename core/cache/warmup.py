@@ -24,6 +24,7 @@ from core.cache.probe import PROBE_SUFFIX, SWA_LOGPROB_TOLERANCE
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord
 from core.errors import VerificationFailed
+from core.events import CacheEventKind
 from core.server.argv import kv_relevant
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ async def learn_identity(mgr: CacheHost) -> None:
         loaded = 0
     load_saved(mgr)
     mgr.emit(
-        "server_identity",
+        CacheEventKind.SERVER_IDENTITY,
         "server ready",
         identity=mgr.identity.short,
         disk_tier=mgr.disk.usable,
@@ -138,7 +139,7 @@ def load_definitions(mgr: CacheHost, n_ctx: int | None) -> int:
     defs = book.load(ident.model, ident.chat_template, LOAD_AT_START)
     if book.ignored:
         mgr.emit(
-            "definitions_ignored",
+            CacheEventKind.DEFINITIONS_IGNORED,
             f"{book.ignored} stored prefix definitions were damaged; deleted",
         )
     loaded = 0
@@ -203,7 +204,7 @@ def load_saved(mgr: CacheHost) -> None:
         if fp != rec.fingerprint:
             freed = mgr.store.delete(rec)
             mgr.emit(
-                "invalidated",
+                CacheEventKind.INVALIDATED,
                 "saved for a different server identity (chat "
                 "template, build or flags changed); it will be rebuilt once",
                 fp=rec.fingerprint,
@@ -285,7 +286,7 @@ async def warm_step(mgr: CacheHost, step: BootStep) -> bool:
             return await restore_or_prewarm(mgr, step.saved, step.slot, chunk=BOOT_CHUNK_TOKENS)
         if not mgr.pressure.allows_prewarm(False):
             why = mgr.pressure.paused().get("prewarm", "")
-            mgr.emit("prewarm_skipped", why, fp=step.info.fingerprint, slot=step.slot)
+            mgr.emit(CacheEventKind.PREWARM_SKIPPED, why, fp=step.info.fingerprint, slot=step.slot)
             return False
         await mgr.prewarm(
             step.info, step.slot, reason="after server start", chunk=BOOT_CHUNK_TOKENS
@@ -303,7 +304,7 @@ async def restore_or_prewarm(
     """
     if not mgr.pressure.allows_prewarm(rec.pinned):
         why = mgr.pressure.paused().get("prewarm", "")
-        mgr.emit("prewarm_skipped", why, fp=rec.fingerprint, slot=slot)
+        mgr.emit(CacheEventKind.PREWARM_SKIPPED, why, fp=rec.fingerprint, slot=slot)
         return False
     info = mgr.by_fp.get(rec.fingerprint)
     if mgr.disk.usable:
