@@ -31,7 +31,7 @@ from core.cache.plan import SlotPlan
 from core.errors import PortInUse
 from core.events import CacheEvent, CacheEventKind, Event, RequestCompleted
 from core.router import Decision, Refused, Router, session_key
-from core.server.client import Timings, stale_connection
+from core.server.client import STALE_RETRIES, Timings, stale_connection
 from core.server.upstream import Upstream
 
 log = logging.getLogger("warmslot.proxy")
@@ -634,22 +634,26 @@ class Proxy:
     async def _post_upstream(
         self, upstream: Upstream, url: str, payload: bytes, headers: dict[str, str]
     ) -> aiohttp.ClientResponse:
-        """POST to llama-server, resending once if a pooled connection was already dead.
+        """POST to llama-server, resending if a pooled connection was already dead.
 
         llama-server closes the connection after every streamed response (without
         ``Connection: close``), and idle ones after 5 s. A pooled connection reused
         just as the close arrives fails before any response byte (`stale_connection`):
-        that request never ran, so it goes once more on a new one.
+        that request never ran, so it is sent again.
         """
         session = upstream.session
         kw: dict[str, Any] = {"timeout": self._timeout, "auto_decompress": False}
-        try:
-            return await session.post(url, data=payload, headers=headers, **kw)
-        except aiohttp.ClientError as e:
-            if not stale_connection(e):
-                raise
-            log.debug("llama-server closed a pooled connection (%r); resending on a new one", e)
-            return await session.post(url, data=payload, headers=headers, **kw)
+        # The pool may hold more than one connection the server has just closed (after
+        # a burst of streams), so a resend can meet another: a few tries, each of which
+        # drops a dead connection from the pool.
+        for _ in range(STALE_RETRIES):
+            try:
+                return await session.post(url, data=payload, headers=headers, **kw)
+            except aiohttp.ClientError as e:
+                if not stale_connection(e):
+                    raise
+                log.debug("llama-server closed a pooled connection (%r); resending", e)
+        return await session.post(url, data=payload, headers=headers, **kw)
 
     async def _stream(
         self, request: web.Request, req: ProxyRequest, up: aiohttp.ClientResponse, t0: float

@@ -34,6 +34,9 @@ def valid_slot_filename(name: str) -> bool:
     )
 
 
+STALE_RETRIES = 3  # tries on stale pooled connections before the last plain one
+
+
 def stale_connection(e: BaseException) -> bool:
     """A pooled keep-alive connection that llama-server had already closed when it was
     reused: it ends before any response byte (a disconnect, or a reset/broken pipe when
@@ -103,14 +106,16 @@ class LlamaClient:
     ) -> Any:
         url = self.base_url + path
         try:
-            try:
-                return await self._request(method, url, path, body, expect_json)
-            except aiohttp.ClientError as e:
-                if not stale_connection(e):
-                    raise
-                # A pooled connection the server had just closed (it closes idle ones
-                # after 5 s): the request never ran, so it goes once more on a new one.
-                return await self._request(method, url, path, body, expect_json)
+            # A pooled connection the server had just closed (it closes idle ones after
+            # 5 s): the request never ran, so it goes again; a few tries, since the pool
+            # may hold more than one such connection.
+            for _ in range(STALE_RETRIES):
+                try:
+                    return await self._request(method, url, path, body, expect_json)
+                except aiohttp.ClientError as e:
+                    if not stale_connection(e):
+                        raise
+            return await self._request(method, url, path, body, expect_json)
         except (aiohttp.ClientError, TimeoutError) as e:
             raise UpstreamError(f"{method} {path} failed: {e!r}") from e
 
