@@ -19,9 +19,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from core.cache.boot import BootRewarm
+from core.cache.boot import BootRewarm, Emit
 from core.cache.definitions import DefinitionStore
 from core.cache.fingerprint import ServerIdentity
 from core.cache.prefix import PrefixInfo
@@ -30,7 +30,7 @@ from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore
 from core.clock import Clock
 from core.config import Settings
-from core.events import CacheEventKind, Event
+from core.events import Event
 from core.pressure import PressureMonitor
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
@@ -185,18 +185,9 @@ class CacheHost(Protocol):
         """Held while Warmslot itself uses `slot`; a request for it waits."""
         ...
 
-    def emit(
-        self,
-        kind: CacheEventKind,
-        reason: str = "",
-        *,
-        fp: str = "",
-        slot: int | None = None,
-        tokens: int | None = None,
-        nbytes: int | None = None,
-        **details: Any,
-    ) -> None:
-        """Emit a cache event (fingerprint shortened)."""
+    @property
+    def emit(self) -> Emit:
+        """Emit a cache event (fingerprint shortened); the signature is `boot.Emit`'s."""
         ...
 
     def publish(self, event: Event) -> None:

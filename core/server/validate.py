@@ -48,6 +48,7 @@ __all__ = [
     "check_binary",
     "cpu_info",
     "describe_failure",
+    "forget_verdicts",
     "smoke_model",
     "smoke_start",
 ]
@@ -322,6 +323,13 @@ def _serve_one_token(
 
 _memo: dict[str, Verdict] = {}
 _memo_lock = threading.Lock()
+
+
+def forget_verdicts() -> None:
+    """Drop this process's remembered verdicts (the file cache stays): the next check of
+    each binary reads the file, or smoke-starts it again."""
+    with _memo_lock:
+        _memo.clear()
 
 
 def _checks_file(paths: Paths) -> Path:

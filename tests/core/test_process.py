@@ -31,7 +31,7 @@ posix_only = pytest.mark.skipif(os.name != "posix", reason="process groups are P
 # Each level ignores SIGTERM when told to, starts the next level (which always ignores
 # it), writes its pid once that is done, and sleeps. The pid files say: all started.
 CHAIN = """\
-import os, signal, subprocess, sys, time
+import os, signal, subprocess, sys
 depth, piddir, ignore = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 if ignore:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -42,7 +42,7 @@ with open(tmp, "w") as f:
     f.write(str(os.getpid()))
 os.replace(tmp, os.path.join(piddir, f"{depth}.pid"))
 while True:
-    time.sleep(60)
+    signal.pause()  # idle until the signal under test arrives
 """
 
 

@@ -51,7 +51,7 @@ def fake_request(*, patched: bool) -> BuildRequest:
 
 @pytest.fixture
 def paths(tmp_path: Path) -> Paths:
-    validate._memo.clear()
+    validate.forget_verdicts()
     return Paths.under(tmp_path / "home")
 
 
@@ -162,7 +162,7 @@ def test_auto_builds_the_patched_server_in_the_background_and_switches_when_quie
 ) -> None:
     """The stock server serves at once; the patched build runs at idle priority; when no
     request ran for server.switch_idle_s the server restarts on the patched binary."""
-    validate._memo.clear()
+    validate.forget_verdicts()
     stock = make_fake_binary(tmp_path / "stock")
     monkeypatch.setattr(discover, "_package_candidate", lambda: (stock, {}))
     settings = settings_for(gemma_model, server__switch_idle_s=0.5)

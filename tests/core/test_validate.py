@@ -30,7 +30,7 @@ flags\t\t: avx avx2 avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile a
 
 @pytest.fixture
 def paths(tmp_path: Path) -> Paths:
-    validate._memo.clear()
+    validate.forget_verdicts()
     return Paths.under(tmp_path / "home")
 
 
@@ -82,7 +82,7 @@ def test_a_binary_that_dies_by_sigill_is_rejected_and_remembered(
     # Tried once more with --no-repack (native AMX builds crash in repacking), in vain.
     assert [ln.split()[1] for ln in launches(log)] == ["no_repack=0", "no_repack=1"]
     # Deterministic: cached on disk, so a new process does not start it again.
-    validate._memo.clear()
+    validate.forget_verdicts()
     again = validate.check_binary(paths, fake, "id-ill", cpu=cpu)
     assert again.cached and not again.ok and again.reason == v.reason
     assert len(launches(log)) == 2
