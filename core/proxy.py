@@ -628,6 +628,7 @@ class Proxy:
             return _gone()
         except (aiohttp.ClientError, TimeoutError) as e:
             error = f"llama-server did not answer: {e!r}"
+            log.warning("%s %s → 502: %s", req.endpoint, req.request_id, error)
             response = error_response(502, f"Warmslot: {error}", type_="server_error")
             return _Outcome(response, 502, error=error)
 

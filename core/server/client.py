@@ -41,7 +41,9 @@ def stale_connection(e: BaseException) -> bool:
     """A pooled keep-alive connection that llama-server had already closed when it was
     reused: it ends before any response byte (a disconnect, or a reset/broken pipe when
     the close and the write cross), so the request never ran and may be sent again."""
-    if isinstance(e, aiohttp.ServerDisconnectedError):
+    if isinstance(e, aiohttp.ServerDisconnectedError | ConnectionResetError):
+        # ConnectionResetError covers aiohttp's ClientConnectionResetError: "Cannot write
+        # to closing transport" when the request meets a connection being closed.
         return True
     return isinstance(e, aiohttp.ClientOSError) and e.errno in (errno.ECONNRESET, errno.EPIPE)
 

@@ -517,6 +517,7 @@ def test_stale_connection_errors_are_the_ones_that_never_ran() -> None:
     assert stale_connection(aiohttp.ServerDisconnectedError())
     assert stale_connection(aiohttp.ClientOSError(errno.ECONNRESET, "reset by peer"))
     assert stale_connection(aiohttp.ClientOSError(errno.EPIPE, "broken pipe"))
+    assert stale_connection(aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
     assert not stale_connection(aiohttp.ClientOSError(errno.ECONNREFUSED, "refused"))
     assert not stale_connection(aiohttp.ClientPayloadError("truncated body"))
     assert not stale_connection(TimeoutError())
