@@ -228,9 +228,26 @@ def launch(
     )
 
 
+def missing_xcb_libraries() -> str:
+    """Why Qt's X11 plugin cannot start here ("" when it can, or when Qt will not use it).
+
+    Checked before QApplication exists: once Qt fails to load its platform plugin it
+    aborts the process, naming the wrong library.
+    """
+    from core.syslibs import check_tray_libraries, qt_will_use_xcb
+
+    if not qt_will_use_xcb():
+        return ""
+    libs = check_tray_libraries()
+    return "" if libs.ok else libs.message()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if missing := missing_xcb_libraries():
+        print(f"warmslot-tray: {missing}", file=sys.stderr)
+        return 2
     qapp = QtWidgets.QApplication([sys.argv[0]])
     qapp.setApplicationName(APP_NAME)
     qapp.setOrganizationName(APP_NAME)

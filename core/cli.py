@@ -285,6 +285,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except WarmslotError as e:
         problems += 1
         print(f"model:       ✘ {e.user_message()}")
+    from core.syslibs import check_tray_libraries
+
+    libs = check_tray_libraries()
+    if libs.checked:  # informational: `serve` runs without them, only the tray needs them
+        print(f"tray (X11):  {'✔' if libs.ok else '✘'} {libs.message()}")
     st = fetch_status(paths)
     print(f"running:     {'yes, ' + st['server']['state'] if st else 'no'}")
     from core.cache.inventory import doctor_lines

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import BuildError
+from core.syslibs import os_release_ids
 
 __all__ = [
     "BACKENDS",
@@ -204,12 +205,7 @@ def compiler_hint(os_release: Path = Path("/etc/os-release"), system: str | None
             "Install Visual Studio Build Tools with the 'Desktop development with C++' "
             "workload (winget install Microsoft.VisualStudio.2022.BuildTools)." + alt
         )
-    ids: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in os_release.read_text("utf-8", "replace").splitlines():
-            key, _, value = line.partition("=")
-            if key in ("ID", "ID_LIKE"):
-                ids.update(value.strip().strip('"').lower().split())
+    ids = os_release_ids(os_release)
     for names, cmd in (
         ({"debian", "ubuntu"}, "sudo apt install build-essential"),
         ({"fedora", "rhel", "centos"}, "sudo dnf install gcc-c++ make"),

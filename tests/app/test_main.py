@@ -126,3 +126,24 @@ def test_tray_icon_menu_and_tooltip_follow_the_state(
     assert tray.icon.icon().cacheKey() != 0
     tray.actions["dashboard"].trigger()
     assert app.dashboard is not None and app.dashboard.isVisible()
+
+
+def test_missing_x11_libraries_are_named_before_qt_aborts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qt aborts on a missing xcb library naming the wrong one: the tray checks first."""
+    import app.main
+    import core.syslibs
+
+    monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
+    missing = core.syslibs.TrayLibraries(
+        checked=True,
+        missing=("libxcb-icccm.so.4",),
+        hint="Install them: sudo apt install libxcb-icccm4",
+    )
+    monkeypatch.setattr(core.syslibs, "check_tray_libraries", lambda: missing)
+    assert app.main.main([]) == 2
+    err = capsys.readouterr().err
+    assert "libxcb-icccm.so.4" in err and "sudo apt install libxcb-icccm4" in err
+    monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")  # Qt would not use the X11 plugin
+    assert app.main.missing_xcb_libraries() == ""
