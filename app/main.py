@@ -96,6 +96,7 @@ class App(QObject):
         )
         self.dashboard: Dashboard | None = None
         self.settings_dialog: SettingsDialog | None = None
+        self.logs_box: QtWidgets.QMessageBox | None = None
         self.handlers: dict[str, Callable[[], None]] = {
             START: self.controller.start_all,
             STOP: self.controller.stop,
@@ -162,8 +163,24 @@ class App(QObject):
             self.controller.core_error = ""
             self.controller.start_core()
 
-    def open_logs(self) -> None:
-        QtGui.QDesktopServices.openUrl(QtCore.QUrl.fromLocalFile(str(self.paths.log_dir)))
+    def open_logs(self) -> bool:
+        """Open the log folder in the file manager; without one, show where it is."""
+        folder = str(self.paths.log_dir)
+        if QtGui.QDesktopServices.openUrl(QtCore.QUrl.fromLocalFile(folder)):
+            return True
+        box = QtWidgets.QMessageBox(
+            QtWidgets.QMessageBox.Icon.Information,
+            "Warmslot logs",
+            f"No file manager could open the log folder. The logs are in:\n\n{folder}",
+        )
+        box.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        copy = box.addButton("Copy path", QtWidgets.QMessageBox.ButtonRole.ActionRole)
+        box.addButton(QtWidgets.QMessageBox.StandardButton.Close)
+        copy.clicked.connect(lambda: QtWidgets.QApplication.clipboard().setText(folder))
+        box.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.open()
+        self.logs_box = box  # kept for tests and so it is not collected
+        return False
 
     def _message(self, text: str) -> None:
         if text.strip() == "open-dashboard":

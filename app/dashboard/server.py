@@ -51,10 +51,14 @@ class ServerTab(Tab):
         lcol.addWidget(self.argv)
 
         lcol.addWidget(QtWidgets.QLabel("<b>Fit plan</b>"))
-        self.fit = QtWidgets.QLabel("—")
-        self.fit.setWordWrap(True)
-        self.fit.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        lcol.addWidget(self.fit)
+        # The plan is a table aligned with spaces (`warmslot fit` prints the same):
+        # monospaced, not wrapped, scrollable — a label would clip or re-flow it.
+        self.fit = QtWidgets.QPlainTextEdit()
+        self.fit.setReadOnly(True)
+        self.fit.setLineWrapMode(QtWidgets.QPlainTextEdit.LineWrapMode.NoWrap)
+        self.fit.setFont(QtGui.QFontDatabase.systemFont(QtGui.QFontDatabase.SystemFont.FixedFont))
+        self.fit.setMinimumHeight(120)
+        lcol.addWidget(self.fit, 1)
 
         build = QtWidgets.QGroupBox("Build from source")
         brow = QtWidgets.QGridLayout(build)
@@ -103,6 +107,7 @@ class ServerTab(Tab):
         backend = ctx.backend
         c = ctx.controller
         can_build = backend.supports("build_server") and c is not None
+        self._can_build = can_build
         self.build_button.setEnabled(can_build)
         if not can_build:
             self.build_button.setToolTip(
@@ -152,26 +157,19 @@ class ServerTab(Tab):
         )
         m = srv.get("model") or {}
         self.facts["model"].setText(f"{m['path']} ({fmt.size(m.get('size'))})" if m else "—")
-        exits = srv.get("exits") or []
-        crashes = sum(1 for e in exits if e.get("outcome") == "crashed")
         self.facts["restarts"].setText(
-            f"{srv.get('restarts', 0)} in a row now; {crashes} crashes of {len(exits)} exits "
-            "since Warmslot started"
+            f"{srv.get('restarts', 0)} in a row now; " + exits_summary(srv.get("exits") or [])
         )
         argv = srv.get("argv") or []
         self.argv.setPlainText(shlex.join(argv) if argv else "")
-        fit = srv.get("fit") or srv.get("plan")
-        if isinstance(fit, dict) and fit:
-            self.fit.setText(
-                "<br>".join(f"<b>{k}</b>: {_short(v)}" for k, v in fit.items() if k != "text")
-                if "text" not in fit
-                else str(fit["text"]).replace("\n", "<br>")
-            )
-        else:
-            self.fit.setText(
-                "<i>Not reported by this core</i> (expects Core.status()['server']['fit']: the "
-                "planner's VRAM/RAM/disk breakdown). Flags in the command line above."
-            )
+        fit = srv.get("fit")
+        text = str(fit.get("text") or "") if isinstance(fit, dict) else ""
+        if text != self.fit.toPlainText():
+            self.fit.setPlainText(text)
+        self.fit.setPlaceholderText(
+            "No fit plan yet: it is made when llama-server starts (`warmslot fit` shows it "
+            "before). The flags are in the command line above."
+        )
 
     def apply_runs(self, runs: list[dict[str, Any]]) -> None:
         fill(
@@ -212,13 +210,30 @@ class ServerTab(Tab):
         if ev.done:
             self.build_step.setText(f"{'Finished' if ev.ok else 'Failed'}: {ev.step}")
             self.cancel_button.setEnabled(False)
+            self.build_button.setEnabled(self._can_build)
         else:
             # "what: 45 % (94/208), 4 min so far, about 5 min left" — then the current step.
             self.build_step.setText(f"{ev.describe()}\n{ev.step}")
             self.cancel_button.setEnabled(self.ctx.backend.supports("cancel_build"))
+            self.build_button.setEnabled(False)  # one build at a time: this one is running
 
 
-def _short(v: Any) -> str:
-    if isinstance(v, int | float) and abs(v) >= 2**20:
-        return fmt.size(v)
-    return str(v)
+# Exit outcomes as the supervisor records them, in the words a user reads.
+_OUTCOMES = {
+    "crashed": ("crash", "crashes"),
+    "start_failed": ("failed start", "failed starts"),
+    "requested": ("requested stop", "requested stops"),
+}
+
+
+def exits_summary(exits: list[dict[str, Any]]) -> str:
+    """"2 exits since Warmslot started: 2 failed starts" — every exit counted by kind."""
+    if not exits:
+        return "no exits since Warmslot started"
+    kinds: dict[tuple[str, str], int] = {}
+    for e in exits:
+        outcome = str(e.get("outcome") or "unknown")
+        words = _OUTCOMES.get(outcome, (outcome, outcome))
+        kinds[words] = kinds.get(words, 0) + 1
+    parts = ", ".join(f"{n} {one if n == 1 else many}" for (one, many), n in kinds.items())
+    return f"{len(exits)} exit{'' if len(exits) == 1 else 's'} since Warmslot started: {parts}"

@@ -19,8 +19,8 @@ from app.dashboard.events import EventsTab
 from app.dashboard.memory import MemoryTab, level_runs
 from app.dashboard.overview import OverviewTab
 from app.dashboard.reuse import ReuseTab, window
-from app.dashboard.server import ServerTab
-from app.qt import Qt, QtWidgets
+from app.dashboard.server import ServerTab, exits_summary
+from app.qt import Qt, QtGui, QtWidgets
 from core.events import BuildProgress, LogLine
 from tests.app.conftest import NOW
 
@@ -229,6 +229,32 @@ def test_server_tab_runs_log_and_build(qtbot: Any, offline: Any, expected: Any) 
     )
     assert not tab.build_button.isEnabled()
     assert "build_server" in tab.build_button.toolTip()
+
+
+def test_server_tab_fit_plan_and_exits(qtbot: Any, offline: Any) -> None:
+    """The fit plan keeps its columns (fixed pitch, no wrapping); exits count by kind."""
+    tab = ServerTab(offline)
+    qtbot.addWidget(tab)
+    plan = "  device        weights   KV+state\n  CPU (host)    241 MiB     18 MiB"
+    tab.apply_status(
+        {
+            "state": "failed",
+            "fit": {"plan": {}, "text": plan},
+            "exits": [{"outcome": "start_failed"}, {"outcome": "start_failed"}],
+        }
+    )
+    assert tab.fit.toPlainText() == plan
+    assert QtGui.QFontInfo(tab.fit.font()).fixedPitch()
+    assert tab.fit.lineWrapMode() is QtWidgets.QPlainTextEdit.LineWrapMode.NoWrap
+    assert tab.facts["restarts"].text() == (
+        "0 in a row now; 2 exits since Warmslot started: 2 failed starts"
+    )
+    tab.apply_status({"state": "stopped"})
+    assert tab.fit.toPlainText() == "" and "warmslot fit" in tab.fit.placeholderText()
+    assert exits_summary(
+        [{"outcome": "crashed"}, {"outcome": "requested"}, {"outcome": "crashed"}]
+    ) == "3 exits since Warmslot started: 2 crashes, 1 requested stop"
+    assert exits_summary([]) == "no exits since Warmslot started"
 
 
 def test_cache_tab_actions(qtbot: Any, offline: Any) -> None:

@@ -147,3 +147,34 @@ def test_missing_x11_libraries_are_named_before_qt_aborts(
     assert "libxcb-icccm.so.4" in err and "sudo apt install libxcb-icccm4" in err
     monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")  # Qt would not use the X11 plugin
     assert app.main.missing_xcb_libraries() == ""
+
+
+def test_logs_without_a_file_manager_and_the_build_button_during_a_build(
+    qtbot: Any, tmp_path: Path, start_app: Launch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.qt import QtGui
+    from core.events import BuildProgress
+
+    prepare(tmp_path)
+    app = start_app(tmp_path, tray_available=False)
+    qtbot.waitUntil(lambda: app.core.running, timeout=30_000)
+    # No file manager (a bare X session): the log folder's path is shown, and copyable.
+    monkeypatch.setattr(QtGui.QDesktopServices, "openUrl", lambda url: False)
+    assert app.open_logs() is False
+    box = app.logs_box
+    assert box is not None and str(app.paths.log_dir) in box.text()
+    copy = next(b for b in box.buttons() if b.text() == "Copy path")
+    copy.click()
+    assert QtWidgets.QApplication.clipboard().text() == str(app.paths.log_dir)
+    box.close()
+    # One build at a time: the button is off while a build runs, back on after it.
+    assert app.dashboard is not None
+    server = app.dashboard.page("server")
+    assert server.build_button.isEnabled()
+    running = BuildProgress(build_id="b", percent=10.0, step="compiling", purpose="test")
+    app.bridge.deliver(running)
+    qtbot.waitUntil(lambda: not server.build_button.isEnabled(), timeout=5_000)
+    app.bridge.deliver(
+        BuildProgress(build_id="b", percent=100.0, step="built", done=True, ok=True)
+    )
+    qtbot.waitUntil(server.build_button.isEnabled, timeout=5_000)
