@@ -10,10 +10,12 @@ sqlite-utils `Migrations`; old rows are deleted by `prune`.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,7 +38,12 @@ from core.events import (
     SweepRun,
 )
 
+log = logging.getLogger("warmslot.telemetry")
+
 BATCH = 200
+# The most rows held for writing. Past it the oldest are dropped (and counted): a
+# database that cannot be written must not grow the core's memory without end.
+MAX_PENDING = 20 * BATCH
 BUCKETS = {"minute": 60, "hour": 3600, "day": 86400}
 # The queries that may be run by name (`Telemetry.query`, `Core.query`, the GUI): the
 # read-only methods in the "queries" part of `Telemetry`. Kept here, beside them, so a
@@ -168,12 +175,44 @@ def m002_sweeps(db: sqlite_utils.Database) -> None:
     _table(db, "sweeps").create_index(["name", "ts"])
 
 
+# What writing one row can raise because of that row: a value sqlite3 cannot bind or
+# encode (UnicodeEncodeError is a ValueError), a constraint, an unknown column.
+_ROW_ERRORS = (sqlite3.Error, ValueError, TypeError, OverflowError)
+
+
 def _table(db: sqlite_utils.Database, name: str) -> Table:
     return cast(Table, db[name])
 
 
+def safe_text(value: str) -> str:
+    """`value` as text SQLite (and JSON) can store: code points that are not valid
+    Unicode text — lone surrogates, as aiohttp makes of a header's non-UTF-8 bytes
+    (``surrogateescape``) — become U+FFFD replacement characters."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # surrogateescape turns the escaped bytes back into themselves; surrogatepass
+        # keeps any other lone surrogate as its (invalid) UTF-8 bytes; decoding with
+        # "replace" then makes each invalid sequence one U+FFFD.
+        raw = value.encode("utf-8", "surrogateescape" if _escaped_only(value) else "surrogatepass")
+        return raw.decode("utf-8", "replace")
+    return value
+
+
+def _escaped_only(value: str) -> bool:
+    """True when every surrogate in `value` is one surrogateescape makes (U+DC80..DCFF)."""
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in value)
+
+
 def _clean(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: (int(v) if isinstance(v, bool) else v) for k, v in row.items()}
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, bool):
+            v = int(v)
+        elif isinstance(v, str):
+            v = safe_text(v)
+        out[k] = v
+    return out
 
 
 class Telemetry:
@@ -193,29 +232,132 @@ class Telemetry:
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._upserts: list[tuple[str, dict[str, Any], str]] = []
         self._last_flush = clock()
+        # Rows that could not be written and were dropped (since this object was made),
+        # and the causes already logged (each once).
+        self.dropped = 0
+        self._unnoted = 0
+        self._last_cause = ""
+        self._logged: set[str] = set()
 
     # --------------------------------------------------------------- writing
     def add(self, table: str, row: dict[str, Any]) -> None:
         self._pending.setdefault(table, []).append(_clean(row))
-        if sum(len(v) for v in self._pending.values()) >= BATCH:
+        held = sum(len(v) for v in self._pending.values())
+        if held >= BATCH:
             self.flush()
+            held = sum(len(v) for v in self._pending.values())
+        if held > MAX_PENDING:  # the database cannot be written: keep the newest rows
+            rows = self._pending[table]
+            over = min(held - MAX_PENDING, len(rows))
+            del rows[:over]
+            self._drop(over, table, "BufferFull: the database could not be written")
 
     def upsert(self, table: str, row: dict[str, Any], pk: str) -> None:
         self._upserts.append((table, _clean(row), pk))
+        if len(self._upserts) > MAX_PENDING:
+            del self._upserts[0]
+            self._drop(1, table, "BufferFull: the database could not be written")
 
     def flush(self) -> None:
-        """Write everything buffered in one transaction."""
+        """Write everything buffered: in one transaction, or row by row if that fails.
+
+        One row that cannot be written (a value SQLite refuses) must never stop the
+        recording of every later one: when the batch fails, each row is written alone
+        and the ones that fail are dropped, counted in `dropped`, logged (once per
+        cause) and noted in the events table (category "telemetry"). When the database
+        itself cannot be written (locked, full, read-only: `sqlite3.OperationalError`),
+        the rows stay buffered for the next flush, up to `MAX_PENDING`.
+        """
         if not self._pending and not self._upserts:
             self._last_flush = self._clock()
             return
-        with self.db.atomic():
-            for table, rows in self._pending.items():
-                _table(self.db, table).insert_all(rows, alter=False)
-            for table, row, pk in self._upserts:
-                _table(self.db, table).upsert(row, pk=pk)
-        self._pending.clear()
-        self._upserts.clear()
+        try:
+            with self.db.atomic():
+                for table, rows in self._pending.items():
+                    _table(self.db, table).insert_all(rows, alter=False)
+                for table, row, pk in self._upserts:
+                    _table(self.db, table).upsert(row, pk=pk)
+        except _ROW_ERRORS as e:
+            log.debug("telemetry batch failed (%r); writing row by row", e)
+            self._write_each()
+        else:
+            self._pending.clear()
+            self._upserts.clear()
+            self._note_drops()
         self._last_flush = self._clock()
+
+    def _write_each(self) -> None:
+        """Write the buffered rows one at a time, dropping each that fails on its own."""
+        writes: list[tuple[str, Callable[[], Any]]] = []
+        for table, rows in self._pending.items():
+            for row in rows:
+                writes.append((table, partial(_table(self.db, table).insert, row, alter=False)))
+        for table, row, pk in self._upserts:
+            writes.append((table, partial(_table(self.db, table).upsert, row, pk=pk)))
+        pending, upserts = self._pending, self._upserts
+        self._pending, self._upserts = {}, []
+        for i, (table, write) in enumerate(writes):
+            try:
+                with self.db.atomic():
+                    write()
+            except sqlite3.OperationalError as e:
+                # The database, not the row: keep this row and the rest for later.
+                if "OperationalError" not in self._logged:
+                    self._logged.add("OperationalError")
+                    log.warning("telemetry cannot write the database now (rows kept): %s", e)
+                self._keep_unwritten(pending, upserts, i)
+                return
+            except _ROW_ERRORS as e:
+                self._drop(1, table, f"{type(e).__name__}: {e}")
+        self._note_drops()
+
+    def _keep_unwritten(
+        self,
+        pending: dict[str, list[dict[str, Any]]],
+        upserts: list[tuple[str, dict[str, Any], str]],
+        first: int,
+    ) -> None:
+        """Buffer again every write from index `first` on (inserts, then upserts)."""
+        index = 0
+        for table, rows in pending.items():
+            for row in rows:
+                if index >= first:
+                    self._pending.setdefault(table, []).append(row)
+                index += 1
+        for item in upserts:
+            if index >= first:
+                self._upserts.append(item)
+            index += 1
+
+    def _drop(self, n: int, table: str, cause: str) -> None:
+        self.dropped += n
+        self._unnoted += n
+        self._last_cause = cause
+        key = cause.split(":", 1)[0]
+        if key not in self._logged:  # once per kind of cause: one bad client, one line
+            self._logged.add(key)
+            log.error(
+                "telemetry dropped %d row(s) of %r that could not be written: %s "
+                "(logged once per cause; the count is in status totals as dropped_rows)",
+                n,
+                table,
+                cause,
+            )
+
+    def _note_drops(self) -> None:
+        """Record in the events table that rows were dropped (written at the next flush)."""
+        if not self._unnoted:
+            return
+        n, self._unnoted = self._unnoted, 0
+        self._pending.setdefault("events", []).append(
+            {
+                "ts": self._clock(),
+                "category": "telemetry",
+                "kind": "rows_dropped",
+                "reason": safe_text(f"{n} row(s) could not be written: {self._last_cause}")[:500],
+                "details": json.dumps({"rows": n, "total_dropped": self.dropped}),
+            }
+        )
 
     def maybe_flush(self, interval: float = 1.0) -> None:
         if self._clock() - self._last_flush >= interval:
@@ -435,6 +577,7 @@ class Telemetry:
         per_token = row["prompt_ms"] / row["prompt_tokens"] if row["prompt_tokens"] else None
         row["seconds_saved"] = (row["cached_tokens"] * per_token / 1000.0) if per_token else 0.0
         row["errors"] = row["errors"] or 0
+        row["dropped_rows"] = self.dropped  # rows telemetry could not write (since start)
         return row
 
     def per_client(self, since: float | None = None) -> list[dict[str, Any]]:

@@ -299,3 +299,71 @@ def test_core_query_uses_the_same_whitelist(make_core: Any) -> None:
     core = make_core()  # not started: a name is checked before anything is submitted
     with pytest.raises(ValueError, match="unknown query 'prune'"):
         core.query("prune", retention_days=0)
+
+
+# ------------------------------------------------------------ one bad row (issue 19)
+def undecodable(raw: bytes) -> str:
+    """A header value as aiohttp decodes non-UTF-8 bytes (surrogateescape)."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def test_text_that_is_not_unicode_is_stored_as_replacement_characters(tel: Telemetry) -> None:
+    """aiohttp hands non-UTF-8 header bytes on as lone surrogates, which sqlite3 cannot
+    encode: such a row once failed every later flush (issue 19)."""
+    bad = undecodable(b"agent\xff\xfe\xfd/1")
+    tel.record(req(T + 1, client=bad, session=undecodable(b"s\xff")))
+    for i in range(3):
+        tel.record(req(T + 2 + i, request_id=f"ok{i}"))
+    rows = tel.recent_requests(10)  # flushes
+    assert len(rows) == 4
+    assert rows[-1]["client"] == "agent\ufffd\ufffd\ufffd/1"
+    assert rows[-1]["session"] == "s\ufffd"
+    assert tel.dropped == 0 and tel.totals()["dropped_rows"] == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "stored"),
+    [
+        ("plain", "plain"),
+        ("caf\u00e9 \U0001f600", "caf\u00e9 \U0001f600"),
+        (undecodable(b"\xff\xfe\xfd"), "\ufffd\ufffd\ufffd"),
+        ("a\ud800b", "a\ufffd\ufffd\ufffdb"),  # a lone high surrogate (not from bytes)
+    ],
+)
+def test_safe_text(text: str, stored: str) -> None:
+    assert telemetry_mod.safe_text(text) == stored
+    stored.encode("utf-8")
+
+
+def test_a_row_sqlite_refuses_is_dropped_counted_and_noted_and_the_rest_recorded(
+    tel: Telemetry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flush never stops recording because of one row: the batch is written row by
+    row, the bad rows are dropped, counted, logged once and noted as an event."""
+    caplog.set_level("ERROR", logger="warmslot.telemetry")
+    tel.add("requests", {"ts": T + 1, "request_id": "before"})
+    tel.add("requests", {"ts": T + 2, "prompt_n": 2**70})  # too large for an INTEGER
+    tel.add("requests", {"ts": T + 3, "request_id": "after"})
+    tel.add("requests", {"ts": T + 4, "request_id": object()})  # no SQLite type
+    tel.flush()
+    assert [r["request_id"] for r in tel.recent_requests(10)] == ["after", "before"]
+    assert tel.dropped == 2
+    assert tel.totals()["dropped_rows"] == 2
+    events = tel.recent_events(category="telemetry")
+    assert [(e["kind"], e["details"]["rows"]) for e in events] == [("rows_dropped", 2)]
+    assert "could not be written" in events[0]["reason"]
+    # One line per cause: a second row of a cause already logged adds none.
+    tel.add("requests", {"ts": T + 5, "prompt_n": 2**80})
+    tel.flush()
+    assert tel.dropped == 3
+    errors = [r.getMessage() for r in caplog.records if r.name == "warmslot.telemetry"]
+    assert len(errors) == 2, errors
+    assert "OverflowError" in errors[0] and "ProgrammingError" in errors[1]
+    # Later rows are recorded as usual.
+    for i in range(BATCH_PLUS):
+        tel.record(req(T + 10 + i, request_id=f"later{i}"))
+    assert tel.totals()["requests"] == 2 + BATCH_PLUS
+    assert tel.dropped == 3
+
+
+BATCH_PLUS = telemetry_mod.BATCH + 5  # more than one batch: the automatic flush too
