@@ -10,7 +10,8 @@ and dies by SIGILL at the first tensor, so ``--version`` alone proves nothing.
 Ranking: the configured binary first (the user pinned it); then PATH, the package and the
 build cache (newest first) — except that **a build carrying Warmslot's checkpoint patch
 outranks an unpatched binary of the same or an older llama.cpp revision**: it is what the
-disk tier needs for sliding-window and hybrid models (docs/patches.md). The first that
+disk tier needs for sliding-window and hybrid models (docs/patches.md); among patched ones, the
+higher ``slot-api-vN`` level comes first. The first that
 passes the smoke start is used; `warmslot doctor` shows every candidate with its verdict.
 """
 
@@ -35,8 +36,10 @@ _VERSION_RE = re.compile(
     r"(?P<commit>\w+)\))?"
 )
 # Patch levels our patches compile into the server (docs/patches.md), found in its bytes.
-PATCH_LEVELS = (b"slot-api-v1", b"slot-checkpoints-v1", b"swa-full-state-v1")
+PATCH_LEVELS = (b"slot-api-v1", b"slot-api-v2", b"slot-checkpoints-v1", b"swa-full-state-v1")
 CHECKPOINT_PATCH = "slot-checkpoints-v1"
+# slot-api-v2 also answers a truncated slot file with a 400 where v1 aborted the server.
+SLOT_API_LEVELS = ("slot-api-v1", "slot-api-v2")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ class ServerBinary:
     def patched(self) -> bool:
         """Carries the checkpoint patch (slot files of SWA/hybrid models restore)."""
         return CHECKPOINT_PATCH in self.patches
+
+    @property
+    def slot_api(self) -> int:
+        """The safe-slot-API patch level compiled in (0: none, 2: ``slot-api-v2``)."""
+        return max((i + 1 for i, p in enumerate(SLOT_API_LEVELS) if p in self.patches), default=0)
 
     def launch_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -220,6 +228,12 @@ def rank(binaries: list[ServerBinary]) -> list[ServerBinary]:
             if not u.patched and (u.build_number or 0) <= (p.build_number or 0)
         )
         rest.insert(min(was, next(older, was)), p)
+    # Among patched binaries, a newer safe-slot-API level goes first (slot-api-v2 survives a
+    # truncated slot file that v1 aborts on), whatever the build dates say.
+    spots = [i for i, b in enumerate(rest) if b.patched]
+    by_level = sorted((rest[i] for i in spots), key=lambda b: -b.slot_api)
+    for i, b in zip(spots, by_level, strict=True):
+        rest[i] = b
     return head + rest
 
 

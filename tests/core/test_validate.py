@@ -7,6 +7,7 @@ wrong machine; the real prebuilt and built servers are covered by test_discover_
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,21 @@ def test_a_patched_build_outranks_unpatched_binaries_of_its_revision_or_older() 
     # A patched binary already first stays first.
     first = binary("path", 11434, True, "patched-path")
     assert rank([first, package])[0] is first
+
+
+def test_a_higher_slot_api_level_outranks_an_older_patched_build() -> None:
+    """issue 19: slot-api-v2 answers a truncated slot file with a 400 where v1 aborted, so a
+    v2 build goes first even when a v1 build of the same revision is newer on disk."""
+    old = binary("build-cache", 11434, True, "v1-build")  # newest first: old build listed first
+    new = replace(
+        old,
+        path=Path("/x/v2-build"),
+        identity="v2-build",
+        patches=("slot-api-v2", "slot-checkpoints-v1", "swa-full-state-v1"),
+    )
+    unpatched = binary("path", 11434, False)
+    assert (old.slot_api, new.slot_api, unpatched.slot_api) == (1, 2, 0)
+    assert [b.identity for b in rank([old, unpatched, new])] == ["v2-build", "v1-build", "path"]
 
 
 def test_discovery_uses_the_first_candidate_that_passes(
