@@ -19,7 +19,18 @@ from app.backend import CoreBackend
 from app.bridge import Bridge
 from app.controller import Controller
 from app.dashboard import Dashboard, ViewContext
-from app.menu import CANCEL_BUILD, DASHBOARD, LOGS, QUIT, RESTART, SETTINGS, START, STOP
+from app.dialogs import text_box
+from app.menu import (
+    CANCEL_BUILD,
+    COPY_DETAIL,
+    DASHBOARD,
+    LOGS,
+    QUIT,
+    RESTART,
+    SETTINGS,
+    START,
+    STOP,
+)
 from app.qt import QObject, QtCore, QtGui, QTimer, QtWidgets
 from app.settings_dialog import SettingsDialog
 from app.single import SingleInstance, server_name
@@ -97,7 +108,7 @@ class App(QObject):
         self.dashboard: Dashboard | None = None
         self.settings_dialog: SettingsDialog | None = None
         self.logs_box: QtWidgets.QMessageBox | None = None
-        self.handlers: dict[str, Callable[[], None]] = {
+        self.handlers: dict[str, Callable[[], object]] = {
             START: self.controller.start_all,
             STOP: self.controller.stop,
             RESTART: self.controller.restart,
@@ -105,6 +116,7 @@ class App(QObject):
             DASHBOARD: self.open_dashboard,
             SETTINGS: self.open_settings,
             LOGS: self.open_logs,
+            COPY_DETAIL: self.copy_detail,
             QUIT: self.quit,
         }
         self.tray: Tray | None = None
@@ -163,22 +175,16 @@ class App(QObject):
             self.controller.core_error = ""
             self.controller.start_core()
 
+    def copy_detail(self) -> None:
+        """Put the whole state message (the menu shows three lines of it) on the clipboard."""
+        QtWidgets.QApplication.clipboard().setText(self.controller.state.detail)
+
     def open_logs(self) -> bool:
         """Open the log folder in the file manager; without one, show where it is."""
         folder = str(self.paths.log_dir)
         if QtGui.QDesktopServices.openUrl(QtCore.QUrl.fromLocalFile(folder)):
             return True
-        box = QtWidgets.QMessageBox(
-            QtWidgets.QMessageBox.Icon.Information,
-            "Warmslot logs",
-            f"No file manager could open the log folder. The logs are in:\n\n{folder}",
-        )
-        box.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-        copy = box.addButton("Copy path", QtWidgets.QMessageBox.ButtonRole.ActionRole)
-        box.addButton(QtWidgets.QMessageBox.StandardButton.Close)
-        copy.clicked.connect(lambda: QtWidgets.QApplication.clipboard().setText(folder))
-        box.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)
-        box.open()
+        box = text_box("Warmslot logs", "No file manager could open the log folder:", folder)
         self.logs_box = box  # kept for tests and so it is not collected
         return False
 

@@ -7,6 +7,7 @@ turns the entries into QActions on a QMenu and connects them to handlers by id
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -20,7 +21,10 @@ CANCEL_BUILD = "cancel_build"
 DASHBOARD = "dashboard"
 SETTINGS = "settings"
 LOGS = "logs"
+COPY_DETAIL = "copy_detail"
 QUIT = "quit"
+DETAIL_WIDTH = 72  # characters per menu line: menus do not wrap text themselves
+DETAIL_LINES = 3
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,14 @@ def menu_entries(state: AppState) -> list[MenuEntry]:
             )
         )
     elif state.detail and t in (TrayState.ERROR, TrayState.DEGRADED, TrayState.COLD):
-        entries.append(MenuEntry(id="detail", text=state.detail[:80], enabled=False, kind="label"))
+        for i, line in enumerate(detail_lines(state.detail)):
+            entries.append(
+                MenuEntry(id="detail" if i == 0 else f"detail{i}", text=line, enabled=False,
+                          kind="label", tooltip=state.detail)
+            )
+        entries.append(
+            MenuEntry(id=COPY_DETAIL, text="Copy message", tooltip="Copy the whole message")
+        )
     entries.append(_sep(1))
     can_start = t in (TrayState.STOPPED, TrayState.ERROR)
     entries.append(
@@ -100,6 +111,15 @@ def menu_entries(state: AppState) -> list[MenuEntry]:
         MenuEntry(id=QUIT, text="Quit"),
     ]
     return entries
+
+
+def detail_lines(text: str) -> list[str]:
+    """`text` wrapped for a menu: at most DETAIL_LINES lines, "…" where it was cut."""
+    lines = textwrap.wrap(" ".join(text.split()), DETAIL_WIDTH) or [""]
+    if len(lines) > DETAIL_LINES:
+        lines = lines[:DETAIL_LINES]
+        lines[-1] = lines[-1][: DETAIL_WIDTH - 2] + " …"
+    return lines
 
 
 def populate(

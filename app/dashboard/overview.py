@@ -9,6 +9,7 @@ from app.charts import TimeChart
 from app.dashboard.base import Request, Tab, ViewContext
 from app.dashboard.buckets import BucketCache
 from app.dashboard.reuse import window
+from app.dialogs import text_box
 from app.icons import state_icon
 from app.qt import Qt, QtWidgets
 from app.state import AppState, TrayState, derive_state
@@ -67,9 +68,18 @@ class OverviewTab(Tab):
             QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred
         )
         self.detail_label.setStyleSheet("color: #555;")
+        # The label shows what fits; the whole message (errors run long) is one click away.
+        self.details_button = QtWidgets.QPushButton("Details…")
+        self.details_button.setObjectName("details")
+        self.details_button.setVisible(False)
+        self.details_button.clicked.connect(self.show_details)
+        self.details_box: QtWidgets.QMessageBox | None = None
+        detail_row = QtWidgets.QHBoxLayout()
+        detail_row.addWidget(self.detail_label, 1)
+        detail_row.addWidget(self.details_button)
         words = QtWidgets.QVBoxLayout()
         words.addWidget(self.state_label)
-        words.addWidget(self.detail_label)
+        words.addLayout(detail_row)
         top.addWidget(self.icon)
         top.addLayout(words, 1)
         self.start_button = QtWidgets.QPushButton("Start model + cache")
@@ -155,11 +165,19 @@ class OverviewTab(Tab):
             "day": ("hit_rate", {"bucket": "hour", "since": q_since, "until": until}),
         }
 
+    def show_details(self) -> None:
+        """The whole state message in a box the user can copy from."""
+        st = self.app_state
+        if st is not None and st.detail:
+            self.details_box = text_box(f"Warmslot — {st.label}", "Details:", st.detail, self)
+
     def show_state(self, st: AppState) -> None:
         self.app_state = st
         self.icon.setPixmap(state_icon(st.tray).pixmap(48, 48))
         self.state_label.setText(st.label)
         self.detail_label.setText(st.detail)
+        self.detail_label.setToolTip(st.detail)
+        self.details_button.setVisible(bool(st.detail))
         if self.ctx.controller is None:  # an offline view: nothing to command
             return
         running = st.running or st.tray is TrayState.BUILDING

@@ -141,6 +141,23 @@ def test_overview_cards_equal_the_queries(qtbot: Any, offline: Any, expected: An
     assert not tab.start_button.isEnabled()
 
 
+def test_overview_long_error_has_details(qtbot: Any, offline: Any) -> None:
+    """The state line shows what fits; Details… opens the whole message, copyable."""
+    from app.state import AppState, TrayState
+
+    tab = OverviewTab(offline)
+    qtbot.addWidget(tab)
+    long = "llama-server failed to start: " + "a reason that goes on and on, " * 12
+    tab.show_state(AppState(tray=TrayState.ERROR, detail=long, server_state="failed", model="m"))
+    assert tab.details_button.isVisibleTo(tab)
+    assert tab.detail_label.toolTip() == long
+    tab.details_button.click()
+    assert tab.details_box is not None and long in tab.details_box.text()
+    tab.details_box.close()
+    tab.show_state(AppState(tray=TrayState.WARM, detail="", server_state="ready", model="m"))
+    assert not tab.details_button.isVisibleTo(tab)
+
+
 def test_memory_chart_equals_pressure_series(qtbot: Any, offline: Any, expected: Any) -> None:
     tab = MemoryTab(offline)
     qtbot.addWidget(tab)

@@ -163,9 +163,10 @@ def test_logs_without_a_file_manager_and_the_build_button_during_a_build(
     assert app.open_logs() is False
     box = app.logs_box
     assert box is not None and str(app.paths.log_dir) in box.text()
-    copy = next(b for b in box.buttons() if b.text() == "Copy path")
+    copy = next(b for b in box.buttons() if b.text() == "Copy")
     copy.click()
     assert QtWidgets.QApplication.clipboard().text() == str(app.paths.log_dir)
+    assert box.isVisible()  # copying does not close it
     box.close()
     # One build at a time: the button is off while a build runs, back on after it.
     assert app.dashboard is not None

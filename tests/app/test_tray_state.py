@@ -10,13 +10,17 @@ import pytest
 from app.icons import icon_path, state_icon
 from app.menu import (
     CANCEL_BUILD,
+    COPY_DETAIL,
     DASHBOARD,
+    DETAIL_LINES,
+    DETAIL_WIDTH,
     LOGS,
     QUIT,
     RESTART,
     SETTINGS,
     START,
     STOP,
+    detail_lines,
     menu_entries,
     populate,
 )
@@ -50,6 +54,29 @@ def state_for(tray: TrayState) -> AppState:
         progress=(40.0, "Loading the model") if tray is TrayState.STARTING else None,
         can_cancel_build=True,
     )
+
+
+def test_a_long_error_is_wrapped_in_the_menu_and_can_be_copied() -> None:
+    """A menu does not wrap: the message is cut into lines, and a Copy entry has it all."""
+    long = (
+        "llama-server failed to start: this llama-server uses CPU instructions this "
+        "processor lacks (this CPU: AMD EPYC — AVX2, AVX-512, no AMX); Warmslot builds one "
+        "for this CPU when server.build is auto — run `warmslot doctor` to see every candidate"
+    )
+    st = AppState(tray=TrayState.ERROR, detail=long, server_state="failed", model="m.gguf")
+    entries = menu_entries(st)
+    shown = [e.text for e in entries if e.id.startswith("detail")]
+    assert shown == detail_lines(long)
+    assert 1 < len(shown) <= DETAIL_LINES
+    assert all(len(line) <= DETAIL_WIDTH for line in shown)
+    assert shown[-1].endswith(" …")  # cut, and says so
+    assert shown[0].startswith("llama-server failed to start: this llama-server")
+    copy = next(e for e in entries if e.id == COPY_DETAIL)
+    assert copy.kind == "action" and copy.enabled
+    short = AppState(tray=TrayState.ERROR, detail="no binary", server_state="failed", model="m")
+    assert [e.text for e in menu_entries(short) if e.id.startswith("detail")] == ["no binary"]
+    warm = AppState(tray=TrayState.WARM, detail="", server_state="ready", model="m")
+    assert COPY_DETAIL not in {e.id for e in menu_entries(warm)}
 
 
 @pytest.mark.parametrize("tray", list(TrayState))
