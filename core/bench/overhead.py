@@ -90,16 +90,21 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
 class _Side:
     """One keep-alive connection to one target (llama-server or the proxy)."""
 
-    def __init__(self, name: str, host: str, port: int) -> None:
+    def __init__(self, name: str, host: str, port: int, auth: dict[str, str] | None = None) -> None:
         self.name = name
         self.host = host
         self.port = port
+        self.auth = dict(auth or {})  # llama-server's per-launch key, for the direct side
         self.conn = http.client.HTTPConnection(host, port, timeout=120)
 
     def send(self, case: Case) -> tuple[float, float]:
         """One request; returns (ms to the first event or whole body, ms to the end)."""
         body = json.dumps({**case.body, "cache_prompt": True}).encode()
-        headers = {"Content-Type": "application/json", "User-Agent": "warmslot-bench/1"}
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "warmslot-bench/1",
+            **self.auth,
+        }
         t0 = time.perf_counter()
         try:
             self.conn.request("POST", case.path, body=body, headers=headers)
@@ -162,9 +167,14 @@ def measure(
     warmup: int = 10,
     cases: Sequence[Case] = CASES,
     progress: Callable[[str], None] | None = None,
+    direct_auth: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Interleave `requests` rounds of every case against both targets."""
-    sides = {"direct": _Side("llama-server", *direct), "proxy": _Side("proxy", *proxy)}
+    """Interleave `requests` rounds of every case against both targets (`direct_auth`:
+    the headers llama-server's key needs, `Supervisor.auth_headers`)."""
+    sides = {
+        "direct": _Side("llama-server", *direct, auth=direct_auth),
+        "proxy": _Side("proxy", *proxy),
+    }
     results: dict[str, CaseResult] = {}
     for case in cases:
         results[case.name] = CaseResult(case.name)
@@ -256,6 +266,7 @@ def run(
                 ("127.0.0.1", proxy.port),
                 requests=requests,
                 progress=progress,
+                direct_auth=sup.auth_headers(),
             )
         finally:
             core.stop()

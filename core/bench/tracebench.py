@@ -72,7 +72,8 @@ def _server_metrics(core: Core) -> tuple[float, float]:
     sup = core.supervisor
     if sup is None or sup.base_url is None:
         return 0.0, 0.0
-    with urllib.request.urlopen(f"{sup.base_url}/metrics", timeout=30) as resp:
+    req = urllib.request.Request(f"{sup.base_url}/metrics", headers=sup.auth_headers())
+    with urllib.request.urlopen(req, timeout=30) as resp:
         values = parse_metrics(resp.read().decode())
     return (
         values.get("llamacpp:prompt_tokens_total", 0.0),
@@ -98,7 +99,9 @@ def replay(
         sup = core.supervisor
         assert sup is not None and core.proxy is not None
         base = f"http://127.0.0.1:{core.proxy.port}" if through_proxy else sup.base_url
-        data = post_json(f"{base}/v1/chat/completions", r.body, r.headers)
+        # Straight to llama-server, the request carries its per-launch key.
+        headers = r.headers if through_proxy else {**r.headers, **sup.auth_headers()}
+        data = post_json(f"{base}/v1/chat/completions", r.body, headers)
         t = data.get("timings") or {}
         row = {
             "session": r.session,

@@ -109,7 +109,7 @@ class ModelPool:
                 e.upstream = core.upstream
                 e.manager = _as_manager(core.policy)
             else:  # the one HTTP session to the model's server, whenever it runs
-                e.upstream = Upstream(_base_url_of(e), name=prof.name)
+                e.upstream = Upstream(_base_url_of(e), name=prof.name, api_key=_api_key_of(e))
             self.entries[prof.name] = e
         # The proxy's router: by the `model` field, side calls to the side profile.
         self.router = Router(
@@ -462,6 +462,13 @@ def _base_url_of(e: Entry) -> Callable[[], str | None]:
         return e.server.base_url if e.server is not None else None
 
     return base_url
+
+
+def _api_key_of(e: Entry) -> Callable[[], str | None]:
+    def api_key() -> str | None:
+        return e.server.api_key if e.server is not None else None
+
+    return api_key
 
 
 def _safe(name: str) -> str:

@@ -23,6 +23,7 @@ class LaunchInputs:
     slot_dir: Path
     no_repack: bool = False
     plan_args: Sequence[str] = ()  # flags chosen by the fit planner (override defaults)
+    api_key_file: Path | None = None  # this launch's key (core.server.supervisor)
 
 
 def build_argv(server: ServerSettings, inputs: LaunchInputs) -> list[str]:
@@ -55,6 +56,8 @@ def build_argv(server: ServerSettings, inputs: LaunchInputs) -> list[str]:
     ]
     if server.threads > 0:
         argv += ["-t", str(server.threads)]
+    if inputs.api_key_file is not None:
+        argv += ["--api-key-file", str(inputs.api_key_file)]
     if inputs.no_repack:
         argv.append("--no-repack")
     if server.chat_template_file:

@@ -7,6 +7,13 @@ with a parent-death signal so it never outlives Warmslot. A crash restarts it
 with capped exponential backoff. A crash during warm-up on a build that repacks
 weights for AMX is retried once with ``--no-repack`` and remembered for that
 binary (docs/llama-server-facts.md#amx-repack-crash).
+
+Each launch gets a new random API key that only Warmslot knows, so that nothing else
+on the machine (another user's process, a web page that found the port) can use the
+server behind Warmslot's back (docs/security.md#llama-servers-port). It travels in an
+owner-only file (never on the command line, which ``ps`` shows to everyone) that is
+deleted as soon as the server has read it; `auth_headers` and the `Upstream`'s
+middleware send it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import contextlib
 import json
 import logging
 import logging.handlers
+import os
+import secrets
 import signal
 import socket
 import sys
@@ -53,6 +62,11 @@ LOG_TAIL_LINES = 2000
 LOG_FILE_MAX_BYTES = 10 << 20
 LOG_FILE_KEEP = 3
 STOP_GRACE_S = 10.0
+# Cross-origin reads of llama-server's answers: none. Set through the environment, which
+# a build without these options ignores (an unknown flag would stop it starting); a
+# ``--cors-*`` flag in the settings' extra args still wins (docs/security.md#llama-servers-port).
+_CORS_ENV = ("LLAMA_ARG_CORS_ORIGINS", "LLAMA_ARG_CORS_CREDENTIALS")
+_KEY_FLAGS = ("--api-key", "--api-key-file")
 
 
 class ServerState(StrEnum):
@@ -106,6 +120,11 @@ async def _exited(proc: asyncio.subprocess.Process) -> int:
     await process.wait_exit(proc)
     process.kill_leftovers(proc.pid)
     return await proc.wait()
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
 
 
 def _preexec() -> None:  # pragma: no cover - runs in the child
@@ -179,6 +198,7 @@ class Supervisor:
         self._logfile: logging.handlers.RotatingFileHandler | None = None
         self._started_at = 0.0
         self._http: aiohttp.ClientSession | None = None
+        self._api_key: str | None = None
 
     # ----------------------------------------------------------------- public API
     @property
@@ -186,6 +206,15 @@ class Supervisor:
         if self.state is not ServerState.READY or self.port is None:
             return None
         return f"http://{self._settings().host}:{self.port}"
+
+    @property
+    def api_key(self) -> str | None:
+        """The running launch's API key (None while no server runs). Secret: never log it."""
+        return self._api_key
+
+    def auth_headers(self) -> dict[str, str]:
+        """Headers that authenticate a request to the running server (empty when none runs)."""
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
 
     async def start(self, requested_by: str = "user") -> None:
         """Start llama-server and return once it is ready.
@@ -242,6 +271,8 @@ class Supervisor:
             "run_id": self.run_id,
             "restarts": self.restarts,
             "no_repack": self.no_repack_active,
+            # Whether the port takes only Warmslot's key; the key itself is never shown.
+            "api_key_protected": self._api_key is not None,
             "binary": None
             if r is None
             else {
@@ -369,6 +400,9 @@ class Supervisor:
             port = free_port(settings.host)
         slot_dir = resolved.slot_dir or self._paths.slot_dir
         slot_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = uuid.uuid4().hex[:12]
+        key = secrets.token_urlsafe(32)
+        key_file = self._write_key(key)
         argv = build_argv(
             settings,
             LaunchInputs(
@@ -378,25 +412,46 @@ class Supervisor:
                 slot_dir=slot_dir,
                 no_repack=no_repack,
                 plan_args=resolved.plan_args,
+                api_key_file=key_file,
             ),
         )
         self.argv = argv
         self.port = port
         self.no_repack_active = no_repack
-        self.run_id = uuid.uuid4().hex[:12]
+        env = resolved.binary.launch_env()
+        cors = {_CORS_ENV[0]: f"http://{settings.host}:{port}", _CORS_ENV[1]: "0"}
+        for name, value in cors.items():
+            env.setdefault(name, value)  # the user's own environment wins
+        if any(flag in settings.extra_args for flag in _KEY_FLAGS):
+            # llama-server adds every key it is given to one list (common/arg.cpp,
+            # --api-key and --api-key-file): theirs opens the port too, Warmslot's still
+            # works, and the check after the health poll would say if it did not.
+            log.warning(
+                "server.extra_args hold an API key of your own: it also opens llama-server's port"
+            )
+        cors_note = " ".join(f"{k}={env[k]}" for k in _CORS_ENV)
         if self._logfile is None:
             self._logfile = _open_log(self._log_path)
-        _write_log(self._logfile, f"==== warmslot: launching run {self.run_id}: {' '.join(argv)}")
-        log.info("launching llama-server: %s", " ".join(argv))
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=resolved.binary.launch_env(),
-            preexec_fn=_preexec if sys.platform.startswith("linux") else None,
-            **process.new_group_kwargs(),
+        _write_log(
+            self._logfile,
+            # As a shell line: the environment it adds, then the argv.
+            f"==== warmslot: launching run {self.run_id}: {cors_note} {' '.join(argv)}",
         )
+        log.info("launching llama-server: %s %s", cors_note, " ".join(argv))
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                preexec_fn=_preexec if sys.platform.startswith("linux") else None,
+                **process.new_group_kwargs(),
+            )
+        except BaseException:
+            _remove(key_file)
+            raise
+        self._api_key = key
         self._proc = proc
         self.pid = proc.pid
         self._started_at = self._clock()
@@ -423,13 +478,22 @@ class Supervisor:
             )
         finally:
             healthy.cancel()
+            # Read at startup, before the port opens: healthy or gone, it is no longer needed.
+            _remove(key_file)
+        refused = ""
         if healthy in done and not exited.done():
+            refused = await self._key_refused(settings.host, port)
+        if healthy in done and not exited.done() and not refused:
             exited.cancel()
             self._watch_task = asyncio.create_task(self._watch(proc, pump, self.run_id))
             self._set_state(ServerState.READY, f"healthy on port {port}")
             return
-        # It exited or never became healthy.
-        if not exited.done():
+        # It exited, never became healthy, or refused Warmslot's key.
+        if refused:
+            exited.cancel()
+            await self._kill_group(proc)
+            reason = refused
+        elif not exited.done():
             exited.cancel()
             await self._kill_group(proc)
             reason = f"not healthy after {settings.start_timeout_s:.0f} s"
@@ -439,6 +503,7 @@ class Supervisor:
         await pump
         code = proc.returncode
         sig = -code if code is not None and code < 0 else None
+        self._api_key = None
         self._record_exit(proc, "start_failed", "startup", code)
         err = ServerStartFailed(
             f"llama-server failed to start: {reason}"
@@ -450,6 +515,39 @@ class Supervisor:
             err.crash_signal = sig  # type: ignore[attr-defined]
         raise err
 
+    def _write_key(self, key: str) -> Path:
+        """The key in a new owner-only file in an owner-only folder, for ``--api-key-file``."""
+        run_dir = self._paths.state_dir / "run"
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.name != "nt":
+            run_dir.chmod(0o700)  # it may predate this code, made with the default mode
+        stem = "".join(c if c.isalnum() or c in "_-" else "_" for c in self.name) or "_primary"
+        # Left over when Warmslot was killed while a server started: its key is dead.
+        for old in run_dir.glob(f"{stem}.*.key"):
+            _remove(old)
+        path = run_dir / f"{stem}.{self.run_id}.key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        return path
+
+    async def _key_refused(self, host: str, port: int) -> str:
+        """Why the healthy server does not take Warmslot's key ("" when it does). `/health`
+        is public, so this is the first request that proves the key works."""
+        assert self._http is not None
+        try:
+            async with self._http.get(
+                f"http://{host}:{port}/props", headers=self.auth_headers()
+            ) as resp:
+                if resp.status != 401:
+                    return ""
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return ""  # not a refusal: the watch and the clients see a dead server
+        return (
+            "it refused Warmslot's API key (401); an --api-key option of an unusual kind "
+            "in server.extra_args?"
+        )
+
     async def _poll_health(self, host: str, port: int) -> None:
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
@@ -457,7 +555,8 @@ class Supervisor:
         delay = 0.05
         while True:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                async with self._http.get(url) as resp:
+                # /health is public upstream; the key goes along in case a build gates it.
+                async with self._http.get(url, headers=self.auth_headers()) as resp:
                     if resp.status == 200:
                         return
             await asyncio.sleep(delay)
@@ -568,6 +667,7 @@ class Supervisor:
             self._watch_task = None
         self._record_exit(proc, "requested", requested_by, proc.returncode)
         self._proc = None
+        self._api_key = None
         if self._logfile is not None:
             self._logfile.flush()
         self._set_state(ServerState.STOPPED, f"stopped by {requested_by}")

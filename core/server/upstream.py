@@ -9,7 +9,10 @@ fake server.
 
 The address is read through a callable on every use: a supervised server gets a
 new port on each (re)start, while the session (not bound to any address) lives
-as long as the engine.
+as long as the engine. So is the server's API key: each launch gets a new one
+(`core.server.supervisor`), and a client middleware puts the current one on every
+request sent over the session — the proxy's forwarding and `LlamaClient` alike — so
+no caller needs to know it (docs/security.md#llama-servers-port).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import aiohttp
+from aiohttp import ClientHandlerType, ClientRequest, ClientResponse
 
 from core.server.client import LlamaClient
 
@@ -30,8 +34,15 @@ class Upstream:
     generations, Warmslot's own calls have theirs); the session sets none.
     """
 
-    def __init__(self, base_url: Callable[[], str | None], *, name: str = "") -> None:
+    def __init__(
+        self,
+        base_url: Callable[[], str | None],
+        *,
+        name: str = "",
+        api_key: Callable[[], str | None] | None = None,
+    ) -> None:
         self._base_url = base_url
+        self._api_key = api_key  # the running server's key, read on every request
         self.name = name  # the model profile's name; "" for the primary server
         self._session: aiohttp.ClientSession | None = None
         self._client: LlamaClient | None = None
@@ -53,8 +64,18 @@ class Upstream:
                 # whole generation, and the server's slot count is the real bound.
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                middlewares=(self._authorize,),
             )
         return self._session
+
+    async def _authorize(self, req: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
+        """Send the server's current key with every request (set, never added: a header a
+        caller copied from its own client must not reach the server)."""
+        key = self._api_key() if self._api_key is not None else None
+        if key:
+            req.headers["Authorization"] = f"Bearer {key}"
+            req.headers.popall("X-Api-Key", None)
+        return await handler(req)
 
     def client(self) -> LlamaClient | None:
         """A `LlamaClient` for the server's current address; None while it is not running."""

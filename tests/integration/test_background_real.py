@@ -86,7 +86,9 @@ def _events(core: Core, kind: str, limit: int = 5000) -> list[dict[str, Any]]:
 
 def _live_slots(core: Core) -> dict[int, int]:
     assert core.supervisor is not None and core.supervisor.base_url is not None
-    with urllib.request.urlopen(f"{core.supervisor.base_url}/slots", timeout=30) as resp:
+    sup = core.supervisor
+    req = urllib.request.Request(f"{sup.base_url}/slots", headers=sup.auth_headers())
+    with urllib.request.urlopen(req, timeout=30) as resp:
         return {int(s["id"]): int(s.get("n_prompt_tokens", 0)) for s in json.loads(resp.read())}
 
 

@@ -83,7 +83,8 @@ def requests_of(core: Core, client: str) -> list[dict[str, Any]]:
 
 def server_counters(core: Core) -> dict[str, float]:
     assert core.supervisor is not None and core.supervisor.base_url is not None
-    text = httpx.get(core.supervisor.base_url + "/metrics", timeout=10).text
+    sup = core.supervisor
+    text = httpx.get(sup.base_url + "/metrics", headers=sup.auth_headers(), timeout=10).text
     values = metric_values(text, SERVER_COUNTERS)
     assert set(values) == set(SERVER_COUNTERS), text[:500]
     return values
@@ -155,6 +156,7 @@ def test_stream_is_passed_through_without_buffering(running_core: Core) -> None:
     """Chunks reach the client while llama-server is still generating; [DONE] ends it."""
     assert running_core.supervisor is not None
     upstream = running_core.supervisor.base_url
+    auth = running_core.supervisor.auth_headers()
     body = chat_body("write a long answer", max_tokens=600, stream=True, ignore_eos=True)
     lines: list[str] = []
     busy_at_first_chunk: list[bool] = []
@@ -165,7 +167,7 @@ def test_stream_is_passed_through_without_buffering(running_core: Core) -> None:
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line and not busy_at_first_chunk:
-                slots = httpx.get(f"{upstream}/slots", timeout=10).json()
+                slots = httpx.get(f"{upstream}/slots", headers=auth, timeout=10).json()
                 busy_at_first_chunk.append(any(s["is_processing"] for s in slots))
             if line:
                 lines.append(line)

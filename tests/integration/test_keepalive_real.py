@@ -39,7 +39,9 @@ def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None)
 
 def _live_tokens(core: Core, slot: int) -> int:
     assert core.supervisor is not None and core.supervisor.base_url is not None
-    with urllib.request.urlopen(f"{core.supervisor.base_url}/slots", timeout=30) as resp:
+    sup = core.supervisor
+    req = urllib.request.Request(f"{sup.base_url}/slots", headers=sup.auth_headers())
+    with urllib.request.urlopen(req, timeout=30) as resp:
         slots = json.loads(resp.read())
     return int(slots[slot].get("n_prompt_tokens", 0))
 
@@ -81,6 +83,7 @@ def test_keepalive_brings_back_a_displaced_pinned_prefix_and_costs_one_token_whe
         _post(
             f"{core.supervisor.base_url}/completion",
             {"prompt": "Something else entirely, about ships.", "n_predict": 2, "id_slot": slot},
+            core.supervisor.auth_headers(),  # a client holding the server's key
         )
         assert _live_tokens(core, slot) < n_prefix
 

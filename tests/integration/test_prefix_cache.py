@@ -176,13 +176,19 @@ def test_damaged_state_is_never_used(
         assert sup is not None and sup.base_url is not None
         body = {"prompt": rec.probe["prefix"][:200], "n_predict": 0, "id_slot": 0}
         urllib.request.urlopen(
-            urllib.request.Request(f"{sup.base_url}/completion", data=json.dumps(body).encode()),
+            urllib.request.Request(
+                f"{sup.base_url}/completion",
+                data=json.dumps(body).encode(),
+                headers=sup.auth_headers(),
+            ),
             timeout=60,
         ).read()
         save = {"filename": rec.filename}
         urllib.request.urlopen(
             urllib.request.Request(
-                f"{sup.base_url}/slots/0?action=save", data=json.dumps(save).encode()
+                f"{sup.base_url}/slots/0?action=save",
+                data=json.dumps(save).encode(),
+                headers=sup.auth_headers(),
             ),
             timeout=60,
         ).read()
