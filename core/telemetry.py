@@ -53,6 +53,7 @@ QUERIES = frozenset(
         "hit_rate",
         "totals",
         "per_client",
+        "sessions",
         "recent_requests",
         "recent_events",
         "server_runs",
@@ -587,6 +588,27 @@ class Telemetry:
                       COALESCE(SUM(cache_n), 0) AS cached, COALESCE(SUM(prompt_n), 0) AS new
                FROM requests WHERE ts >= ? GROUP BY client ORDER BY requests DESC""",
             [since],
+        )
+        for r in rows:
+            total = r["cached"] + r["new"]
+            r["hit_ratio"] = r["cached"] / total if total else None
+        return rows
+
+    def sessions(self, since: float | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        """One row per (client, session) seen since `since`, most recent first.
+
+        `slot` is the slot of the session's latest request (SQLite takes a bare
+        column from the row that gave MAX(ts)); `kinds` lists its request kinds.
+        """
+        since = 0.0 if since is None else since
+        rows = self._rows(
+            """SELECT client, COALESCE(session, '') AS session, COUNT(*) AS requests,
+                      COALESCE(SUM(cache_n), 0) AS cached, COALESCE(SUM(prompt_n), 0) AS new,
+                      COALESCE(SUM(prompt_ms), 0) AS prefill_ms, MIN(ts) AS first_seen,
+                      MAX(ts) AS last_seen, slot, GROUP_CONCAT(DISTINCT kind) AS kinds
+               FROM requests WHERE ts >= ? AND endpoint IN ('chat', 'completions', 'completion')
+               GROUP BY client, COALESCE(session, '') ORDER BY last_seen DESC LIMIT ?""",
+            [since, limit],
         )
         for r in rows:
             total = r["cached"] + r["new"]

@@ -9,8 +9,10 @@ from app.dashboard.cache import CacheTab
 from app.dashboard.events import EventsTab
 from app.dashboard.memory import MemoryTab
 from app.dashboard.overview import OverviewTab
+from app.dashboard.requests import RequestsTab
 from app.dashboard.reuse import ReuseTab
 from app.dashboard.server import ServerTab
+from app.dashboard.sessions import SessionsTab
 from app.icons import state_icon
 from app.qt import QtCore, QtGui, QTimer, QtWidgets, Signal
 from app.state import AppState, TrayState
@@ -21,6 +23,8 @@ TAB_CLASSES: tuple[type[Tab], ...] = (
     OverviewTab,
     ReuseTab,
     MemoryTab,
+    SessionsTab,
+    RequestsTab,
     CacheTab,
     EventsTab,
     ServerTab,

@@ -18,8 +18,10 @@ from app.dashboard.cache import CacheTab
 from app.dashboard.events import EventsTab
 from app.dashboard.memory import MemoryTab, level_runs
 from app.dashboard.overview import OverviewTab
+from app.dashboard.requests import RequestsTab
 from app.dashboard.reuse import ReuseTab, window
 from app.dashboard.server import ServerTab, exits_summary
+from app.dashboard.sessions import SessionsTab, crowding
 from app.qt import Qt, QtGui, QtWidgets
 from core.events import BuildProgress, LogLine
 from tests.app.conftest import NOW
@@ -268,10 +270,86 @@ def test_server_tab_fit_plan_and_exits(qtbot: Any, offline: Any) -> None:
     )
     tab.apply_status({"state": "stopped"})
     assert tab.fit.toPlainText() == "" and "warmslot fit" in tab.fit.placeholderText()
-    assert exits_summary(
-        [{"outcome": "crashed"}, {"outcome": "requested"}, {"outcome": "crashed"}]
-    ) == "3 exits since Warmslot started: 2 crashes, 1 requested stop"
+    assert (
+        exits_summary([{"outcome": "crashed"}, {"outcome": "requested"}, {"outcome": "crashed"}])
+        == "3 exits since Warmslot started: 2 crashes, 1 requested stop"
+    )
     assert exits_summary([]) == "no exits since Warmslot started"
+
+
+def test_sessions_tab_equals_the_query(qtbot: Any, offline: Any, expected: Any) -> None:
+    from core.events import RequestCompleted
+
+    # a second opencode session, which must not merge with the first
+    second = RequestCompleted(
+        request_id="second",
+        client="opencode",
+        session="opencode-ses_8f2a",
+        endpoint="chat",
+        stream=True,
+        has_tools=True,
+        status=200,
+        slot=0,
+        prompt_n=40,
+        cache_n=960,
+        prompt_ms=30.0,
+        ttfb_ms=35.0,
+        total_ms=400.0,
+        ts=NOW - 60,
+    )
+    expected.record(second)
+    expected.flush()
+    tab = SessionsTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    since = NOW - 86400
+    assert tab.last_requests["sessions"] == ("sessions", {"since": since})
+    rows = expected.sessions(since=since)
+    texts = cell_texts(tab.table)
+    assert len(texts) == len(rows) > 1
+    assert [(t[0], t[1], t[3], t[4]) for t in texts] == [
+        (r["client"], r["session"] or "(none)", str(r["requests"]), fmt.pct(r["hit_ratio"]))
+        for r in rows
+    ]
+    # sessions of one client are apart: more rows than clients
+    assert len({t[1] for t in texts}) > len({t[0] for t in texts})
+    # a session that holds a slot now (the status snapshot) shows its slot
+    slot_of = {"opencode-ses_8f2a": "0", "aider-7c1e": "1"}
+    for t in texts:
+        assert t[9] == slot_of.get(t[1], "—")
+
+
+def test_crowding_warning_when_agents_outnumber_agent_slots() -> None:
+    now = 10_000.0
+    cache = {"aux_slot": 1, "slots": [{"id": 0}, {"id": 1}]}  # one agent slot
+    two = [
+        {"session": "a", "kinds": "agent", "last_seen": now - 30},
+        {"session": "b", "kinds": "agent", "last_seen": now - 200},
+        {"session": "", "kinds": "aux", "last_seen": now - 5},
+    ]
+    text = crowding(two, cache, now)
+    assert text.startswith("2 agent sessions were active") and "1 agent slot:" in text
+    assert crowding(two[:1], cache, now) == ""  # one agent, one slot
+    assert crowding(two, {"aux_slot": None, "slots": [{"id": 0}, {"id": 1}]}, now) == ""
+    stale = [dict(two[0]), {**two[1], "last_seen": now - 3600}]
+    assert crowding(stale, cache, now) == ""  # the other one left an hour ago
+    assert crowding(two, {}, now) == ""  # no cache status: nothing to say
+
+
+def test_requests_tab_rows_and_details(qtbot: Any, offline: Any, expected: Any) -> None:
+    tab = RequestsTab(offline)
+    qtbot.addWidget(tab)
+    refreshed(qtbot, tab)
+    rows = expected.recent_requests(200)
+    texts = cell_texts(tab.table)
+    assert len(texts) == len(rows) > 1
+    assert [(t[1], t[2], t[6], t[7]) for t in texts] == [
+        (r["client"], r["session"], str(r["cache_n"]), str(r["prompt_n"])) for r in rows
+    ]
+    r0 = rows[0]
+    assert texts[0][8] == fmt.pct(r0["cache_n"] / (r0["cache_n"] + r0["prompt_n"]))
+    tab.table.selectRow(0)
+    assert f'"request_id": "{r0["request_id"]}"' in tab.details.toPlainText()
 
 
 def test_cache_tab_actions(qtbot: Any, offline: Any) -> None:
@@ -344,6 +422,8 @@ def test_dashboard_window_geometry_and_tabs(qtbot: Any, offline: Any, tmp_path: 
         "Overview",
         "Reuse",
         "Memory",
+        "Sessions",
+        "Requests",
         "Cache",
         "Events",
         "Server",

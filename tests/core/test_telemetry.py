@@ -132,6 +132,26 @@ def test_per_client(known_rows: Telemetry) -> None:
     assert [r["client"] for r in known_rows.per_client(since=T + 100)] == ["curl"]
 
 
+def test_sessions_apart(known_rows: Telemetry) -> None:
+    """Two sessions of one client are two rows; sums by hand from the known rows."""
+    known_rows.record(req(T + 80, session="s2", slot=1, prompt_n=7, cache_n=93, prompt_ms=7.0))
+    known_rows.record(req(T + 90, session="", client="curl", kind="aux", prompt_n=5, cache_n=0))
+    known_rows.flush()
+    got = known_rows.sessions()
+    assert [(r["client"], r["session"], r["requests"], r["cached"], r["new"]) for r in got] == [
+        ("curl", "s1", 1, 50, 50),  # T+3700: the newest first
+        ("curl", "", 1, 0, 5),
+        ("opencode", "s2", 1, 93, 7),
+        ("opencode", "s1", 4, 270, 130),  # r4 (502) counts as a request without tokens
+    ]
+    s1 = got[3]
+    assert s1["hit_ratio"] == pytest.approx(0.675) and s1["prefill_ms"] == 130.0
+    assert (s1["first_seen"], s1["last_seen"], s1["slot"]) == (T + 5, T + 70, 0)
+    assert got[2]["slot"] == 1 and got[1]["kinds"] == "aux" and s1["kinds"] == "agent"
+    assert [r["session"] for r in known_rows.sessions(since=T + 85)] == ["s1", ""]
+    assert known_rows.query("sessions", since=T + 85, limit=1)[0]["client"] == "curl"
+
+
 def test_ttfb_medians(known_rows: Telemetry) -> None:
     # warm (cache_n > prompt_n): r2 12 ms, r3 8 ms → sorted [8, 12], the upper middle is 12.
     # cold: r1 300 ms, r5 200 ms (50 cached of 100: not more than new) → [200, 300] → 300.

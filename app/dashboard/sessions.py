@@ -1,0 +1,111 @@
+"""Sessions: every (client, session) pair with its requests, reuse and slot, so two
+agents of one client show apart — and a warning when agents outnumber agent slots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app import fmt
+from app.dashboard.base import Request, Tab, ViewContext, fill, table
+from app.qt import QtWidgets
+
+SINCE = {"last hour": 3600, "last 24 hours": 86400, "last 7 days": 7 * 86400}
+ACTIVE_S = 600  # an agent session counts as active when it sent a request this recently
+
+
+def agent_slots(cache: dict[str, Any]) -> int | None:
+    """How many slots serve agents (all but the side-call slot); None when unknown."""
+    slots = cache.get("slots")
+    if not isinstance(slots, list) or not slots:
+        return None
+    return len(slots) - (1 if cache.get("aux_slot") is not None else 0)
+
+
+def crowding(rows: list[dict[str, Any]], cache: dict[str, Any], now: float) -> str:
+    """A warning when more agent sessions are active than there are agent slots."""
+    slots = agent_slots(cache)
+    active = [
+        r
+        for r in rows
+        if r["session"] and "agent" in (r.get("kinds") or "") and now - r["last_seen"] < ACTIVE_S
+    ]
+    if slots is None or len(active) <= slots:
+        return ""
+    return (
+        f"{len(active)} agent sessions were active in the last {ACTIVE_S // 60} minutes but "
+        f"llama-server has {slots} agent slot{'s' if slots != 1 else ''}: they take turns on "
+        "it and each turn re-reads the conversation beyond the shared prefix. More slots "
+        "(server.slots; `warmslot fit --auto` shows what memory allows) keep each in its own."
+    )
+
+
+class SessionsTab(Tab):
+    title = "Sessions"
+
+    def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(ctx, parent)
+        row = QtWidgets.QHBoxLayout()
+        self.since = QtWidgets.QComboBox()
+        for label, secs in SINCE.items():
+            self.since.addItem(label, secs)
+        self.since.setCurrentIndex(1)
+        self.since.currentIndexChanged.connect(lambda _i: self.refresh())
+        row.addWidget(QtWidgets.QLabel("Time:"))
+        row.addWidget(self.since)
+        row.addStretch(1)
+        self.outer.addLayout(row)
+        self.warning = QtWidgets.QLabel("")
+        self.warning.setObjectName("crowding")
+        self.warning.setWordWrap(True)
+        self.warning.setStyleSheet("color: #873800;")
+        self.warning.hide()
+        self.outer.addWidget(self.warning)
+        self.table = table(
+            [
+                "client",
+                "session",
+                "kinds",
+                "requests",
+                "hit rate",
+                "cached tokens",
+                "new tokens",
+                "prefill",
+                "last seen",
+                "slot now",
+            ],
+            stretch=1,
+        )
+        self.outer.addWidget(self.table, 1)
+        self.rows: list[dict[str, Any]] = []
+
+    def requests(self) -> dict[str, Request]:
+        since = self.ctx.clock() - float(self.since.currentData())
+        return {"sessions": ("sessions", {"since": since}), "status": ("status", {})}
+
+    def apply(self, results: dict[str, Any]) -> None:
+        cache = (results.get("status") or {}).get("cache") or {}
+        in_slot = {s["session"]: s["id"] for s in cache.get("slots") or [] if s.get("session")}
+        if "sessions" in results:
+            self.rows = results["sessions"]
+        now = self.ctx.clock()
+        fill(
+            self.table,
+            [
+                [
+                    r["client"],
+                    r["session"] or "(none)",
+                    r.get("kinds") or "",
+                    r["requests"],
+                    fmt.pct(r["hit_ratio"]),
+                    r["cached"],
+                    r["new"],
+                    fmt.duration(r["prefill_ms"] / 1000),
+                    fmt.ago(r["last_seen"], now),
+                    in_slot.get(r["session"], "—") if r["session"] else "—",
+                ]
+                for r in self.rows
+            ],
+        )
+        text = crowding(self.rows, cache, now)
+        self.warning.setText(text)
+        self.warning.setVisible(bool(text))
