@@ -203,6 +203,13 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("clients:")
         for c in st["clients"]:
             lines.append(f"  {c['client']:<16} {c['requests']:>6} req  hit {_pct(c['hit_ratio'])}")
+    if st.get("sessions"):
+        lines.append("sessions (last hour):")
+        for r in st["sessions"][:10]:
+            lines.append(
+                f"  {r['client']:<16} {(r['session'] or '(none)')[:28]:<28} {r['requests']:>5} req"
+                f"  hit {_pct(r['hit_ratio'])}  slot {r['slot']}  {r['kinds'] or ''}"
+            )
     cache = st.get("cache")
     if isinstance(cache, dict) and cache.get("text"):
         lines.append(cache["text"])

@@ -216,7 +216,7 @@ def test_serve_status_requests_and_sigint(
 
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = chat_body("the CLI test asks the same question twice", max_tokens=3)
-    headers = {"User-Agent": "cli-test/1.0"}
+    headers = {"User-Agent": "cli-test/1.0", "x-session-id": "cli-session-1"}
     timings = [httpx.post(url, json=body, headers=headers, timeout=60).json()["timings"]]
     timings.append(httpx.post(url, json=body, headers=headers, timeout=60).json()["timings"])
     assert timings[1]["cache_n"] > timings[0]["cache_n"]
@@ -229,8 +229,12 @@ def test_serve_status_requests_and_sigint(
         (t["prompt_n"], t["cache_n"]) for t in timings
     ]
     assert st["totals"]["requests"] >= 2 and st["totals"]["cached_tokens"] >= timings[1]["cache_n"]
+    (ses,) = [r for r in st["sessions"] if r["client"] == "cli-test"]
+    assert (ses["session"], ses["requests"]) == ("cli-session-1", 2)
+    assert ses["cached"] == sum(t["cache_n"] for t in timings)
     human = cli(tiny_home, "status")
     assert human.returncode == 0 and "llama-server: ready" in human.stdout
+    assert "sessions (last hour):" in human.stdout and "cli-session-1" in human.stdout
 
     # A second instance on the same port says so clearly and exits 1.
     second = cli(tiny_home, "serve", "--port", str(port), timeout=60)
