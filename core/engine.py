@@ -666,6 +666,7 @@ class Core:
             "totals": tel.totals() if tel else {},
             "last_hour": tel.totals(hour_ago) if tel else {},
             "clients": tel.per_client() if tel else [],
+            "sessions": tel.sessions(hour_ago, limit=20) if tel else [],
             "recent_requests": tel.recent_requests(10) if tel else [],
             "models": self.pool.status()
             if self.pool is not None
