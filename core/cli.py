@@ -197,7 +197,12 @@ def format_status(st: dict[str, Any]) -> str:
             lines.append(
                 f"{label:>9}: {t['requests']} requests, {t['cached_tokens']} cached / "
                 f"{t['prompt_tokens']} new prompt tokens, hit {_pct(t['hit_ratio'])}, "
-                f"~{t['seconds_saved']:.1f} s saved"
+                f"~{t['seconds_saved']:.1f} s of prefill saved"
+                + (
+                    f" (at the cold rate, {t['cold_rate']['ms_per_token']:.1f} ms/token)"
+                    if (t.get("cold_rate") or {}).get("ms_per_token")
+                    else " (no cold prefill measured yet)"
+                )
             )
     if st.get("clients"):
         lines.append("clients:")

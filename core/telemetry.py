@@ -54,6 +54,7 @@ QUERIES = frozenset(
         "totals",
         "per_client",
         "sessions",
+        "cold_prefill_rate",
         "recent_requests",
         "recent_events",
         "server_runs",
@@ -62,6 +63,9 @@ QUERIES = frozenset(
         "ttfb",
     }
 )
+
+# A prefill this long, with no reuse, measures the cold rate (batched, as a re-read is).
+COLD_MIN_TOKENS = 256
 
 migrations = Migrations("warmslot.telemetry")
 
@@ -574,12 +578,32 @@ class Telemetry:
         )[0]
         total = row["prompt_tokens"] + row["cached_tokens"]
         row["hit_ratio"] = row["cached_tokens"] / total if total else None
-        # Seconds saved: cached tokens at the observed prefill speed.
-        per_token = row["prompt_ms"] / row["prompt_tokens"] if row["prompt_tokens"] else None
-        row["seconds_saved"] = (row["cached_tokens"] * per_token / 1000.0) if per_token else 0.0
+        # Seconds saved: cached tokens priced at the cold prefill rate — what reading them
+        # again would have cost. Small follow-up prefills run several times slower per
+        # token than a long cold one (51 vs 19 ms/token measured: issue 18), so pricing
+        # at the average rate overstated the saving 2–3×.
+        rate = self.cold_prefill_rate(since)
+        if rate["ms_per_token"] is None and since > 0:
+            rate = self.cold_prefill_rate()  # none in this window: the longest history
+        row["cold_rate"] = rate
+        ms = rate["ms_per_token"]
+        row["seconds_saved"] = row["cached_tokens"] * ms / 1000.0 if ms else 0.0
         row["errors"] = row["errors"] or 0
         row["dropped_rows"] = self.dropped  # rows telemetry could not write (since start)
         return row
+
+    def cold_prefill_rate(self, since: float | None = None) -> dict[str, Any]:
+        """Milliseconds per token of cold prefills: requests of at least COLD_MIN_TOKENS
+        new tokens that reused under a tenth of that. None when there was none."""
+        row = self._rows(
+            """SELECT COUNT(*) AS requests, COALESCE(SUM(prompt_n), 0) AS tokens,
+                      COALESCE(SUM(prompt_ms), 0) AS ms
+               FROM requests WHERE ts >= ? AND prompt_n >= ? AND prompt_ms > 0
+                    AND COALESCE(cache_n, 0) * 10 <= prompt_n""",
+            [0.0 if since is None else since, COLD_MIN_TOKENS],
+        )[0]
+        per = row["ms"] / row["tokens"] if row["tokens"] else None
+        return {"ms_per_token": per, "requests": row["requests"], "tokens": row["tokens"]}
 
     def per_client(self, since: float | None = None) -> list[dict[str, Any]]:
         since = 0.0 if since is None else since
@@ -666,18 +690,25 @@ class Telemetry:
         return rows
 
     def ttfb(self, since: float | None = None) -> dict[str, Any]:
-        """Median time to first byte for warm (mostly cached) and cold requests."""
+        """Medians for warm (mostly cached) and cold requests: prefill time (`prompt_ms`,
+        keys ``warm_prefill``/``cold_prefill``) and the time to first byte of streamed
+        requests (``warm``/``cold``). A non-streamed response's first byte comes after
+        the whole generation, which hides what the cache saved (issue 18)."""
         since = 0.0 if since is None else since
         out: dict[str, Any] = {}
         for name, cond in (("warm", "cache_n > prompt_n"), ("cold", "cache_n <= prompt_n")):
-            vals = [
-                r["ttfb_ms"]
-                for r in self._rows(
-                    f"SELECT ttfb_ms FROM requests WHERE ts >= ? AND ttfb_ms IS NOT NULL "
-                    f"AND prompt_n IS NOT NULL AND {cond} ORDER BY ttfb_ms",
-                    [since],
-                )
-            ]
-            out[name] = vals[len(vals) // 2] if vals else None
-            out[f"{name}_n"] = len(vals)
+            for key, column, extra in (
+                (name, "ttfb_ms", "AND stream = 1"),
+                (f"{name}_prefill", "prompt_ms", ""),
+            ):
+                vals = [
+                    r[column]
+                    for r in self._rows(
+                        f"SELECT {column} FROM requests WHERE ts >= ? AND {column} IS NOT NULL "
+                        f"AND prompt_n IS NOT NULL AND {cond} {extra} ORDER BY {column}",
+                        [since],
+                    )
+                ]
+                out[key] = vals[len(vals) // 2] if vals else None
+                out[f"{key}_n"] = len(vals)
         return out

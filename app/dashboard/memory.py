@@ -60,6 +60,12 @@ def gpu_used_pct(row: dict[str, Any]) -> dict[int, float]:
     return out
 
 
+def rss_points(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """llama-server's RSS in MiB per sample; 0 where no server ran, so the line drops to
+    the axis across a stop instead of joining the runs on either side."""
+    return [(r["ts"], (r.get("server_rss") or 0) / 2**20) for r in rows]
+
+
 def level_runs(rows: list[dict[str, Any]], until: float) -> list[tuple[float, float, str]]:
     """Spans (start, end, level) where the level was not nominal."""
     runs: list[tuple[float, float, str]] = []
@@ -97,7 +103,7 @@ class MemoryTab(Tab):
         self.percent = TimeChart("Memory", "%", y_range=(0, 100))
         self.percent.add_line("RAM available", "blue")
         self.percent.add_line("swap used", "orange")
-        self.rss = TimeChart("llama-server resident memory (RSS)", "GiB")
+        self.rss = TimeChart("llama-server resident memory (RSS)", "MiB")
         self.rss.add_line("RSS", "violet")
         self.rss.chart.legend().setVisible(False)
         self.outer.addWidget(self.percent, 3)
@@ -156,9 +162,12 @@ class MemoryTab(Tab):
         self._ensure_gpu_lines(sorted(gpu_series))
         for idx in self._gpu_lines:
             self.percent.set_line(f"VRAM used GPU {idx}", gpu_series.get(idx, []))
-        rss = [(r["ts"], r["server_rss"] / 2**30) for r in pts if r.get("server_rss") is not None]
-        self.rss.set_line("RSS", rss)
-        self.rss.fit_y(minimum_top=0.5)
+        rss = rss_points(pts)
+        if any(y for _, y in rss):
+            self.rss.set_line("RSS", rss)
+            self.rss.fit_y(minimum_top=1.0)
+        else:
+            self.rss.show_message("llama-server did not run in this window.")
         runs = level_runs(rows, until)
         self.percent.set_bands(runs)
         self.rss.set_bands(runs)

@@ -44,6 +44,18 @@ class Card(QtWidgets.QFrame):
         self.sub.setText(sub)
 
 
+def saved_basis(totals: dict[str, Any]) -> str:
+    """How "prefill time saved" was priced, in words for the tile."""
+    rate = totals.get("cold_rate") or {}
+    if not rate.get("ms_per_token"):
+        return "no cold prefill measured yet"
+    n = rate["requests"]
+    return (
+        f"cached tokens × cold prefill rate {rate['ms_per_token']:.1f} ms/token "
+        f"({n:,} cold request{'' if n == 1 else 's'})"
+    )
+
+
 class OverviewTab(Tab):
     title = "Overview"
 
@@ -231,7 +243,7 @@ class OverviewTab(Tab):
                 fmt.count(today["cached_tokens"]), f"{today['cached_tokens']:,} tokens"
             )
             self.cards["saved_today"].set(
-                fmt.duration(today.get("seconds_saved") or 0.0), "at the observed prefill speed"
+                fmt.duration(today.get("seconds_saved") or 0.0), saved_basis(today)
             )
             self.cards["requests_today"].set(f"{today['requests']:,}")
             self.cards["errors_today"].set(f"{today['errors']:,}")

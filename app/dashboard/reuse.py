@@ -35,6 +35,18 @@ def window(bucket: str, now: float) -> tuple[float, float, int]:
     return float(since), now, size
 
 
+def ttfb_bars(t: dict[str, Any]) -> list[tuple[str, float]]:
+    """(label, median ms) bars: prefill warm/cold, then streamed first byte warm/cold."""
+    bars = []
+    for key, what in (("prefill", "prefill"), ("", "first byte")):
+        for temp in ("warm", "cold"):
+            name = f"{temp}_{key}" if key else temp
+            n = t.get(f"{name}_n") or 0
+            if n:
+                bars.append((f"{what} {temp} (n={n:,})", round(t[name] or 0.0, 1)))
+    return bars
+
+
 class ReuseTab(Tab):
     title = "Reuse"
 
@@ -62,7 +74,7 @@ class ReuseTab(Tab):
         self.tokens.add_stacked_area("cached", "blue")
         self.tokens.add_stacked_area("new", "orange")
         self.ttfb = BarChart(
-            "Time to first byte (median)", "ms", color_name="violet", label_format="@value ms"
+            "Prefill and first byte (median)", "ms", color_name="violet", label_format="@value ms"
         )
         self.clients = BarChart(
             "Hit rate per client",
@@ -110,7 +122,7 @@ class ReuseTab(Tab):
         bucket = kw["bucket"]
         since, until, size = self.span
         period = "last hour" if until - since <= 3600 else "last 24 hours"
-        self.ttfb.chart.setTitle(f"Time to first byte (median, {period})")
+        self.ttfb.chart.setTitle(f"Prefill and streamed first byte (median, {period})")
         self.clients.chart.setTitle(f"Hit rate per client ({period})")
         if "hit" in results:
             rows = self.buckets.merge(bucket, since, kw["since"], results["hit"], self.ctx.clock())
@@ -166,16 +178,13 @@ class ReuseTab(Tab):
         )
 
     def apply_ttfb(self, t: dict[str, Any]) -> None:
-        if not t.get("warm_n") and not t.get("cold_n"):
+        """Prefill time warm vs cold (what the cache saves), then the first byte of streamed
+        requests warm vs cold; a non-streamed first byte includes generation and is left out."""
+        if not t.get("warm_prefill_n") and not t.get("cold_prefill_n"):
             self.ttfb.show_message("No requests with timings in this window yet.")
             return
         self.ttfb.show_chart()
-        self.ttfb.set_bars(
-            [
-                (f"warm (n={t['warm_n']:,})", round(t["warm"] or 0.0, 1)),
-                (f"cold (n={t['cold_n']:,})", round(t["cold"] or 0.0, 1)),
-            ]
-        )
+        self.ttfb.set_bars(ttfb_bars(t))
 
     def apply_clients(self, rows: list[dict[str, Any]]) -> None:
         rows = [r for r in rows if r["hit_ratio"] is not None][:TOP_CLIENTS]

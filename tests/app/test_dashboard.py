@@ -17,7 +17,7 @@ from app.dashboard.base import Tab, cell_texts
 from app.dashboard.cache import CacheTab
 from app.dashboard.events import EventsTab
 from app.dashboard.memory import MemoryTab, level_runs
-from app.dashboard.overview import OverviewTab
+from app.dashboard.overview import OverviewTab, saved_basis
 from app.dashboard.requests import RequestsTab
 from app.dashboard.reuse import ReuseTab, window
 from app.dashboard.server import ServerTab, exits_summary
@@ -94,8 +94,10 @@ def test_reuse_charts_equal_the_queries(
 
     t = expected.ttfb(since=detail)
     assert tab.ttfb.bars() == [
-        (f"warm (n={t['warm_n']:,})", round(t["warm"], 1)),
-        (f"cold (n={t['cold_n']:,})", round(t["cold"], 1)),
+        (f"prefill warm (n={t['warm_prefill_n']:,})", round(t["warm_prefill"], 1)),
+        (f"prefill cold (n={t['cold_prefill_n']:,})", round(t["cold_prefill"], 1)),
+        (f"first byte warm (n={t['warm_n']:,})", round(t["warm"], 1)),
+        (f"first byte cold (n={t['cold_n']:,})", round(t["cold"], 1)),
     ]
     clients = [c for c in expected.per_client(since=detail) if c["hit_ratio"] is not None]
     assert tab.clients.bars() == [
@@ -115,7 +117,13 @@ def test_reuse_minute_numbers_by_hand(qtbot: Any, offline: Any) -> None:
     assert tab.summary.text() == "5 requests · 3.2 k of 5.2 k prompt tokens cached (61.5 %)"
     # Warm (cache_n > prompt_n): 900>100 and 1800>200 → ttfb 120, 110 → median index 1 → 120.
     # Cold: 900 (0≤1000), 300 (500≤500), 400 (0≤200) → median 400.
-    assert tab.ttfb.bars() == [("warm (n=2)", 120.0), ("cold (n=3)", 400.0)]
+    # Prefill (prompt_ms = new tokens × 0.5): warm 50, 100 → 100; cold 500, 250, 100 → 250.
+    assert tab.ttfb.bars() == [
+        ("prefill warm (n=2)", 100.0),
+        ("prefill cold (n=3)", 250.0),
+        ("first byte warm (n=2)", 120.0),
+        ("first byte cold (n=3)", 400.0),
+    ]
     bars = tab.clients.bars()
     assert bars[0] == ("opencode (3)", round(2700 / 4000 * 100, 1))  # most requests first
     assert sorted(bars[1:]) == [("aider (1)", 50.0), ("curl (1)", 0.0)]
@@ -133,6 +141,11 @@ def test_overview_cards_equal_the_queries(qtbot: Any, offline: Any, expected: An
     assert tab.cards["requests_today"].value.text() == f"{today['requests']:,}"
     assert tab.cards["cached_today"].sub.text() == f"{today['cached_tokens']:,} tokens"
     assert tab.cards["saved_today"].value.text() == fmt.duration(today["seconds_saved"])
+    # By hand: the one cold prefill (1,000 new tokens, nothing reused) ran at 0.5 ms/token.
+    assert today["cold_rate"]["ms_per_token"] == pytest.approx(0.5)
+    assert today["seconds_saved"] == pytest.approx(today["cached_tokens"] * 0.5 / 1000)
+    assert tab.cards["saved_today"].sub.text() == saved_basis(today)
+    assert "0.5 ms/token (1 cold request)" in saved_basis(today)
     since, until, _ = window("hour", NOW)
     day = expected.hit_rate(bucket="hour", since=since, until=until)
     assert tab.day.points("hit rate") == approx_points(
@@ -175,8 +188,9 @@ def test_memory_chart_equals_pressure_series(qtbot: Any, offline: Any, expected:
     gpu = [(r["ts"], (r["gpus"][0][1] - r["gpus"][0][2]) / r["gpus"][0][1] * 100) for r in rows]
     assert tab.percent.points("VRAM used GPU 0") == approx_points(gpu)
     assert tab.rss.points("RSS") == approx_points(
-        [(r["ts"], r["server_rss"] / 2**30) for r in rows]
+        [(r["ts"], r["server_rss"] / 2**20) for r in rows]  # MiB: GiB labels read "0, 0, 1"
     )
+    assert tab.rss.axis_y.titleText() == "MiB"
     # Level bands: low for 6 samples, then critical for 2, nothing while nominal.
     runs = level_runs(rows, NOW)
     assert [(lvl, round((b - a) / 60)) for a, b, lvl in runs] == [("low", 6), ("critical", 2)]
@@ -184,6 +198,25 @@ def test_memory_chart_equals_pressure_series(qtbot: Any, offline: Any, expected:
     assert "critical" in [b[2] for b in tab.rss.bands]
     # Disk: the snapshot's saved states against its cap.
     assert tab.disk_label.text().startswith("3.0 GiB in 4 saved states, cap 8.0 GiB")
+
+
+def test_memory_rss_drops_to_zero_where_no_server_ran(qtbot: Any, offline: Any) -> None:
+    tab = MemoryTab(offline)
+    qtbot.addWidget(tab)
+    sample = {"level": "nominal", "ram_available_pct": 50.0, "swap_used_pct": 1.0, "gpus": []}
+    rows = [
+        {**sample, "ts": NOW - 300, "server_rss": 300 * 2**20},
+        {**sample, "ts": NOW - 200, "server_rss": None},  # stopped
+        {**sample, "ts": NOW - 100, "server_rss": 310 * 2**20},
+    ]
+    tab.apply_series(rows, NOW - 3600, NOW)
+    want = [(NOW - 300, 300), (NOW - 200, 0), (NOW - 100, 310)]
+    assert tab.rss.points("RSS") == approx_points(want)
+    assert not tab.rss.showing_message
+    stopped = [{**r, "server_rss": None} for r in rows]
+    tab.apply_series(stopped, NOW - 3600, NOW)
+    assert tab.rss.showing_message and "did not run" in tab.rss.message.text()
+    assert not tab.percent.showing_message  # RAM and swap were still sampled
 
 
 def test_memory_placeholder_without_samples(qtbot: Any, offline: Any) -> None:

@@ -105,13 +105,33 @@ def test_totals(known_rows: Telemetry) -> None:
     assert t["cached_tokens"] == 320
     assert t["errors"] == 1
     assert t["hit_ratio"] == pytest.approx(320 / 500)
-    # 180 ms for 180 prompt tokens → 1 ms per token → 320 cached tokens ≈ 0.32 s saved.
     assert t["prompt_ms"] == pytest.approx(180.0)
-    assert t["seconds_saved"] == pytest.approx(0.32)
+    # No cold prefill of ≥ 256 tokens yet: no rate, nothing claimed.
+    assert t["cold_rate"]["ms_per_token"] is None and t["seconds_saved"] == 0.0
 
     later = known_rows.totals(since=T + 60)
     assert (later["requests"], later["prompt_tokens"], later["cached_tokens"]) == (3, 70, 230)
     assert later["errors"] == 1
+
+
+def test_seconds_saved_priced_at_the_cold_prefill_rate(known_rows: Telemetry) -> None:
+    """Cached tokens cost what a cold prefill costs per token, not a small follow-up's."""
+    # cold: 1,000 new tokens in 19 s, and 3,000 in 57 s (nothing reused) → 19 ms/token
+    known_rows.record(req(T + 100, prompt_n=1000, cache_n=0, prompt_ms=19_000.0))
+    known_rows.record(req(T + 110, prompt_n=3000, cache_n=200, prompt_ms=57_000.0))
+    # not cold: reuses more than a tenth, or too short to measure the batched rate
+    known_rows.record(req(T + 120, prompt_n=400, cache_n=5000, prompt_ms=20_400.0))
+    known_rows.record(req(T + 130, prompt_n=200, cache_n=0, prompt_ms=10_200.0))
+    known_rows.flush()
+    t = known_rows.totals()
+    assert t["cold_rate"] == {"ms_per_token": pytest.approx(19.0), "requests": 2, "tokens": 4000}
+    cached = 320 + 200 + 5000
+    assert t["cached_tokens"] == cached
+    assert t["seconds_saved"] == pytest.approx(cached * 19.0 / 1000)
+    # A window without a cold prefill borrows the rate from the whole history.
+    late = known_rows.totals(since=T + 3600)
+    assert late["cold_rate"]["ms_per_token"] == pytest.approx(19.0)
+    assert late["seconds_saved"] == pytest.approx(50 * 19.0 / 1000)
 
 
 def test_totals_of_an_empty_database(tel: Telemetry) -> None:
@@ -155,8 +175,21 @@ def test_sessions_apart(known_rows: Telemetry) -> None:
 def test_ttfb_medians(known_rows: Telemetry) -> None:
     # warm (cache_n > prompt_n): r2 12 ms, r3 8 ms → sorted [8, 12], the upper middle is 12.
     # cold: r1 300 ms, r5 200 ms (50 cached of 100: not more than new) → [200, 300] → 300.
-    assert known_rows.ttfb() == {"warm": 12.0, "warm_n": 2, "cold": 300.0, "cold_n": 2}
-    assert known_rows.ttfb(since=T + 60) == {"warm": 8.0, "warm_n": 1, "cold": 200.0, "cold_n": 1}
+    # prefill (prompt_ms): warm r2 10, r3 20 → 20; cold r1 100, r5 50 → [50, 100] → 100.
+    assert known_rows.ttfb() == {
+        "warm": 12.0, "warm_n": 2, "cold": 300.0, "cold_n": 2,
+        "warm_prefill": 20.0, "warm_prefill_n": 2, "cold_prefill": 100.0, "cold_prefill_n": 2,
+    }  # fmt: skip
+    later = known_rows.ttfb(since=T + 60)
+    assert (later["warm"], later["warm_n"], later["cold"], later["cold_n"]) == (8.0, 1, 200.0, 1)
+    assert (later["warm_prefill"], later["cold_prefill"]) == (20.0, 50.0)
+    # A non-streamed request's first byte comes after its generation: not in the TTFB medians.
+    known_rows.record(req(T + 90, stream=False, prompt_n=5, cache_n=95, prompt_ms=5.0,
+                          ttfb_ms=9000.0))  # fmt: skip
+    known_rows.flush()
+    again = known_rows.ttfb(since=T + 60)
+    assert (again["warm"], again["warm_n"]) == (8.0, 1)
+    assert (again["warm_prefill"], again["warm_prefill_n"]) == (20.0, 2)  # [5, 20] → 20
 
 
 def test_recent_requests_newest_first(known_rows: Telemetry) -> None:
