@@ -262,7 +262,7 @@ class Core:
             emit=self.emit,
         )
         sup = self.supervisor
-        self.upstream = Upstream(lambda: sup.base_url)
+        self.upstream = Upstream(lambda: sup.base_url, api_key=lambda: sup.api_key)
         self.sweeps = Sweeps(self.clock, self.emit)
         self.pressure = PressureMonitor(
             lambda: self.settings.pressure,
