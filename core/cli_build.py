@@ -21,6 +21,7 @@ from core.build import (
     build_sync,
     list_builds,
 )
+from core.build.run import BuildStopped
 from core.errors import BuildError
 from core.events import BuildProgress
 from core.paths import Paths
@@ -30,6 +31,7 @@ __all__ = ["ProgressBar", "register"]
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CANCELLED = 130  # the shell's convention for "ended by Ctrl-C"
+_EXIT_SIGNAL_BASE = 128  # and 128 + n for "ended by signal n" (143 for SIGTERM)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -170,6 +172,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
         bar.finish()
         print("Build cancelled; nothing was left in the build cache.", file=sys.stderr)
         return EXIT_CANCELLED
+    except BuildStopped as e:
+        bar.finish()
+        print(f"{e}; nothing was left in the build cache.", file=sys.stderr)
+        return _EXIT_SIGNAL_BASE + e.signum
     except BuildError as e:
         bar.finish()
         print(f"error: {e.user_message()}", file=sys.stderr)

@@ -299,14 +299,16 @@ async def run_step(
             waits.add(stopper)
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done():
-            await terminate_group(proc)
-            raise BuildCancelled("Build cancelled")
+            raise BuildCancelled("Build cancelled")  # its group is killed just below
         with contextlib.suppress(TimeoutError):
             # Grandchildren may hold the pipe open; the exit code is what counts.
             await asyncio.wait_for(asyncio.shield(reader), 10)
         return waiter.result()
-    except asyncio.CancelledError:
-        await terminate_group(proc)
+    except BaseException:
+        # Cancelled (by the event, the task, or a signal to `warmslot build`), or failed
+        # while it runs: nothing the step started may outlive it. Shielded, so that a
+        # second cancel cannot cut the kill short.
+        await asyncio.shield(terminate_group(proc))
         raise
     finally:
         for t in (reader, waiter, stopper):

@@ -21,7 +21,10 @@ rpath pointing into a build tree that no longer exists.
 
 Progress goes to an ``on_progress`` callback as `BuildProgress` events (on the event-loop
 thread), cancellation through an `asyncio.Event` (or cancelling the task): cmake runs in
-its own process group and the whole group is killed.
+its own session and the whole session is killed (`core.server.process`), the temp dir
+removed. `build_sync` (the CLI) turns SIGINT, SIGTERM and SIGHUP into that cancellation:
+without it a signal ended Python at once and left cmake and ninja compiling, orphaned,
+in a temp dir that only the next build would sweep.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import platform
 import re
 import secrets
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -51,7 +55,14 @@ from core.errors import BuildError
 from core.events import BuildProgress
 from core.paths import Paths
 
-__all__ = ["BuildFailed", "ProgressCallback", "RecordHook", "build", "build_sync"]
+__all__ = [
+    "BuildFailed",
+    "BuildStopped",
+    "ProgressCallback",
+    "RecordHook",
+    "build",
+    "build_sync",
+]
 
 log = logging.getLogger("warmslot.build")
 
@@ -73,6 +84,22 @@ class BuildFailed(BuildError):
         super().__init__(message, hint=hint)
         self.log_path = log_path
         self.tail = tail
+
+
+class BuildStopped(BuildCancelled):
+    """`build_sync` was stopped by a signal other than SIGINT (SIGTERM, SIGHUP); the build
+    was cancelled cleanly. `signum` is the signal."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        name = signal.Signals(signum).name
+        super().__init__(f"Build stopped by {name}", hint="nothing was left in the build cache")
+
+
+# Signals that cancel a `build_sync` cleanly (by name: Windows has no SIGHUP).
+_STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 async def _in_thread(fn: Callable[[], _T]) -> _T:
@@ -505,5 +532,40 @@ def build_sync(
     record: RecordHook | None = None,
 ) -> BuildRecord:
     """`build` for synchronous callers (the CLI). Ctrl-C cancels the build cleanly and
-    surfaces as KeyboardInterrupt."""
-    return asyncio.run(build(request, paths, on_progress, None, record))
+    surfaces as KeyboardInterrupt; SIGTERM and SIGHUP cancel it the same way and raise
+    `BuildStopped`. Either way cmake's whole session is killed and the temp dir removed
+    before this returns. Only the first signal counts: a second one must not cut that
+    cleanup short."""
+    stopped_by: list[int] = []
+
+    async def main() -> BuildRecord:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+
+        def on_signal(signum: int) -> None:
+            if not stopped_by:
+                stopped_by.append(signum)
+                task.cancel()
+
+        installed = []
+        for sig in _STOP_SIGNALS:
+            try:
+                loop.add_signal_handler(sig, on_signal, sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue  # Windows' loops have no signal handlers, nor does a non-main thread
+            installed.append(sig)
+        try:
+            return await build(request, paths, on_progress, None, record)
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)  # SIGINT back to KeyboardInterrupt
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        if not stopped_by:
+            raise
+        if stopped_by[0] == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise BuildStopped(stopped_by[0]) from None

@@ -5,9 +5,12 @@ the leader of their own group, so that stopping one also stops whatever it start
 and nothing outlives Warmslot. One implementation, a branch per OS:
 
 * **POSIX** — the child starts a new session (``start_new_session``), so its pid is
-  its process-group id. A stop is ``SIGTERM`` to the group, a kill ``SIGKILL`` to the
-  group (``os.killpg``). The group id stays valid while any member lives, so the
-  group can be killed even after its leader exited (helpers it left behind).
+  its process-group id and its session id. A stop is ``SIGTERM`` to the group, a kill
+  ``SIGKILL`` to the group (``os.killpg``) and to every other process of the session:
+  ninja runs each build command in a process group of its own (so that a terminal's
+  Ctrl-C reaches ninja alone), in the same session, and a kill of the group alone
+  left those compiling. The group and session ids stay valid while any member
+  lives, so both can be killed even after the leader exited (helpers it left behind).
 * **Windows** — there are no process groups to signal. The child starts in a new
   console process group (``CREATE_NEW_PROCESS_GROUP``), which makes it the target
   of ``CTRL_BREAK_EVENT``: the polite stop. Without a shared console (the tray app
@@ -71,12 +74,30 @@ def ask_to_stop(pid: int) -> bool:
 
 
 def kill_group(pid: int) -> None:
-    """Kill the process `pid` and everything in its group (POSIX) or tree (Windows), now."""
+    """Kill the process `pid` and everything in its group and session (POSIX) or tree
+    (Windows), now."""
     if _WINDOWS:
         _kill_tree(pid)
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    for member in _session_members(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
+
+
+def _session_members(sid: int) -> list[int]:
+    """The pids of the session `sid` (POSIX), by a scan of all processes. A pid that
+    names a live session or group is never handed to a new process, so none of these is
+    a stranger."""
+    found = []
+    for pid in psutil.pids():
+        try:
+            if pid != sid and os.getsid(pid) == sid:
+                found.append(pid)
+        except OSError:  # gone meanwhile, or not ours to ask about
+            continue
+    return found
 
 
 def kill_leftovers(pid: int) -> None:
