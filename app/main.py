@@ -291,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     code = int(qapp.exec())
     if app.core.running:  # the loop ended some other way (session logout): stop in stages
         app.core.stop()
+    # Tear Qt down here, in order, while Python is whole: left to interpreter exit, Qt
+    # objects are destroyed in whatever order the garbage collector meets them, and one
+    # quit in ten died with "Fatal Python error: bool_dealloc" (issue 18).
+    tick.stop()
+    app.dispose()
+    QtCore.QCoreApplication.sendPostedEvents(None, QtCore.QEvent.Type.DeferredDelete)
+    qapp.shutdown()
     return code
 
 
