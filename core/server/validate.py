@@ -222,6 +222,10 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(10)
 
 
+# The environment variables that give llama-server an API key (common/arg.cpp).
+_KEY_ENV = ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE")
+
+
 def smoke_start(
     argv0: Path,
     model: Path,
@@ -238,6 +242,9 @@ def smoke_start(
     argv += ["--host", "127.0.0.1", "--port", str(port), "--no-webui"]
     if no_repack:
         argv.append("--no-repack")
+    # Keyless, like the throwaway it is (loopback, a random port, a few seconds): a key
+    # from the user's environment would make the one-token request fail with 401.
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in _KEY_ENV}
     started = time.monotonic()
     tail: deque[str] = deque(maxlen=20)
     with tempfile.TemporaryFile() as out:

@@ -25,6 +25,7 @@ import pytest
 
 from core.engine import Core
 from core.errors import ServerStartFailed
+from core.server import validate
 from core.server.supervisor import ServerState
 from tests.conftest import MakeCore
 from tests.helpers import chat_body, pid_gone, wait_until
@@ -254,3 +255,13 @@ def test_a_server_that_refuses_the_key_does_not_count_as_started(
     launched = sup.exits[-1].pid
     wait_until(lambda: pid_gone(launched), 30)
     assert list((core.paths.state_dir / "run").iterdir()) == []
+
+
+def test_the_smoke_start_stays_keyless_whatever_the_environment_says(
+    server_binary: Path, tiny_model: Path
+) -> None:
+    """A key in the user's environment would reach the smoke start's throwaway server and
+    fail its one-token request with 401, condemning a working binary."""
+    env = {**os.environ, "LLAMA_API_KEY": "from-the-users-shell"}
+    verdict = validate.smoke_start(server_binary, tiny_model, env=env)
+    assert verdict.ok, verdict.reason
