@@ -41,6 +41,7 @@ STATUS_SOON_MS = 150
 CACHE_ALERTS = {
     CacheEventKind.INVALIDATED: "Saved cache invalidated",
     CacheEventKind.RESTORE_REJECTED: "Cache state rejected",
+    CacheEventKind.UNDELETABLE: "Cache file cannot be deleted",
 }
 WARMING_KINDS = (
     CacheEventKind.RESTORE_OK,

@@ -124,6 +124,7 @@ class CacheEventKind(StrEnum):
     RESTORE_OK = "restore_ok"  # a saved state was restored and verified
     RESTORE_REJECTED = "restore_rejected"  # a restored state failed checks and was deleted
     EVICTED = "evicted"  # a saved state was deleted (retention rule, disk cap or the user)
+    UNDELETABLE = "undeletable"  # a file that had to go could not be deleted: quarantined
     PINNED = "pinned"  # the user pinned a saved state
     UNPINNED = "unpinned"  # the user unpinned a saved state
     # Keeping prefixes warm

@@ -3,7 +3,9 @@
 Every `pressure.sample_interval_s` (default 5 s) the pressure sweep reads
 available RAM and swap (psutil), each GPU's free memory (NVML through
 `core.server.devices.read_gpus`; no GPU or no driver is not an error), the
-llama-server process's RSS and the free space of the state directory. Each
+llama-server process's RSS and the free space of the filesystems that hold the
+slot files (llama-server's ``--slot-save-path``, where a full disk breaks saves)
+and the state directory (the database), the fuller of the two counting. Each
 sample is a `PressureSample` event (the telemetry keeps them; samples older
 than an hour are thinned to the worst one per minute, and uneventful sweep runs
 to one per sweep per 10 minutes).
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,7 @@ class Reading:
     disk_total: int
     disk_free: int
     gpus: tuple[GpuInfo, ...] = ()
+    disk_path: str = ""  # the watched directory whose filesystem is the fullest
 
     @property
     def ram_available_pct(self) -> float:
@@ -136,6 +139,10 @@ def assess(r: Reading, s: PressureSettings, margin: float = 0.0) -> tuple[str, t
 class Sampler:
     """Reads a `Reading`; every source is injectable for tests.
 
+    `watch` is the directory whose filesystem's free space counts, or several (the slot
+    directory first, then the state directory): each distinct filesystem is read and the
+    one with the least free share is reported.
+
     `server_pid` gives the llama-server pid, or several (every server Warmslot
     runs: their RSS is summed), or None while none runs.
     `ps` is the psutil module or a stand-in with `virtual_memory()`,
@@ -145,7 +152,7 @@ class Sampler:
 
     def __init__(
         self,
-        state_dir: Path,
+        watch: Path | Sequence[Path],
         server_pid: Callable[[], int | Iterable[int] | None],
         *,
         ps: Any = psutil,
@@ -154,7 +161,7 @@ class Sampler:
         disk_usage: Callable[[Path], Any] = shutil.disk_usage,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        self.state_dir = state_dir
+        self.watch: tuple[Path, ...] = (watch,) if isinstance(watch, Path) else tuple(watch)
         self.server_pid = server_pid
         self.ps = ps
         self.nvml = nvml
@@ -163,11 +170,36 @@ class Sampler:
         self._clock = clock
         self._no_gpu_since: float | None = None
 
-    def _existing_dir(self) -> Path:
-        path = self.state_dir.expanduser().absolute()
-        while not path.exists() and path.parent != path:
-            path = path.parent
-        return path
+    def _existing_dirs(self) -> list[Path]:
+        """Each watched directory (or its nearest existing parent), one per filesystem."""
+        found: list[Path] = []
+        devices: set[int] = set()
+        for want in self.watch:
+            path = want.expanduser().absolute()
+            while not path.exists() and path.parent != path:
+                path = path.parent
+            try:
+                dev = path.stat().st_dev
+            except OSError:
+                continue
+            if dev not in devices:
+                devices.add(dev)
+                found.append(path)
+        return found
+
+    def _disk(self) -> tuple[int, int, str]:
+        """(total, free, path) of the watched filesystem with the least free share."""
+        worst: tuple[int, int, str] | None = None
+        for path in self._existing_dirs():
+            try:
+                du = self.disk_usage(path)
+            except OSError:
+                continue
+            total, free = int(du.total), int(du.free)
+            share = free / total if total else 1.0
+            if worst is None or share < (worst[1] / worst[0] if worst[0] else 1.0):
+                worst = (total, free, str(path))
+        return worst or (0, 0, "")
 
     def _server_rss(self) -> int | None:
         found = self.server_pid()
@@ -194,16 +226,17 @@ class Sampler:
     def read(self) -> Reading:
         vm = self.ps.virtual_memory()
         sw = self.ps.swap_memory()
-        disk = self.disk_usage(self._existing_dir())
+        disk_total, disk_free, disk_path = self._disk()
         return Reading(
             ram_total=int(vm.total),
             ram_available=int(vm.available),
             swap_total=int(sw.total),
             swap_used=int(sw.used),
             server_rss=self._server_rss(),
-            disk_total=int(disk.total),
-            disk_free=int(disk.free),
+            disk_total=disk_total,
+            disk_free=disk_free,
             gpus=self._gpus(),
+            disk_path=disk_path,
         )
 
 
@@ -342,6 +375,7 @@ class PressureMonitor:
             "swap_used_pct": round(r.swap_used_pct, 1) if r else None,
             "disk_free_pct": round(r.disk_free_pct, 1) if r else None,
             "disk_free_bytes": r.disk_free if r else None,
+            "disk_path": r.disk_path if r else None,
             "server_rss_bytes": r.server_rss if r else None,
             "gpus": [g.to_dict() for g in r.gpus] if r else [],
         }

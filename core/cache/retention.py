@@ -22,6 +22,19 @@ only at files our index (the ``states`` table) says we wrote:
 5. a save that never finished (recorded in the write journal before the server
    was asked to write, and never indexed) has its partial file deleted.
 
+**Failed saves** (disk full, the server refused): the partial file is deleted at
+once when the server answered with an error (after a timeout it may still be
+writing: the journal entry stays and rule 5 deletes it), and the prefix is not
+saved again for a while — 30 s, doubling per failure up to 30 min, reset by a
+successful save (`SaveBackoff`). Each failure is one ``save_failed`` event that
+says when the next try is, so a disk that stays full costs one event per step,
+not one per request.
+
+**Undeletable files** (EPERM/EACCES, a read-only directory): a file that had to
+go but could not be deleted is quarantined — its index row is dropped, so it is
+never offered to a server again — and recorded once as an ``undeletable`` event;
+requests keep being served.
+
 Files without a row or journal entry are never touched, whatever their name.
 Every deletion is a ``CacheEvent`` of kind ``evicted`` with the file, bytes,
 age and reason.
@@ -37,6 +50,7 @@ still warm. Every release is an ``evicted`` event with the reason.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import shutil
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -60,10 +74,12 @@ __all__ = [
     "TTL_CLASSES",
     "Eviction",
     "Retention",
+    "SaveBackoff",
     "WriteJournal",
     "class_for",
     "default_cap_bytes",
     "plan_disk_sweep",
+    "save_problem",
     "ttl_seconds",
 ]
 
@@ -72,6 +88,8 @@ log = logging.getLogger("warmslot.cache")
 MIB = 1 << 20
 DEFAULT_CAP_SHARE = 0.10  # cache.disk_cap_mb = 0: this share of the free disk at start
 UNFINISHED_GRACE_S = 600.0  # a journaled save older than this that never got a row failed
+SAVE_BACKOFF_FIRST_S = 30.0  # after a failed save, the prefix is not saved again for this long,
+SAVE_BACKOFF_MAX_S = 1800.0  # doubling per further failure up to this
 SIZE_SLACK = 0
 
 migrations = Migrations("warmslot.retention")
@@ -158,6 +176,83 @@ class WriteJournal:
 
     def pending(self) -> list[dict[str, Any]]:
         return list(self.table.rows_where(order_by="started"))
+
+
+# ---------------------------------------------------------------------------- save checks
+def save_problem(saved: dict[str, Any], expected_tokens: int, path: Path) -> str | None:
+    """What is wrong with a save the server answered with success, or None.
+
+    `saved` is the server's answer (``n_saved``, and ``n_written`` on servers that report
+    it), `path` the file it should have written. A disk that fills up can lose the last
+    buffered bytes when the server closes the file, without an error: the size check
+    catches that."""
+    n_saved = saved.get("n_saved")
+    if not isinstance(n_saved, int) or n_saved != expected_tokens:
+        return f"the server saved {n_saved} tokens of the {expected_tokens}-token prefix"
+    try:
+        size = path.stat().st_size if path.is_file() else None
+    except OSError as e:
+        return f"the saved file cannot be read: {e}"
+    if size is None:
+        return f"the server reported saving {n_saved} tokens but left no file {path.name}"
+    written = saved.get("n_written")
+    if isinstance(written, int) and written > 0 and size != written:
+        return f"the file holds {size} bytes but the server reported writing {written} (disk full?)"
+    return None
+
+
+# ---------------------------------------------------------------------------- save backoff
+@dataclass
+class _Backoff:
+    failures: int
+    until: float
+    reason: str
+
+
+class SaveBackoff:
+    """Per-prefix backoff after failed saves: `first` seconds, doubling per failure up to
+    `cap`, forgotten after a success. Keyed by prefix fingerprint."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        first: float = SAVE_BACKOFF_FIRST_S,
+        cap: float = SAVE_BACKOFF_MAX_S,
+    ) -> None:
+        self.clock = clock
+        self.first = first
+        self.cap = cap
+        self._state: dict[str, _Backoff] = {}
+
+    def allows(self, fp: str) -> bool:
+        """Whether a save of this prefix may be tried now."""
+        b = self._state.get(fp)
+        return b is None or self.clock() >= b.until
+
+    def failed(self, fp: str, reason: str) -> tuple[int, float]:
+        """Record a failure; returns (failures in a row, seconds until the next try)."""
+        prev = self._state.get(fp)
+        n = (prev.failures if prev else 0) + 1
+        delay = min(self.cap, self.first * 2 ** (n - 1))
+        self._state[fp] = _Backoff(n, self.clock() + delay, reason)
+        return n, delay
+
+    def succeeded(self, fp: str) -> None:
+        self._state.pop(fp, None)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Prefixes whose saves are backing off now, for the cache status."""
+        now = self.clock()
+        return [
+            {
+                "fingerprint": fp[:16],
+                "failures": b.failures,
+                "retry_in_s": round(b.until - now, 1),
+                "reason": b.reason,
+            }
+            for fp, b in self._state.items()
+            if b.until > now
+        ]
 
 
 # ---------------------------------------------------------------------------- planning
@@ -301,6 +396,9 @@ class Retention:
         self._journal: WriteJournal | None = None
         self.last_plan: Plan | None = None
         self.unknown_files = 0
+        self.save_backoff = SaveBackoff(self.clock.time)
+        # Files that could not be deleted (name → why): reported once, never retried.
+        self.quarantined: dict[str, str] = {}
 
     @property
     def settings(self) -> CacheSettings:
@@ -346,6 +444,103 @@ class Retention:
             return path.stat().st_size if path.is_file() else None
         except OSError:
             return None
+
+    # ------------------------------------------------------------------ failures
+    def save_failed(
+        self,
+        fp: str,
+        reason: str,
+        *,
+        filename: str,
+        slot: int | None = None,
+        server_answered: bool = True,
+    ) -> float:
+        """A save of prefix `fp` into `filename` failed: delete its partial file now (when
+        the server answered, so it no longer writes), back the prefix off, and record one
+        ``save_failed`` event saying when the next try is. Returns that delay in seconds."""
+        partial = self.discard_partial(filename) if server_answered else 0
+        failures, delay = self.save_backoff.failed(fp, reason)
+        details: dict[str, Any] = {
+            "file": filename,
+            "failures": failures,
+            "retry_in_s": delay,
+            "partial_deleted_bytes": partial,
+        }
+        self._emit(
+            CacheEventKind.SAVE_FAILED,
+            f"{reason}; not saving this prefix again for {human_age(delay)}",
+            fingerprint=fp[:16],
+            slot=slot,
+            details=details,
+        )
+        return delay
+
+    def save_succeeded(self, fp: str) -> None:
+        """A save of `fp` worked: its backoff (if any) is over."""
+        self.save_backoff.succeeded(fp)
+
+    def discard_partial(self, filename: str) -> int:
+        """Delete the file a failed save left (journaled, not indexed); returns its bytes.
+        The journal entry goes with it; one that cannot be deleted stays journaled."""
+        store = self.mgr.store
+        row = next((r for r in self.journal.pending() if str(r["filename"]) == filename), None)
+        if row is None or store.get(filename) is not None or not safe_name(filename):
+            return 0  # not a save of ours in flight, or an indexed file (never ours to drop)
+        try:
+            path = store.dir_for(str(row["identity"])) / filename
+        except ValueError:
+            return 0
+        size = 0
+        try:
+            if path.is_file():
+                size = path.stat().st_size
+                path.unlink()
+        except OSError as e:
+            self.undeletable(filename, path, e)
+            return 0
+        self.journal.end(filename)
+        return size
+
+    def discard(self, rec: StateRecord, why: str) -> int:
+        """Delete a state that failed its checks (file and row); returns bytes freed.
+
+        A file that cannot be deleted is quarantined: its row is dropped all the same (the
+        file is never offered to a server again) and one ``undeletable`` event says so."""
+        store = self.mgr.store
+        try:
+            return store.delete(rec)
+        except OSError as e:
+            store.table.delete_where("filename = ?", [rec.filename])
+            try:
+                path: Path | None = store.path(rec)
+            except ValueError:
+                path = None
+            self.undeletable(rec.filename, path, e, why=why, fingerprint=rec.fingerprint)
+            return 0
+
+    def undeletable(
+        self,
+        filename: str,
+        path: Path | None,
+        err: OSError,
+        *,
+        why: str = "",
+        fingerprint: str = "",
+    ) -> None:
+        """Record (once per name) a file that could not be deleted."""
+        if filename in self.quarantined:
+            return
+        cause = errno.errorcode.get(err.errno or 0, "") or type(err).__name__
+        text = f"{cause}: {err.strerror or err}"
+        self.quarantined[filename] = text
+        log.warning("cannot delete %s (%s); quarantined, not used again", path or filename, text)
+        self._emit(
+            CacheEventKind.UNDELETABLE,
+            f"could not delete {filename} ({text}); it is never used again"
+            + (f" (it had to go: {why})" if why else ""),
+            fingerprint=fingerprint[:16],
+            details={"file": filename, "path": str(path) if path else "", "error": text},
+        )
 
     # ------------------------------------------------------------------ disk
     async def sweep_disk(self, peers: Sequence[HasRetention] = ()) -> Outcome:
@@ -402,6 +597,8 @@ class Retention:
         except ValueError:  # unsafe name: drop the row, never touch a path
             self.mgr.store.table.delete_where("filename = ?", [rec.filename])
             freed = 0
+        except OSError:  # cannot be deleted: quarantined (one event), the sweep goes on
+            return self.discard(rec, reason)
         self._emit(
             CacheEventKind.EVICTED,
             reason,
@@ -436,9 +633,14 @@ class Retention:
                     path = store.dir_for(identity) / name
                 except ValueError:
                     path = None
-                if path is not None and path.is_file():
-                    size = path.stat().st_size
-                    path.unlink()
+                try:
+                    if path is not None and path.is_file():
+                        size = path.stat().st_size
+                        path.unlink()
+                except OSError as e:
+                    self.undeletable(name, path, e, why="a save that never finished")
+                    self.journal.end(name)  # quarantined: not retried every sweep
+                    continue
             self.journal.end(name)
             count += 1
             freed += size
@@ -532,6 +734,8 @@ class Retention:
             return "its prefix is being saved"
         if not mgr.pressure.allows_persist():
             return f"not saved: {mgr.pressure.paused()['persist']}"
+        if not self.save_backoff.allows(fp):
+            return "not saved: its last save failed, the next try waits (save backoff)"
         mgr.persist_soon(info)
         return "saving its prefix to disk"
 
@@ -573,6 +777,8 @@ class Retention:
             if self.settings.disk_cap_mb > 0
             else "10 % of free disk at start",
             "unknown_files_left_alone": self.unknown_files,
+            "save_backoff": self.save_backoff.status(),
+            "quarantined": dict(self.quarantined),
         }
         out["ttl"] = {c: self.ttl(c) for c in TTL_CLASSES}
         out["ttl_classes"] = {
