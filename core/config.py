@@ -64,6 +64,23 @@ def _host(v: Any) -> str | None:
     return None
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _origins(v: Any) -> str | None:
+    for origin in v:
+        scheme, sep, rest = origin.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest or "/" in rest.rstrip("/"):
+            return "origins such as 'http://127.0.0.1:3000' (scheme://host[:port], no path)"
+    return None
+
+
 TTL_CLASSES = ("short", "long", "extended")
 
 
@@ -192,7 +209,7 @@ class ProxySettings:
         default="127.0.0.1",
         metadata=_meta(
             "Address the OpenAI-compatible proxy binds to. Other than loopback exposes your "
-            "model to the network: set an api_key.",
+            "model to the network, so it is refused unless proxy.api_key is set.",
             _host,
             restart=True,
         ),
@@ -212,6 +229,15 @@ class ProxySettings:
     max_body_mb: int = field(
         default=32,
         metadata=_meta("Largest request body accepted, in MiB.", _range(1, 1024), restart=True),
+    )
+    allowed_origins: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "Web pages allowed to call the proxy from a browser, as origins "
+            "('http://127.0.0.1:3000'). Loopback origins are always allowed; requests "
+            "carrying any other Origin header are refused.",
+            _origins,
+        ),
     )
     upstream_timeout_s: float = field(
         default=600.0,
@@ -469,6 +495,7 @@ class Settings:
         new = dataclasses.replace(self)
         section, key = _split(name)
         setattr(new, section, dataclasses.replace(getattr(self, section), **{key: value}))
+        check_settings(new)
         return new
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
@@ -688,6 +715,21 @@ def _migrate(doc: dict[str, Any], path: str) -> dict[str, Any]:
     return doc
 
 
+def check_settings(settings: Settings, *, file: str | None = None) -> None:
+    """Rules that involve more than one setting; raises ConfigError."""
+    host = settings.proxy.host
+    if not _is_loopback(host) and not settings.proxy.api_key:
+        raise ConfigError(
+            "a proxy reachable from the network needs an API key",
+            file=file,
+            key="proxy.host",
+            expected="a loopback address (127.0.0.1) while proxy.api_key is empty",
+            got=host,
+            hint="set proxy.api_key first (`warmslot config set proxy.api_key SECRET`), "
+            "or keep proxy.host = 127.0.0.1",
+        )
+
+
 def settings_from_dict(doc: dict[str, Any], *, path: str = "<settings>") -> Settings:
     """Validate a plain dict (already migrated) into `Settings`."""
     settings = Settings()
@@ -716,6 +758,7 @@ def settings_from_dict(doc: dict[str, Any], *, path: str = "<settings>") -> Sett
                     hint="`warmslot config show` lists every setting",
                 )
             setattr(target, key, SCHEMA[name].coerce(value, file=path))
+    check_settings(settings, file=path)
     return settings
 
 

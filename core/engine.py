@@ -281,6 +281,7 @@ class Core:
             upstream_timeout_s=s.proxy.upstream_timeout_s,
             status=self._status_async,
             extra_metrics=self._extra_metrics,
+            allowed_origins=lambda: self.settings.proxy.allowed_origins,
         )
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)

@@ -296,3 +296,56 @@ def test_a_migrated_value_is_still_validated(tmp_path: Path, two_migrations: lis
     with pytest.raises(ConfigError) as e:
         config.load(path)
     assert e.value.key == "proxy.port" and e.value.got == 123456
+
+
+# ------------------------------------------------------------------ network exposure (issue 19)
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5"])
+def test_a_network_proxy_without_an_api_key_is_an_error(tmp_path: Path, host: str) -> None:
+    path = write(tmp_path / "w.toml", f'[proxy]\nhost = "{host}"\n')
+    with pytest.raises(ConfigError) as e:
+        config.load(path)
+    err = e.value
+    assert (err.file, err.key, err.got) == (str(path), "proxy.host", host)
+    assert "API key" in str(err) and "proxy.api_key" in err.hint
+    with pytest.raises(ConfigError):
+        Settings().replace("proxy.host", host)
+    # `warmslot config set` refuses it too, and leaves the file as it was.
+    good = tmp_path / "good.toml"
+    config.ensure_file(good)
+    before = good.read_bytes()
+    with pytest.raises(ConfigError):
+        config.set_value(good, "proxy.host", host)
+    assert good.read_bytes() == before
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.5"])
+def test_a_network_proxy_with_an_api_key_loads(tmp_path: Path, host: str) -> None:
+    path = write(tmp_path / "w.toml", f'[proxy]\nhost = "{host}"\napi_key = "s3cret"\n')
+    assert config.load(path).proxy.host == host
+    # In that order on the command line: the key first, then the address.
+    good = tmp_path / "good.toml"
+    config.set_value(good, "proxy.api_key", "s3cret")
+    assert config.set_value(good, "proxy.host", host).proxy.host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_needs_no_key(tmp_path: Path, host: str) -> None:
+    path = write(tmp_path / "w.toml", f'[proxy]\nhost = "{host}"\n')
+    assert config.load(path).proxy.host == host
+
+
+def test_allowed_origins(tmp_path: Path) -> None:
+    assert Settings().proxy.allowed_origins == []
+    path = write(
+        tmp_path / "w.toml",
+        '[proxy]\nallowed_origins = ["http://127.0.0.1:3000", "https://ui.example"]\n',
+    )
+    assert config.load(path).proxy.allowed_origins == [
+        "http://127.0.0.1:3000",
+        "https://ui.example",
+    ]
+    for bad in ('["ui.example"]', '["http://ui.example/app"]', '["*"]', '"http://x"'):
+        write(path, f"[proxy]\nallowed_origins = {bad}\n")
+        with pytest.raises(ConfigError) as e:
+            config.load(path)
+        assert e.value.key == "proxy.allowed_origins"

@@ -55,7 +55,7 @@ async def test_a_restart_binds_over_old_connections_but_not_over_a_live_proxy() 
     # A client with a keep-alive connection; the proxy closes it when it stops, so the
     # proxy's side of that connection lingers in TIME_WAIT on the proxy's port.
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /warmslot/status HTTP/1.1\r\nHost: x\r\n\r\n")
+    writer.write(b"GET /warmslot/status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     await writer.drain()
     assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
     await first.stop()

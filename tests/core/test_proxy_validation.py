@@ -9,10 +9,16 @@ from typing import Any
 import pytest
 
 from core.proxy import (
+    MAX_DEPTH,
+    _host_name,
     _Invalid,
+    _is_json_type,
+    _origin_allowed,
     _SSEScanner,
     _timings_from_json,
     error_response,
+    is_loopback,
+    parse_json,
     validate,
 )
 from core.router import client_name, session_key
@@ -57,7 +63,7 @@ def test_chat_wrong_shapes_and_types(body: dict[str, Any], param: str) -> None:
 
 
 def test_message_index_named() -> None:
-    err = invalid("chat", {"messages": [{"role": "user"}, {"content": "x"}]})
+    err = invalid("chat", {"messages": [{"role": "user", "content": "x"}, {"content": "x"}]})
     assert "messages[1]" in str(err)
 
 
@@ -238,3 +244,247 @@ def test_timings_from_json() -> None:
     assert _timings_from_json(b"[1]") == (None, None)
     assert _timings_from_json(b"not json") == (None, None)
     assert _timings_from_json(b'{"id_slot": -1, "timings": 5}') == (None, None)
+
+
+# ------------------------------------------------------------------ strict JSON (issue 19)
+def bad_json(raw: bytes) -> str:
+    with pytest.raises(_Invalid) as e:
+        parse_json(raw)
+    assert e.value.status == 400
+    return str(e.value)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json(constant: str) -> None:
+    raw = b'{"messages": [{"role": "user", "content": "x"}], "temperature": %s}' % (
+        constant.encode()
+    )
+    assert constant in bad_json(raw)
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 995, 5000, 100_000])
+def test_deep_nesting_is_a_400_not_a_recursion_error(depth: int) -> None:
+    raw = b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
+    assert "nested deeper" in bad_json(raw)
+
+
+def test_nesting_up_to_the_limit_parses() -> None:
+    depth = MAX_DEPTH - 1  # the body object is one level
+    raw = b'{"x": ' + b"[" * depth + b"]" * depth + b"}"
+    assert isinstance(parse_json(raw), dict)
+    # Many brackets side by side are not depth.
+    wide = b'{"x": [' + b",".join([b"[]"] * 5000) + b"]}"
+    assert len(parse_json(wide)["x"]) == 5000
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"{", b"\xff\xfe{}", b'{"a": 1,}', b"{'a': 1}", b'{"a": "\\x"}']
+)
+def test_malformed_json(raw: bytes) -> None:
+    assert bad_json(raw).startswith("malformed JSON")
+
+
+# ------------------------------------------------------------------ shapes (issue 19)
+def msg(content: Any = "hi", **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content, **extra}]}
+
+
+TOOL = {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        msg(5),
+        msg({"type": "text", "text": "x"}),
+        msg([{"type": "text"}]),
+        msg([{"type": "text", "text": 5}]),
+        msg(["just a string"]),
+        msg([{"text": "no type"}]),
+        msg([{"type": 3, "text": "x"}]),
+        msg([{"type": "media_marker", "text": "<__media__>"}]),
+        msg([{"type": "refusal", "refusal": "no"}]),
+        msg([{"type": "image_url", "image_url": "data:image/png;base64,AAAA"}]),
+        msg([{"type": "image_url", "image_url": {"detail": "low"}}]),
+        msg([{"type": "input_audio", "input_audio": {"data": 5}}]),
+        {"messages": [{"role": "assistant"}]},
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": {"id": "x"}}]},
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": ["x"]}]},
+        {"messages": [{"role": "assistant", "tool_calls": [{"type": "code", "function": {}}]}]},
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+    ],
+)
+def test_malformed_messages(body: dict[str, Any]) -> None:
+    assert invalid("chat", body).param == "messages"
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [TOOL, "read"],
+        [{"function": {"name": "read"}}],
+        [{"type": "retrieval", "function": {"name": "read"}}],
+        [{"type": "function"}],
+        [{"type": "function", "function": {"description": "no name"}}],
+        [{"type": "function", "function": {"name": 5}}],
+        [{"type": "function", "function": {"name": "f", "parameters": "object"}}],
+        [{"type": "function", "function": {"name": "f", "description": ["x"]}}],
+    ],
+)
+def test_malformed_tools(tools: list[Any]) -> None:
+    assert invalid("chat", {**msg(), "tools": tools}).param == "tools"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", 5),
+        ("model", ["a"]),
+        ("temperature", "0.5"),
+        ("temperature", True),
+        ("top_p", [1]),
+        ("top_k", 2.5),
+        ("seed", "1"),
+        ("stop", 5),
+        ("stop", ["a", 1]),
+        ("stream_options", True),
+        ("response_format", "json"),
+        ("tool_choice", 1),
+        ("cache_prompt", "yes"),
+        ("n", "2"),
+    ],
+)
+def test_common_fields_of_the_wrong_type(field: str, value: Any) -> None:
+    assert invalid("chat", {**msg(), field: value}).param == field
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"),
+    [
+        ("tokenize", {"content": 5}, "content"),
+        ("tokenize", {}, "content"),
+        ("detokenize", {"tokens": "1 2"}, "tokens"),
+        ("detokenize", {"tokens": [1, "2"]}, "tokens"),
+        ("apply-template", {"messages": "hi"}, "messages"),
+        ("completion", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ],
+)
+def test_other_endpoints_shapes(endpoint: str, body: dict[str, Any], param: str) -> None:
+    assert invalid(endpoint, body).param == param
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        msg([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]),
+        msg([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]),
+        msg([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]),
+        msg(None, tool_calls=[]),
+        {
+            "messages": [
+                {"role": "user", "content": "read it"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "read", "arguments": "{}"},
+                        },
+                        {"function": {"name": "read", "arguments": {"path": "x"}}},
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "text"},
+            ],
+            "tools": [TOOL, {"type": "function", "function": {"name": "bare"}}],
+            "tool_choice": "auto",
+            "temperature": 0,
+            "top_p": 0.9,
+            "seed": 1,
+            "stop": ["\n"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "model": "any",
+            "response_format": {"type": "json_object"},
+        },
+        {**msg(), "temperature": None, "stop": None, "tools": None},
+    ],
+)
+def test_real_shapes_pass(body: dict[str, Any]) -> None:
+    validate("chat", body, 2)
+
+
+# ------------------------------------------------------------------ who may call
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("localhost", True),
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("192.168.1.5", False),
+        ("attacker.example", False),
+        ("localhost.attacker.example", False),
+        ("127.0.0.1.nip.io", False),
+        ("", False),
+    ],
+)
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize(
+    ("header", "name"),
+    [
+        ("127.0.0.1:8089", "127.0.0.1"),
+        ("LOCALHOST:1", "localhost"),
+        ("[::1]:8089", "::1"),
+        ("[::1]", "::1"),
+        ("attacker.example", "attacker.example"),
+        ("attacker.example:80", "attacker.example"),
+    ],
+)
+def test_host_name(header: str, name: str) -> None:
+    assert _host_name(header) == name
+
+
+@pytest.mark.parametrize(
+    ("origin", "allowed", "ok"),
+    [
+        ("http://127.0.0.1:3000", (), True),
+        ("http://localhost", (), True),
+        ("https://[::1]:8443", (), True),
+        ("http://evil.example", (), False),
+        ("null", (), False),
+        ("file://", (), False),
+        ("http://127.0.0.1.evil.example", (), False),
+        ("ftp://127.0.0.1", (), False),
+        ("http://evil.example", ("http://evil.example",), True),
+        ("http://Evil.example/", ("http://evil.example",), True),
+        ("http://evil.example:81", ("http://evil.example",), False),
+    ],
+)
+def test_origin_allowed(origin: str, allowed: tuple[str, ...], ok: bool) -> None:
+    assert _origin_allowed(origin, allowed) is ok
+
+
+@pytest.mark.parametrize(
+    ("ctype", "ok"),
+    [
+        ("application/json", True),
+        ("application/json; charset=utf-8", True),
+        ("Application/JSON", True),
+        ("application/vnd.api+json", True),
+        ("text/plain", False),
+        ("application/x-www-form-urlencoded", False),
+        ("multipart/form-data; boundary=x", False),
+        ("text/json", False),
+        ("", False),
+    ],
+)
+def test_json_content_types(ctype: str, ok: bool) -> None:
+    assert _is_json_type(ctype) is ok
