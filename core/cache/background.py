@@ -199,7 +199,10 @@ async def pin(mgr: CacheHost, filename: str, pinned: bool) -> dict[str, Any]:
 async def evict(mgr: CacheHost, filename: str) -> dict[str, Any]:
     """Delete a saved state (file and index row) now."""
     rec = _record(mgr, filename)
-    freed = mgr.store.delete(rec)
+    try:
+        freed = mgr.store.delete(rec)
+    except OSError as e:
+        raise CacheError(f"cannot delete {filename}: {e}") from e
     _emit(
         mgr,
         CacheEventKind.EVICTED,

@@ -202,7 +202,18 @@ def load_saved(mgr: CacheHost) -> None:
             tokens = []
         fp = fingerprint(mgr.identity, tokens) if tokens else ""
         if fp != rec.fingerprint:
-            freed = mgr.store.delete(rec)
+            try:
+                freed = mgr.store.delete(rec)
+            except OSError as e:  # undeletable: forget its row (never offered again), say so
+                mgr.store.table.delete_where("filename = ?", [rec.filename])
+                mgr.emit(
+                    CacheEventKind.UNDELETABLE,
+                    f"could not delete {rec.filename} ({e}); it is never used again",
+                    fp=rec.fingerprint,
+                    file=rec.filename,
+                    error=str(e),
+                )
+                freed = 0
             mgr.emit(
                 CacheEventKind.INVALIDATED,
                 "saved for a different server identity (chat "

@@ -43,7 +43,7 @@ from core.cache.fingerprint import fingerprint, state_filename
 from core.cache.manager import CacheManager, policy_factory
 from core.cache.store import StateRecord, file_sha256
 from core.engine import Core
-from core.errors import VerificationFailed
+from core.errors import CacheError, VerificationFailed
 from core.events import CacheEvent, CacheEventKind
 from core.paths import Paths
 from core.server.tinymodel import make_tiny_model
@@ -323,6 +323,15 @@ def test_an_undeletable_corrupt_file_is_quarantined_once(tmp_path: Path, tiny_mo
             assert len(rig.cache_events(CacheEventKind.UNDELETABLE)) == 1
             assert rig.chat("served while an undeletable file sits in the slot folder") == 200
 
+        # A user's eviction of an undeletable file is an error that says why (not a traceback).
+        other = rig.prefix(4, 300)
+        rig.persist(other)
+        rig.idle()
+        orec = rig.record(other)
+        assert orec is not None
+        with undeletable(mgr.store.path(orec)), pytest.raises(CacheError, match="cannot delete"):
+            rig.run(mgr.evict(orec.filename))
+
 
 # ----------------------------------------------------------------------------- kill -9
 
@@ -402,6 +411,7 @@ def test_kill_9_of_serve_during_a_save(tmp_path: Path, tiny_model: Path) -> None
 
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
+
         def written_not_indexed() -> list[str]:
             # A journaled save whose file the server has written (in part or whole) but that
             # is not indexed yet: the moment a crash must not turn into an adopted file.
