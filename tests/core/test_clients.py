@@ -1,0 +1,75 @@
+"""Client setup snippets: the proxy's URL in each, valid JSON/TOML, honest status."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+
+from core import clients
+from core.clients import base_url, client_model_name, client_setups, format_setups
+from core.config import ModelProfile, Settings
+from core.proxy import JSON_ROUTES
+
+URL = "http://127.0.0.1:18089"
+
+
+def by_id(**kw: bool) -> dict[str, clients.ClientSetup]:
+    return {s.id: s for s in client_setups(URL, "qwen3-coder", **kw)}
+
+
+def test_every_snippet_points_at_the_proxy() -> None:
+    s = by_id()
+    assert set(s) == {"opencode", "aider", "claude-code", "codex"}
+    assert base_url(URL) == base_url(URL + "/v1/") == URL + "/v1"
+    oc = json.loads(s["opencode"].snippet)
+    provider = oc["provider"]["warmslot"]
+    assert provider["options"] == {"baseURL": URL + "/v1"}
+    assert provider["npm"] == "@ai-sdk/openai-compatible"
+    assert oc["model"] == "warmslot/qwen3-coder" and "qwen3-coder" in provider["models"]
+    assert f"OPENAI_API_BASE={URL}/v1" in s["aider"].snippet
+    assert "--model openai/qwen3-coder" in s["aider"].snippet
+    assert f"ANTHROPIC_BASE_URL={URL}\n" in s["claude-code"].snippet  # no /v1: it adds its own
+    codex = tomllib.loads(s["codex"].snippet)
+    assert codex["model_provider"] == "warmslot" and codex["model"] == "qwen3-coder"
+    assert codex["model_providers"]["warmslot"]["base_url"] == URL + "/v1"
+    assert codex["model_providers"]["warmslot"]["wire_api"] == "responses"
+
+
+def test_what_works_today_follows_the_proxy_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "/v1/chat/completions" in JSON_ROUTES
+    s = by_id()
+    assert s["opencode"].works and s["aider"].works
+    # The proxy forwards neither Anthropic's Messages nor OpenAI's Responses API yet.
+    assert "/v1/messages" not in JSON_ROUTES and "/v1/responses" not in JSON_ROUTES
+    assert not s["claude-code"].works and "Does not work yet" in s["claude-code"].status
+    assert not s["codex"].works and "/v1/responses" in s["codex"].status
+    assert [x.works for x in client_setups(URL, "m")] == [True, True, False, False]
+    monkeypatch.setitem(JSON_ROUTES, "/v1/messages", ("messages", True))
+    assert by_id()["claude-code"].works
+
+
+def test_a_required_key_is_read_from_the_environment_not_written() -> None:
+    s = by_id(api_key=True)
+    assert json.loads(s["opencode"].snippet)["provider"]["warmslot"]["options"]["apiKey"] == (
+        "{env:WARMSLOT_API_KEY}"
+    )
+    assert "OPENAI_API_KEY=$WARMSLOT_API_KEY" in s["aider"].snippet
+    codex = tomllib.loads(s["codex"].snippet)
+    assert codex["model_providers"]["warmslot"]["env_key"] == "WARMSLOT_API_KEY"
+    assert (
+        "apiKey" not in json.loads(by_id()["opencode"].snippet)["provider"]["warmslot"]["options"]
+    )
+    text = format_setups(client_setups(URL, "m", api_key=True), URL, api_key=True)
+    assert "export WARMSLOT_API_KEY=<proxy.api_key>" in text
+    assert text.count(URL) >= 4 and "[not yet]" in text
+
+
+def test_model_name_for_clients() -> None:
+    s = Settings()
+    assert client_model_name(s) == "gemma-3-270m"
+    s.server.model = "/m/Qwen3-Coder-30B-Q4_K_M-00001-of-00003.gguf"
+    assert client_model_name(s) == "Qwen3-Coder-30B-Q4_K_M"
+    s.models = [ModelProfile(name="side", role="side"), ModelProfile(name="coder")]
+    assert client_model_name(s) == "coder"  # routed by name: the primary profile's
