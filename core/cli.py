@@ -1,7 +1,7 @@
 """`warmslot`: the headless command line.
 
-serve · status · doctor · config path|show|set — plus `fit`, `build` and `bench`
-registered by their own modules.
+serve · status · doctor · config path|show|set — plus `fit`, `build`, `models`,
+`clients` and `bench` registered by their own modules.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from core.paths import Paths
 
 __version__ = "0.1.0"
 # Subcommands that live in their own modules; each has `register(subparsers)`.
-_COMMAND_MODULES = ("core.cli_fit", "core.cli_build", "core.bench.cli")
+_COMMAND_MODULES = ("core.cli_fit", "core.cli_build", "core.cli_models", "core.bench.cli")
 
 
 def setup_logging(paths: Paths, verbose: bool = False) -> None:

@@ -44,8 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.cli_fit import request_from_settings
+from core.config import Settings
 from core.errors import WarmslotError
-from core.server.devices import GpuInfo, HostInfo
+from core.paths import Paths
+from core.server.devices import GpuInfo, HostInfo, read_gpus, read_host
 from core.server.fit import FitRequest, plan
 from core.server.gguf_facts import ModelFacts, read_facts
 
@@ -57,6 +60,7 @@ __all__ = [
     "Root",
     "describe",
     "find_models",
+    "for_settings",
     "model_roots",
     "scan",
 ]
@@ -527,6 +531,10 @@ def describe(
         return dataclasses.replace(entry, error=str(e))
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # a header we misread
         return dataclasses.replace(entry, error=f"cannot read the GGUF header: {e!r}")
+    if facts.weights_bytes == 0:  # llama.cpp's ggml-vocab-*.gguf test files
+        return dataclasses.replace(
+            entry, architecture=facts.architecture, error="no weights: a vocabulary-only file"
+        )
     kind = _kind(facts)
     entry = dataclasses.replace(
         entry,
@@ -608,3 +616,30 @@ def find_models(
         for f in found
     ]
     return Catalog(tuple(entries), tuple(roots), tuple(notes))
+
+
+def for_settings(
+    paths: Paths,
+    settings: Settings,
+    *,
+    fit: bool = True,
+    facts: bool = True,
+    extra_dirs: Iterable[str | Path] = (),
+    home: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Catalog:
+    """`find_models` for one installation: its models folder, ``server.model_dirs``,
+    ``server.model``, and (with `fit`) the fit plan for the configured slots and
+    context on this machine's GPUs and RAM."""
+    request = request_from_settings(settings.server) if fit else None
+    return find_models(
+        home=home,
+        env=env,
+        models_dir=paths.models_dir,
+        extra_dirs=[*settings.server.model_dirs, *extra_dirs],
+        configured=settings.server.model,
+        facts=facts,
+        gpus=read_gpus() if fit and facts else None,
+        host=read_host(paths.state_dir) if fit and facts else None,
+        request=request,
+    )

@@ -19,6 +19,9 @@ COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("fit",): ("--json",),
     ("build",): ("--jobs", "2"),
     ("build", "list"): ("--json",),
+    ("models",): ("--json", "--no-fit"),
+    ("models", "use"): ("3",),
+    ("clients",): ("--json",),
     ("bench",): (),  # only through its subcommands below
     ("bench", "overhead"): ("--json",),
     ("bench", "trace"): (),
