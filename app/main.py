@@ -20,6 +20,7 @@ from app.bridge import Bridge
 from app.controller import Controller
 from app.dashboard import Dashboard, ViewContext
 from app.dialogs import text_box
+from app.gc_guard import GuiThreadCollector
 from app.menu import (
     CANCEL_BUILD,
     COPY_DETAIL,
@@ -272,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warmslot-tray: {missing}", file=sys.stderr)
         return 2
     qapp = QtWidgets.QApplication([sys.argv[0]])
+    collector = GuiThreadCollector(qapp)
+    collector.start()
     qapp.setApplicationName(APP_NAME)
     qapp.setOrganizationName(APP_NAME)
     qapp.setDesktopFileName("warmslot")
@@ -281,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(paths, args.verbose)
     app = launch(argv, qapp=qapp)
     if app is None:
+        collector.stop()
         return 0
     # Let Ctrl-C reach Python while Qt's loop runs: quit cleanly, like the menu's Quit.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -297,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     tick.stop()
     app.dispose()
     QtCore.QCoreApplication.sendPostedEvents(None, QtCore.QEvent.Type.DeferredDelete)
+    collector.stop()
     qapp.shutdown()
     return code
 

@@ -15,10 +15,12 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
+from app import fmt
 from app.backend import Backend
 from app.controller import error_text
 from app.qt import QObject, Qt, QtWidgets, Signal
 from app.tasks import Tasks
+from core import autostart
 from core import config as config_mod
 from core.config import Settings, SettingSpec
 from core.errors import ConfigError
@@ -80,6 +82,13 @@ class Field(QObject):
         self.mark.setStyleSheet("color: #e03131; font-weight: bold;")
         self.mark.hide()
         row.insertWidget(1, self.mark)
+        # Durations in seconds read better with their size next to them ("= 24.0 h").
+        self.in_words: QtWidgets.QLabel | None = None
+        if spec.type is int and spec.name.endswith("_s"):
+            self.in_words = QtWidgets.QLabel()
+            self.in_words.setObjectName(f"{spec.name}:words")
+            self.in_words.setStyleSheet("color: #555;")
+            row.insertWidget(2, self.in_words)
         if self._compact:
             row.addStretch(1)
         col.addLayout(row)
@@ -89,10 +98,10 @@ class Field(QObject):
         self.error.setWordWrap(True)
         self.error.hide()
         col.addWidget(self.error)
-        caption = QtWidgets.QLabel(spec.description)
-        caption.setWordWrap(True)
-        caption.setStyleSheet("color: #777; font-size: small;")
-        col.addWidget(caption)
+        self.caption = QtWidgets.QLabel(spec.description)
+        self.caption.setWordWrap(True)
+        self.caption.setStyleSheet("color: #777; font-size: small;")
+        col.addWidget(self.caption)
         self.set_value(value)
         self.problem: str | None = None
 
@@ -200,8 +209,14 @@ class Field(QObject):
         _, problem = self.check()
         self.problem = problem
         self.error.setText(problem or "")
+        # The error takes the caption's place, so the form does not jump as errors come
+        # and go (the description is still the editor's tooltip).
         self.error.setVisible(problem is not None)
+        self.caption.setVisible(problem is None)
         self.mark.setVisible(problem is not None)
+        if self.in_words is not None:
+            value = self.raw() if problem is None else None
+            self.in_words.setText(f"= {fmt.duration(value)}" if value else "")
         return problem is None
 
     def _edited(self, *_: Any) -> None:
@@ -256,6 +271,16 @@ class SettingsDialog(QtWidgets.QDialog):
             label.setToolTip(spec.description)
             forms[section].addRow(label, field.container)
 
+        # Not a core setting: the XDG autostart entry is the truth (core/autostart.py).
+        self.autostart = QtWidgets.QCheckBox("Start Warmslot's tray at login")
+        self.autostart.setObjectName("autostart")
+        self.autostart.setChecked(autostart.is_enabled())
+        self.autostart.setEnabled(autostart.supported())
+        if not autostart.supported():
+            self.autostart.setToolTip("On this system the installer sets this up.")
+        else:
+            self.autostart.setToolTip(str(autostart.entry_path()))
+
         self.status = QtWidgets.QLabel("↻ = takes effect after llama-server restarts")
         self.status.setObjectName("status")
         self.status.setWordWrap(True)
@@ -291,6 +316,7 @@ class SettingsDialog(QtWidgets.QDialog):
 
         lay = QtWidgets.QVBoxLayout(self)
         lay.addWidget(self.tabs, 1)
+        lay.addWidget(self.autostart)
         lay.addWidget(self.status)
         lay.addWidget(self.restart_box)
         lay.addWidget(self.buttons)
@@ -351,7 +377,26 @@ class SettingsDialog(QtWidgets.QDialog):
             owner=self,
         )
 
+    def apply_autostart(self) -> str | None:
+        """Write or remove the login entry as the checkbox says; the error, if any."""
+        want = self.autostart.isChecked()
+        if not autostart.supported() or want == autostart.is_enabled():
+            return None
+        try:
+            if want:
+                autostart.enable()
+            else:
+                autostart.disable()
+        except OSError as e:
+            return f"Could not change starting at login: {e}"
+        return None
+
     def _saved(self, new: Settings, restart_names: list[str]) -> None:
+        if problem := self.apply_autostart():
+            self.status.setText(problem)
+            self.status.setStyleSheet("color: #c92a2a;")
+            self.save_button.setEnabled(True)
+            return
         self.saved.emit(new, list(restart_names))
         self.save_button.setEnabled(True)
         self.pending_restart = list(restart_names)

@@ -45,6 +45,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def _own_xdg_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings dialog reads (and may write) the login entry under XDG_CONFIG_HOME:
+    never the real one."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+
+
+@pytest.fixture(autouse=True)
 def _collect_garbage_on_the_gui_thread(qapp: Any) -> Iterator[None]:
     """Free a test's Qt objects here, between tests, on the GUI thread.
 

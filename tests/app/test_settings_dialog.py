@@ -148,3 +148,38 @@ def test_saves_to_the_file_when_the_core_is_not_running(
         dlg.save()
     assert config_mod.load(c.paths.config_file).proxy.port == 9999
     assert c.settings.proxy.port == 9999
+
+
+def test_durations_in_words_errors_in_place_and_autostart(
+    qtbot: Any, core: Core, tasks: Tasks, tmp_path: Path
+) -> None:
+    from core import autostart
+
+    dlg = SettingsDialog(CoreBackend(core), tasks)
+    qtbot.addWidget(dlg)
+    ttl = dlg.fields["cache.ttl_extended_s"]
+    assert ttl.in_words is not None and ttl.in_words.text() == "= 24.0 h"
+    ttl.set_value(300)
+    assert ttl.in_words.text() == "= 5 min"
+    assert dlg.fields["server.slots"].in_words is None  # not a duration
+    # An error takes the description's place (the form keeps its height).
+    ttl.set_value(1)
+    assert not ttl.error.isHidden() and ttl.caption.isHidden()
+    assert ttl.in_words.text() == ""
+    ttl.set_value(600)
+    assert ttl.error.isHidden() and not ttl.caption.isHidden()
+    # Start at login: written on save, into XDG_CONFIG_HOME (the tests' own).
+    entry = autostart.entry_path()
+    assert entry.is_relative_to(tmp_path)
+    assert not dlg.autostart.isChecked()
+    dlg.autostart.setChecked(True)
+    with qtbot.waitSignal(dlg.saved, timeout=10_000):
+        dlg.save()
+    assert autostart.is_enabled() and "Exec=" in entry.read_text()
+    again = SettingsDialog(CoreBackend(core), tasks)
+    qtbot.addWidget(again)
+    assert again.autostart.isChecked()
+    again.autostart.setChecked(False)
+    with qtbot.waitSignal(again.saved, timeout=10_000):
+        again.save()
+    assert not entry.exists()
