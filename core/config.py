@@ -122,6 +122,13 @@ class ServerSettings:
             restart=True,
         ),
     )
+    model_dirs: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "More folders to look for GGUF models in (`warmslot models`, the model chooser), "
+            "besides LM Studio's, llama.cpp's, Hugging Face's and Ollama's own.",
+        ),
+    )
     host: str = field(
         default="127.0.0.1",
         metadata=_meta(
@@ -227,8 +234,13 @@ class ProxySettings:
         metadata=_meta("If set, clients must send 'Authorization: Bearer KEY' (or X-Api-Key)."),
     )
     max_body_mb: int = field(
-        default=32,
-        metadata=_meta("Largest request body accepted, in MiB.", _range(1, 1024), restart=True),
+        default=8,
+        metadata=_meta(
+            "Largest request body accepted, in MiB (after decompression); larger ones get "
+            "413. A full 262k-token context is 1-2 MiB of JSON; images count in full.",
+            _range(1, 1024),
+            restart=True,
+        ),
     )
     allowed_origins: list[str] = field(
         default_factory=list,

@@ -98,6 +98,9 @@ class ProxyRequest:
     upstream: Upstream | None = None
     policy: CachePolicy | None = None
     body_bytes: int = 0  # the size of the body the client sent
+    # The client's own bytes, kept only until the cache policy has prepared the request
+    # (failing open parses them again); then dropped, so a large body is not held twice.
+    raw_body: bytes | bytearray | None = field(default=None, repr=False)
 
     @property
     def kind(self) -> str:
@@ -786,9 +789,11 @@ class Proxy:
             upstream=decision.upstream or self._upstream,
             policy=self.policy,
             body_bytes=len(raw),
+            raw_body=raw if generation else None,
         )
+        del raw  # req.raw_body holds it while it is needed
         if self.admit is None:
-            return await self._prepare_and_forward(request, req, raw, generation, t0)
+            return await self._prepare_and_forward(request, req, generation, t0)
         route = await self.admit(decision)
         if route.error:
             retry = {"Retry-After": str(route.retry_after)} if route.retry_after else None
@@ -802,7 +807,7 @@ class Proxy:
         req.model, req.upstream, req.policy = route.model, route.upstream, route.policy
         req.response_headers["X-Warmslot-Model"] = route.model
         try:
-            return await self._prepare_and_forward(request, req, raw, generation, t0)
+            return await self._prepare_and_forward(request, req, generation, t0)
         finally:
             if route.release is not None:
                 route.release()
@@ -833,12 +838,7 @@ class Proxy:
         return buf
 
     async def _prepare_and_forward(
-        self,
-        request: web.Request,
-        req: ProxyRequest,
-        raw: bytearray,
-        generation: bool,
-        t0: float,
+        self, request: web.Request, req: ProxyRequest, generation: bool, t0: float
     ) -> web.StreamResponse:
         body = req.body
         if generation:
@@ -850,7 +850,8 @@ class Proxy:
                     log.exception("cache policy failed; forwarding the request untouched")
                     self.counters.bypasses += 1
                     # The client's own bytes, parsed again: no copy kept for this case.
-                    req.body = await _off_loop(parse_json, raw)
+                    assert req.raw_body is not None
+                    req.body = await _off_loop(parse_json, req.raw_body)
                     req.body.setdefault("cache_prompt", True)
                     req.slot = None
                     req.plan = None
@@ -862,6 +863,7 @@ class Proxy:
                             details={"request_id": req.request_id},
                         )
                     )
+        req.raw_body = None
         return await self._forward(request, req, t0)
 
     async def _forward(

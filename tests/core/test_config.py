@@ -336,6 +336,7 @@ def test_loopback_needs_no_key(tmp_path: Path, host: str) -> None:
 
 def test_allowed_origins(tmp_path: Path) -> None:
     assert Settings().proxy.allowed_origins == []
+    assert Settings().proxy.max_body_mb == 8  # issue 19: docs/security.md#body-size
     path = write(
         tmp_path / "w.toml",
         '[proxy]\nallowed_origins = ["http://127.0.0.1:3000", "https://ui.example"]\n',

@@ -131,6 +131,36 @@ def test_undecodable_header_bytes_poison_nothing(make_core: Any) -> None:
     assert rows[-1]["client"] == "agent\ufffd\ufffd\ufffd"
 
 
+def test_an_unexpected_exception_is_a_logged_500_in_openai_format(
+    make_core: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not aiohttp's plain-text 500 with its traceback on stderr: an OpenAI error, and
+    the traceback in the proxy's log (warmslot.log under `warmslot serve`)."""
+
+    class Broken:
+        def decide(self, *args: Any) -> Any:
+            raise RuntimeError("router exploded")
+
+    core = make_core()
+    core.start(wait_ready=True, timeout=120)
+    assert core.proxy is not None
+    core.proxy.router = Broken()
+    caplog.set_level("ERROR", logger="warmslot.proxy")
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
+        data=json.dumps(chat_body("x")).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 500
+    error = json.loads(e.value.read())["error"]
+    assert error["type"] == "server_error" and "warmslot.log" in error["message"]
+    logged = [r for r in caplog.records if r.name == "warmslot.proxy" and r.exc_info]
+    assert logged and "router exploded" in str(logged[0].exc_info[1])  # type: ignore[index]
+    assert forwarded(core) == 0
+
+
 # ------------------------------------------------------------ the fuzz corpus
 @pytest.fixture(scope="module")
 def fuzz_core(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Core]:
@@ -202,3 +232,44 @@ def test_fuzz_corpus_is_refused_without_a_5xx(fuzz_core: Core) -> None:
     assert rss_after - rss_before < 200 * 2**20, (rss_before, rss_after)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"  test-process peak RSS {peak / 2**20:.0f} MiB")
+
+
+def test_who_may_call(fuzz_core: Core) -> None:
+    """Loopback Host and Origin pass, others get 403 (unless allowed); JSON bodies with
+    or without a Content-Type pass, other types get 415; the API key vouches for a
+    client that reached the proxy under another name."""
+    core = fuzz_core
+    assert core.proxy is not None
+    port = core.proxy.port
+    ok = json.dumps(chat_body("who", model="tiny", max_tokens=1)).encode()
+
+    def send(*headers: bytes, host: bytes = b"127.0.0.1", ctype: bytes | None = None) -> int:
+        case = Case("who", "POST", "/v1/chat/completions", ok, frozenset(), host=host)
+        case.headers = [tuple(h.split(b": ", 1)) for h in headers]  # type: ignore[misc]
+        case.content_type = ctype
+        return asyncio.run(send_raw(port, case.raw(port)))[0]
+
+    json_type = b"application/json; charset=utf-8"
+    assert send(ctype=json_type) == 200
+    assert send() == 200  # no Content-Type: scripts posting a JSON string send none
+    assert send(ctype=b"text/plain") == 415
+    assert send(ctype=b"application/x-www-form-urlencoded") == 415
+    assert send(host=b"localhost:%d" % port, ctype=json_type) == 200
+    assert send(host=b"[::1]:%d" % port, ctype=json_type) == 200
+    assert send(host=b"attacker.example:%d" % port, ctype=json_type) == 403
+    assert send(b"Origin: http://127.0.0.1:3000", ctype=json_type) == 200
+    assert send(b"Origin: http://evil.example", ctype=json_type) == 403
+    before = core.settings
+    try:
+        allowed = before.replace("proxy.allowed_origins", ["http://evil.example"])
+        core.update_settings(allowed, persist=False).result(10)
+        assert send(b"Origin: http://evil.example", ctype=json_type) == 200
+        assert send(b"Origin: http://other.example", ctype=json_type) == 403
+        keyed = before.replace("proxy.api_key", "k3y")
+        core.update_settings(keyed, persist=False).result(10)
+        bearer = b"Authorization: Bearer k3y"
+        assert send(bearer, host=b"mybox.lan:%d" % port, ctype=json_type) == 200
+        assert send(host=b"mybox.lan:%d" % port, ctype=json_type) == 403
+        assert send(bearer, b"Origin: http://evil.example", ctype=json_type) == 403
+    finally:
+        core.update_settings(before, persist=False).result(10)
