@@ -17,13 +17,17 @@ from typing import Any
 
 from app.backend import CoreBackend
 from app.bridge import Bridge
+from app.client_setup import ClientSetupDialog
 from app.controller import Controller
 from app.dashboard import Dashboard, ViewContext
 from app.dialogs import text_box
 from app.gc_guard import GuiThreadCollector
 from app.menu import (
     CANCEL_BUILD,
+    CHOOSE_MODEL,
+    CLIENT_SETUP,
     COPY_DETAIL,
+    COPY_URL,
     DASHBOARD,
     LOGS,
     QUIT,
@@ -31,7 +35,9 @@ from app.menu import (
     SETTINGS,
     START,
     STOP,
+    client_url,
 )
+from app.model_chooser import ModelChooser
 from app.qt import QObject, QtCore, QtGui, QTimer, QtWidgets
 from app.settings_dialog import SettingsDialog
 from app.single import SingleInstance, server_name
@@ -109,6 +115,8 @@ class App(QObject):
         self.dashboard: Dashboard | None = None
         self.settings_dialog: SettingsDialog | None = None
         self.logs_box: QtWidgets.QMessageBox | None = None
+        self.model_chooser: ModelChooser | None = None
+        self.client_setup: ClientSetupDialog | None = None
         self.handlers: dict[str, Callable[[], object]] = {
             START: self.controller.start_all,
             STOP: self.controller.stop,
@@ -118,6 +126,9 @@ class App(QObject):
             SETTINGS: self.open_settings,
             LOGS: self.open_logs,
             COPY_DETAIL: self.copy_detail,
+            CHOOSE_MODEL: self.open_model_chooser,
+            COPY_URL: self.copy_client_url,
+            CLIENT_SETUP: self.open_client_setup,
             QUIT: self.quit,
         }
         self.tray: Tray | None = None
@@ -147,6 +158,7 @@ class App(QObject):
             )
             self.dashboard = Dashboard(ctx, self.gui_settings)
             self.dashboard.settingsRequested.connect(self.open_settings)
+            self.dashboard.page("overview").modelRequested.connect(self.open_model_chooser)
             if self.tray is None:  # the window is the app: closing it quits
                 self.dashboard.closed.connect(self.quit)
         self.dashboard.bring_to_front()
@@ -175,6 +187,54 @@ class App(QObject):
         if self.controller.core_error.startswith("Settings file is invalid"):
             self.controller.core_error = ""
             self.controller.start_core()
+
+    def open_model_chooser(self) -> ModelChooser:
+        """The model chooser (one at a time); it saves server.model through the core."""
+        if self.model_chooser is None:
+            dlg = ModelChooser(
+                self.backend,
+                self.tasks,
+                self.paths,
+                restart=self.controller.restart,
+                server_running=lambda: self.controller.state.running,
+                parent=self.dashboard,
+            )
+            dlg.finished.connect(lambda _r: self._model_chooser_closed())
+            self.model_chooser = dlg
+        self.model_chooser.show()
+        self.model_chooser.raise_()
+        self.model_chooser.activateWindow()
+        return self.model_chooser
+
+    def _model_chooser_closed(self) -> None:
+        dlg, self.model_chooser = self.model_chooser, None
+        if dlg is not None:
+            dlg.deleteLater()
+
+    def copy_client_url(self) -> str:
+        """Put the proxy's OpenAI base URL (``…/v1``) on the clipboard."""
+        url = client_url(self.controller.state.proxy_url)
+        if url:
+            QtWidgets.QApplication.clipboard().setText(url)
+        return url
+
+    def open_client_setup(self) -> ClientSetupDialog:
+        """Copyable setup snippets for opencode, aider, Claude Code and Codex CLI."""
+        if self.client_setup is None:
+            dlg = ClientSetupDialog(
+                self.controller.state.proxy_url, self.backend.settings, parent=self.dashboard
+            )
+            dlg.finished.connect(lambda _r: self._client_setup_closed())
+            self.client_setup = dlg
+        self.client_setup.show()
+        self.client_setup.raise_()
+        self.client_setup.activateWindow()
+        return self.client_setup
+
+    def _client_setup_closed(self) -> None:
+        dlg, self.client_setup = self.client_setup, None
+        if dlg is not None:
+            dlg.deleteLater()
 
     def copy_detail(self) -> None:
         """Put the whole state message (the menu shows three lines of it) on the clipboard."""
@@ -212,11 +272,11 @@ class App(QObject):
 
     def dispose(self) -> None:
         """Delete every window and Qt object of this app (after it finished)."""
-        for obj in (self.settings_dialog, self.dashboard):
+        for obj in (self.settings_dialog, self.model_chooser, self.client_setup, self.dashboard):
             if obj is not None:
                 obj.close()
                 obj.deleteLater()
-        self.settings_dialog = self.dashboard = None
+        self.settings_dialog = self.dashboard = self.model_chooser = self.client_setup = None
         if self.tray is not None:
             self.tray.dispose()
             self.tray = None

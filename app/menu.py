@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from app.qt import QtGui, QtWidgets
 from app.state import RUNNING, AppState, TrayState
+from core.clients import base_url
 
 START = "start"
 STOP = "stop"
@@ -22,6 +23,9 @@ DASHBOARD = "dashboard"
 SETTINGS = "settings"
 LOGS = "logs"
 COPY_DETAIL = "copy_detail"
+CHOOSE_MODEL = "choose_model"
+COPY_URL = "copy_url"
+CLIENT_SETUP = "client_setup"
 QUIT = "quit"
 DETAIL_WIDTH = 72  # characters per menu line: menus do not wrap text themselves
 DETAIL_LINES = 3
@@ -61,8 +65,13 @@ def menu_entries(state: AppState) -> list[MenuEntry]:
     elif state.detail and t in (TrayState.ERROR, TrayState.DEGRADED, TrayState.COLD):
         for i, line in enumerate(detail_lines(state.detail)):
             entries.append(
-                MenuEntry(id="detail" if i == 0 else f"detail{i}", text=line, enabled=False,
-                          kind="label", tooltip=state.detail)
+                MenuEntry(
+                    id="detail" if i == 0 else f"detail{i}",
+                    text=line,
+                    enabled=False,
+                    kind="label",
+                    tooltip=state.detail,
+                )
             )
         entries.append(
             MenuEntry(id=COPY_DETAIL, text="Copy message", tooltip="Copy the whole message")
@@ -102,8 +111,27 @@ def menu_entries(state: AppState) -> list[MenuEntry]:
             enabled=t in RUNNING and state.server_state != "stopping",
         )
     )
+    url = client_url(state.proxy_url)
     entries += [
         _sep(2),
+        MenuEntry(
+            id=CHOOSE_MODEL,
+            text="Choose model…",
+            tooltip="Models you already have (LM Studio, llama.cpp, Hugging Face, Ollama) "
+            "or any GGUF file, with whether each fits",
+        ),
+        MenuEntry(
+            id=COPY_URL,
+            text="Copy client URL",
+            enabled=bool(url),
+            tooltip=f"Copy {url} (the OpenAI base URL for your client)"
+            if url
+            else "Known once Warmslot's proxy runs",
+        ),
+        MenuEntry(
+            id=CLIENT_SETUP, text="Client setup…", tooltip="opencode, aider, Claude Code, Codex"
+        ),
+        _sep(4),
         MenuEntry(id=DASHBOARD, text="Open dashboard"),
         MenuEntry(id=SETTINGS, text="Settings…"),
         MenuEntry(id=LOGS, text="Open logs"),
@@ -111,6 +139,16 @@ def menu_entries(state: AppState) -> list[MenuEntry]:
         MenuEntry(id=QUIT, text="Quit"),
     ]
     return entries
+
+
+def client_url(proxy_url: str) -> str:
+    """The base URL clients need (the proxy's address + ``/v1``); "" when unknown.
+
+    A proxy bound to every interface is reached on loopback from this machine.
+    """
+    if not proxy_url:
+        return ""
+    return base_url(proxy_url.replace("://0.0.0.0:", "://127.0.0.1:"))
 
 
 def detail_lines(text: str) -> list[str]:

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from core import config as config_mod
-from core.clients import base_url, client_model_name, client_setups, format_setups
+from core.clients import (
+    base_url,
+    client_model_name,
+    client_setups,
+    format_setups,
+    proxy_address,
+)
 from core.errors import ConfigError, ModelNotFound
 from core.models.catalog import Catalog, ModelEntry, for_settings
 from core.paths import Paths
@@ -145,12 +151,7 @@ def _proxy_url(paths: Paths, settings: config_mod.Settings) -> str:
     from core.cli import fetch_status
 
     st = fetch_status(paths)
-    url = ((st or {}).get("warmslot") or {}).get("proxy") or ""
-    if url:
-        return str(url).replace("://0.0.0.0:", "://127.0.0.1:")
-    host = settings.proxy.host
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{host}:{settings.proxy.port}"
+    return proxy_address(str(((st or {}).get("warmslot") or {}).get("proxy") or ""), settings)
 
 
 def cmd_clients(args: argparse.Namespace) -> int:

@@ -19,7 +19,14 @@ from core.config import Settings
 from core.models import profiles
 from core.proxy import JSON_ROUTES
 
-__all__ = ["ClientSetup", "base_url", "client_model_name", "client_setups", "format_setups"]
+__all__ = [
+    "ClientSetup",
+    "base_url",
+    "client_model_name",
+    "client_setups",
+    "format_setups",
+    "proxy_address",
+]
 
 API_KEY_ENV = "WARMSLOT_API_KEY"
 ANTHROPIC_ROUTE = "/v1/messages"
@@ -43,6 +50,20 @@ def base_url(proxy_url: str) -> str:
     """The OpenAI base URL clients need: the proxy's address plus ``/v1``."""
     url = proxy_url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
+
+
+def proxy_address(running_url: str, settings: Settings) -> str:
+    """The proxy's address: the running one's (`running_url`), else the configured one.
+
+    A proxy bound to every interface is reached on loopback from this machine.
+    """
+    if running_url:
+        return running_url.replace("://0.0.0.0:", "://127.0.0.1:")
+    host = settings.proxy.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return f"http://{host}:{settings.proxy.port}"
 
 
 def client_model_name(settings: Settings) -> str:

@@ -11,7 +11,7 @@ from app.dashboard.buckets import BucketCache
 from app.dashboard.reuse import window
 from app.dialogs import text_box
 from app.icons import state_icon
-from app.qt import Qt, QtWidgets
+from app.qt import Qt, QtWidgets, Signal
 from app.state import AppState, TrayState, derive_state
 
 
@@ -58,6 +58,7 @@ def saved_basis(totals: dict[str, Any]) -> str:
 
 class OverviewTab(Tab):
     title = "Overview"
+    modelRequested = Signal()  # "Choose model…": the app opens the model chooser
 
     def __init__(self, ctx: ViewContext, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(ctx, parent)
@@ -98,7 +99,13 @@ class OverviewTab(Tab):
         self.start_button.setObjectName("start")
         self.stop_button = QtWidgets.QPushButton("Stop")
         self.restart_button = QtWidgets.QPushButton("Restart server")
-        for b in (self.start_button, self.restart_button, self.stop_button):
+        self.model_button = QtWidgets.QPushButton("Choose model…")
+        self.model_button.setObjectName("choose_model")
+        self.model_button.setToolTip(
+            "Models you already have (LM Studio, llama.cpp, Hugging Face, Ollama) or a GGUF file"
+        )
+        self.model_button.clicked.connect(self.modelRequested.emit)
+        for b in (self.start_button, self.restart_button, self.stop_button, self.model_button):
             top.addWidget(b)
         self.outer.addLayout(top)
         self.progress = QtWidgets.QProgressBar()
@@ -161,7 +168,7 @@ class OverviewTab(Tab):
             c.stateChanged.connect(self.show_state)
             self.show_state(c.state)
         else:
-            for b in (self.start_button, self.stop_button, self.restart_button):
+            for b in (self.start_button, self.stop_button, self.restart_button, self.model_button):
                 b.setEnabled(False)
                 b.setToolTip("Not connected to a running Warmslot")
 

@@ -59,6 +59,7 @@ __all__ = [
     "ModelEntry",
     "Root",
     "describe",
+    "describe_file",
     "find_models",
     "for_settings",
     "model_roots",
@@ -315,6 +316,15 @@ def _group_splits(files: Sequence[Path]) -> list[tuple[Path, int, int, str]]:
         err = f"split model: {', '.join(missing)} missing" if missing else ""
         out.append((p, count, sum(_size(q) for q in parts), err))
     return out
+
+
+def _one_file(p: Path, source: str) -> Found:
+    """A single named file (not found by scanning), with its split parts counted."""
+    if not p.is_file():
+        return Found(p, p.stem, source, 0, error=f"{p} does not exist")
+    groups = _group_splits([p]) or [(p, 1, _size(p), "")]  # [] for a later part
+    _, parts, size, err = groups[0]
+    return Found(p, p.stem, source, size, parts, error=err)
 
 
 def _scan_tree(root: Root, budget: _Budget, seen: set[tuple[int, int]]) -> list[Found]:
@@ -595,13 +605,7 @@ def find_models(
     found, notes = scan(roots, time_budget_s=time_budget_s)
     if configured and not any(_same_file(f.path, configured) for f in found):
         # Only the configured file itself: its folder may be anything (the home folder).
-        p = Path(configured).expanduser()
-        if not p.is_file():
-            found.append(Found(p, p.stem, "configured", 0, error=f"{p} does not exist"))
-        else:
-            groups = _group_splits([p]) or [(p, 1, _size(p), "")]  # [] for a later part
-            _, parts, size, err = groups[0]
-            found.append(Found(p, p.stem, "configured", size, parts, error=err))
+        found.append(_one_file(Path(configured).expanduser(), "configured"))
     demo = demo_model_name() if not configured and models_dir is not None else ""
 
     def is_current(f: Found) -> bool:
@@ -642,4 +646,18 @@ def for_settings(
         gpus=read_gpus() if fit and facts else None,
         host=read_host(paths.state_dir) if fit and facts else None,
         request=request,
+    )
+
+
+def describe_file(
+    path: str | Path, paths: Paths, settings: Settings, *, fit: bool = True
+) -> ModelEntry:
+    """One GGUF file the user chose (a file dialog, a path), described like a listed one."""
+    p = Path(path).expanduser().absolute()
+    return describe(
+        _one_file(p, "file"),
+        gpus=read_gpus() if fit else None,
+        host=read_host(paths.state_dir) if fit else None,
+        request=request_from_settings(settings.server) if fit else None,
+        current=bool(settings.server.model) and _same_file(p, settings.server.model),
     )

@@ -10,6 +10,8 @@ import pytest
 from app.icons import icon_path, state_icon
 from app.menu import (
     CANCEL_BUILD,
+    CHOOSE_MODEL,
+    CLIENT_SETUP,
     COPY_DETAIL,
     DASHBOARD,
     DETAIL_LINES,
@@ -30,7 +32,7 @@ from core.events import BuildProgress
 from tests.app.conftest import NOW
 from tests.fixtures import demo_data as demo
 
-ALWAYS = (DASHBOARD, SETTINGS, LOGS, QUIT)
+ALWAYS = (DASHBOARD, SETTINGS, LOGS, QUIT, CHOOSE_MODEL, CLIENT_SETUP)
 
 
 def ready_status(**cache_changes: Any) -> dict[str, Any]:
