@@ -8,8 +8,9 @@ or changed: files are only listed, stat'ed and their GGUF header read.
 
 Layouts:
 
-- **LM Studio** (``~/.lmstudio/models``, older ``~/.cache/lm-studio/models``):
-  ``publisher/repo/file.gguf``.
+- **LM Studio** (``~/.lmstudio/models``, older ``~/.cache/lm-studio/models``, the
+  data folder ``~/.lmstudio-home-pointer`` names, and the "Models Directory" its
+  ``settings.json`` keeps as ``downloadsFolder``): ``publisher/repo/file.gguf``.
 - **llama.cpp** (``$LLAMA_CACHE``, else the OS cache folder's ``llama.cpp``): the
   files ``llama-server -hf`` downloaded, flat or in folders.
 - **Hugging Face** (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``):
@@ -180,6 +181,39 @@ def _cache_home(home: Path, env: Mapping[str, str], platform: str) -> Path:
     return Path(xdg) if xdg else home / ".cache"
 
 
+def _small_text(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
+    """A small text file's contents; "" when missing, unreadable or too big."""
+    try:
+        if path.stat().st_size > limit:
+            return ""
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _lmstudio_model_dirs(home: Path) -> list[Path]:
+    """LM Studio's model folders: ``<data dir>/models`` and the folder its settings name.
+
+    The data dir is ``~/.lmstudio`` (older: ``~/.cache/lm-studio``) unless
+    ``~/.lmstudio-home-pointer`` names another; "Models Directory" in LM Studio's
+    settings is ``downloadsFolder`` in the data dir's ``settings.json``.
+    """
+    data_dirs = [home / ".lmstudio", home / ".cache" / "lm-studio"]
+    pointer = _small_text(home / ".lmstudio-home-pointer").strip()
+    if pointer:
+        data_dirs.insert(0, Path(pointer).expanduser())
+    out: list[Path] = []
+    for d in data_dirs:
+        out.append(d / "models")
+        try:
+            chosen = json.loads(_small_text(d / "settings.json") or "{}").get("downloadsFolder")
+        except (ValueError, AttributeError):
+            chosen = None
+        if isinstance(chosen, str) and chosen.strip():
+            out.append(Path(chosen).expanduser())
+    return out
+
+
 def model_roots(
     home: Path | None = None,
     env: Mapping[str, str] | None = None,
@@ -209,8 +243,8 @@ def model_roots(
     for d in extra_dirs:
         if str(d).strip():
             add("folder", d)
-    add("lmstudio", home / ".lmstudio" / "models")
-    add("lmstudio", home / ".cache" / "lm-studio" / "models")
+    for folder in _lmstudio_model_dirs(home):
+        add("lmstudio", folder)
     cache = _cache_home(home, env, platform)
     add("llama.cpp", env.get("LLAMA_CACHE") or cache / "llama.cpp")
     if env.get("HF_HUB_CACHE"):

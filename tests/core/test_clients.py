@@ -8,7 +8,13 @@ import tomllib
 import pytest
 
 from core import clients
-from core.clients import base_url, client_model_name, client_setups, format_setups
+from core.clients import (
+    base_url,
+    client_model_name,
+    client_setups,
+    format_setups,
+    proxy_address,
+)
 from core.config import ModelProfile, Settings
 from core.proxy import JSON_ROUTES
 
@@ -73,3 +79,12 @@ def test_model_name_for_clients() -> None:
     assert client_model_name(s) == "Qwen3-Coder-30B-Q4_K_M"
     s.models = [ModelProfile(name="side", role="side"), ModelProfile(name="coder")]
     assert client_model_name(s) == "coder"  # routed by name: the primary profile's
+
+
+def test_proxy_address_running_or_configured() -> None:
+    s = Settings()
+    assert proxy_address("http://127.0.0.1:40123", s) == "http://127.0.0.1:40123"
+    assert proxy_address("http://0.0.0.0:40123", s) == "http://127.0.0.1:40123"
+    assert proxy_address("", s) == "http://127.0.0.1:8089"
+    s.proxy.host = "::1"
+    assert proxy_address("", s) == "http://[::1]:8089"

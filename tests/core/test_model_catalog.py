@@ -277,6 +277,19 @@ def test_roots_follow_each_tools_environment_per_os(tmp_path: Path) -> None:
     assert not any("/usr/share" in p for _, p in win)
 
 
+def test_lm_studio_moved_data_folder_and_models_directory(tmp_path: Path) -> None:
+    moved = tmp_path / "elsewhere" / "lmstudio-data"
+    (tmp_path / ".lmstudio-home-pointer").write_text(f"{moved}\n")
+    moved.mkdir(parents=True)
+    custom = tmp_path / "big-disk" / "ggufs"
+    (moved / "settings.json").write_text(json.dumps({"downloadsFolder": str(custom)}))
+    model = make_tiny_model(custom / "pub" / "repo" / "m.gguf")
+    lms = [r.path for r in model_roots(tmp_path, {}, platform="linux") if r.source == "lmstudio"]
+    assert lms[:2] == [moved / "models", custom]
+    found, _ = scan(model_roots(tmp_path, {}, platform="linux", system=False))
+    assert [(f.path, f.name, f.source) for f in found] == [(model, "pub/repo/m", "lmstudio")]
+
+
 def test_scan_is_bounded_by_entries_and_time(tmp_path: Path) -> None:
     for i in range(30):
         (tmp_path / f"d{i}").mkdir()
