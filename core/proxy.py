@@ -191,7 +191,34 @@ def parse_json(raw: bytes | bytearray) -> Any:
     # Only a body with enough brackets can be that deep: skip the walk for the others.
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _too_deep(body):
         raise _Invalid(400, f"malformed JSON: nested deeper than {MAX_DEPTH} levels")
+    # A \uD800-\uDFFF escape on its own is not a character: Python keeps it as a lone
+    # surrogate that no UTF-8 encoder (hashing, logging, SQLite) accepts. Only a body
+    # with such an escape is walked; escaped pairs (emoji from ASCII-only encoders)
+    # decode to whole characters and pass.
+    if _SURROGATE_ESCAPE.search(raw) and not _all_text(body):
+        raise _Invalid(400, "malformed JSON: a \\u escape that is half a surrogate pair")
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _all_text(value: Any) -> bool:
+    """True when every string (keys too) in `value` encodes as UTF-8 (no recursion)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
 
 
 def _too_deep(value: Any) -> bool:
@@ -358,8 +385,8 @@ def validate(endpoint: str, body: Any, n_slots: int) -> None:
             raise _Invalid(400, "'content' must be a string or an array", "content")
     elif endpoint == "detokenize":
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
-            raise _Invalid(400, "'tokens' must be an array of integers", "tokens")
+        if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+            raise _Invalid(400, "'tokens' must be an array of token ids (integers ≥ 0)", "tokens")
     for key, (ok, what) in _FIELD_TYPES.items():
         value = body.get(key)
         if value is not None and not ok(value):

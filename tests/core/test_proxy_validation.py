@@ -268,6 +268,14 @@ def test_deep_nesting_is_a_400_not_a_recursion_error(depth: int) -> None:
     assert "nested deeper" in bad_json(raw)
 
 
+def test_escaped_surrogate_pairs_are_text() -> None:
+    """ASCII-only encoders (Python's json.dumps) escape emoji as surrogate pairs."""
+    raw = json.dumps({"messages": [{"role": "user", "content": "\U0001f600 caf\u00e9"}]})
+    assert "\\ud83d\\ude00" in raw
+    assert parse_json(raw.encode())["messages"][0]["content"] == "\U0001f600 caf\u00e9"
+    assert parse_json(b'{"a": "\\\\ud800"}') == {"a": "\\ud800"}  # an escaped backslash
+
+
 def test_nesting_up_to_the_limit_parses() -> None:
     depth = MAX_DEPTH - 1  # the body object is one level
     raw = b'{"x": ' + b"[" * depth + b"]" * depth + b"}"
@@ -278,7 +286,18 @@ def test_nesting_up_to_the_limit_parses() -> None:
 
 
 @pytest.mark.parametrize(
-    "raw", [b"", b"{", b"\xff\xfe{}", b'{"a": 1,}', b"{'a': 1}", b'{"a": "\\x"}']
+    "raw",
+    [
+        b"",
+        b"{",
+        b"\xff\xfe{}",
+        b'{"a": 1,}',
+        b"{'a': 1}",
+        b'{"a": "\\x"}',
+        b'{"a": "\\ud800"}',  # half a surrogate pair: not text (issue 19)
+        b'{"\\udcff": 1}',
+        b'{"a": ["x", {"b": "\\ude00\\ud83d"}]}',  # low half first: no pair
+    ],
 )
 def test_malformed_json(raw: bytes) -> None:
     assert bad_json(raw).startswith("malformed JSON")
@@ -366,6 +385,7 @@ def test_common_fields_of_the_wrong_type(field: str, value: Any) -> None:
         ("tokenize", {}, "content"),
         ("detokenize", {"tokens": "1 2"}, "tokens"),
         ("detokenize", {"tokens": [1, "2"]}, "tokens"),
+        ("detokenize", {"tokens": [1, -2]}, "tokens"),
         ("apply-template", {"messages": "hi"}, "messages"),
         ("completion", {"prompt": "x", "temperature": "hot"}, "temperature"),
     ],
