@@ -1,38 +1,60 @@
 """The known-answer probe that decides whether a restored KV state can be trusted.
 
 At save time Warmslot sends the exact prefix plus a fixed suffix, greedy, and
-records the tokens and log-probabilities that come back. After a restore the same
-request must reuse the prefix and give the same tokens with log-probs within
-`LOGPROB_TOLERANCE`. (A restore can reuse 1,500 tokens and still change the
-output — docs/llama-server-facts.md#swa-full-restores-wrong-state — so reuse alone
-proves nothing.)
+records what comes back: at each generated position the greedy token and the
+log-probs of the `PROBE_TOP_K` most likely tokens (reference format
+`PROBE_VERSION`). After a restore the same request must reuse the prefix and
+reproduce, position by position, the whole top-k vector within the tolerance —
+not just the greedy token. (A restore can reuse 1,500 tokens and still change
+the output — docs/llama-server-facts.md#swa-full-restores-wrong-state — so reuse
+alone proves nothing.)
+
+Why whole vectors: on a model whose next-token distribution is flat (every margin
+below `TIE_MARGIN`, as on a random-weight model) the greedy tokens say nothing, and
+one log-prob within 1e-3 let 64 flipped bytes and another model's file through
+(docs/cache.md#verification). Sixteen log-probs at each of several positions
+each move when the state moves; a correct restore of a dense model reproduces
+them bit for bit, so the dense tolerance can be tight.
+
+A reference recorded in an older format (before `PROBE_VERSION` 2) cannot be
+checked this strictly: it is reported as unverifiable, so the state is deleted
+and rebuilt once, never accepted on the old, weaker grounds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+PROBE_VERSION = 2  # 2: top-k log-prob vectors per position ("top"); 1 had only tokens
 PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
 PROBE_TOKENS = 4
-LOGPROB_TOLERANCE = 1e-3  # measured: restored dense states reproduce log-probs exactly
-# Sliding-window models without --swa-full: cached vs cold log-probs differ by up to
-# ~0.15 from the ring buffer's summation order (docs/llama-server-facts.md#swa-log-prob-noise);
-# measured 0.10 after a patched restore of Gemma 3 270M. Greedy tokens still must match.
-SWA_LOGPROB_TOLERANCE = 0.25
+PROBE_TOP_K = 16  # log-probs compared per position (docs/cache.md#verification)
+# Measured: a dense model's restored state reproduces every log-prob bit for bit (same
+# binary, same threads, docs/cache.md#verification), so any difference is a wrong state.
+# 1e-3 (before) let a flat model's corrupted states through.
+LOGPROB_TOLERANCE = 0.0
+# Sliding-window models without --swa-full: a state built by prompt processing and one
+# restored from a file differ by up to ~0.15 (the ring's cell order,
+# docs/llama-server-facts.md#swa-log-prob-noise), but the reference is taken from a restore
+# too, and restores reproduce it bit for bit (measured on Gemma 3 270M,
+# docs/llama-server-facts.md#restores-are-bit-exact). The 0.25 allowed before let a state
+# with 8 flipped bytes through that changed the answer.
+SWA_LOGPROB_TOLERANCE = 0.0
 REUSE_SLACK = 1  # the server re-evaluates the last cached token when nothing is new
 TIE_MARGIN = 1e-2  # a best token leading by less than this is a coin toss between layouts
 
 
 def probe_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> dict[str, Any]:
-    """The `/completion` body of a probe: greedy, a few tokens, their log-probs."""
+    """The `/completion` body of a probe: greedy, a few tokens, their top-k log-probs."""
     return {
         "prompt": [*prefix, *suffix],
         "n_predict": PROBE_TOKENS,
         "temperature": 0.0,
         "top_k": 1,
         "samplers": ["top_k"],
-        "n_probs": 2,
+        "n_probs": PROBE_TOP_K,
         "id_slot": slot,
         "cache_prompt": True,
         "seed": 0,
@@ -40,16 +62,83 @@ def probe_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> di
     }
 
 
+def _num(value: Any) -> float:
+    """A log-prob as a float; NaN where the server sent null or nothing (a broken state
+    gives non-finite logits, which JSON carries as null)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _steps(resp: dict[str, Any]) -> list[dict[str, Any]]:
+    probs = resp.get("completion_probabilities")
+    return [p for p in probs if isinstance(p, dict)] if isinstance(probs, list) else []
+
+
+def _top(step: dict[str, Any]) -> list[tuple[int, float]]:
+    out = []
+    for t in step.get("top_logprobs") or []:
+        if isinstance(t, dict) and isinstance(t.get("id"), int):
+            out.append((int(t["id"]), _num(t.get("logprob"))))
+    return out
+
+
 def probe_answer(resp: dict[str, Any]) -> tuple[list[int], list[float], list[float]]:
     """The greedy tokens, their log-probs, and each step's margin over the runner-up."""
-    probs = resp.get("completion_probabilities") or []
-    tokens = [int(p["id"]) for p in probs]
-    logprobs = [float(p["logprob"]) for p in probs]
+    steps = _steps(resp)
+    tokens = [int(p.get("id", -1)) for p in steps]
+    logprobs = [_num(p.get("logprob")) for p in steps]
     margins = []
-    for p in probs:
-        top = sorted((float(t["logprob"]) for t in p.get("top_logprobs") or []), reverse=True)
-        margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    for p in steps:
+        top = sorted((lp for _, lp in _top(p)), reverse=True)
+        margins.append(top[0] - top[1] if len(top) > 1 else math.inf)
     return tokens, logprobs, margins
+
+
+def probe_reference(resp: dict[str, Any]) -> dict[str, Any]:
+    """What to record at save time: tokens, log-probs, margins and the top-k vectors.
+
+    The caller adds the prefix and suffix. A reference holding non-finite values is
+    returned as is; `check_answer` never accepts against it.
+    """
+    tokens, logprobs, margins = probe_answer(resp)
+    return {
+        "version": PROBE_VERSION,
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "margins": [m if math.isfinite(m) else 1e9 for m in margins],  # JSON has no inf
+        "top": [[[i, lp] for i, lp in _top(p)] for p in _steps(resp)],
+    }
+
+
+def _vector_problem(
+    got: list[tuple[int, float]], want: list[tuple[int, float]], tolerance: float
+) -> tuple[float, str | None]:
+    """The largest log-prob difference between two top-k lists, and why they disagree.
+
+    Each token in both lists must agree within `tolerance`. A token in only one list
+    is allowed only where it sits at the other list's cut-off (within `tolerance` of its
+    last value): noise may move a token just in or out of the top k.
+    """
+    if not want or not got:
+        return math.inf, "no top-k log-probs"
+    values = [lp for _, lp in got] + [lp for _, lp in want]
+    if not all(math.isfinite(v) for v in values):
+        return math.inf, "non-finite log-probs"
+    g, w = dict(got), dict(want)
+    worst = 0.0
+    for tok, lp in w.items():
+        if tok in g:
+            worst = max(worst, abs(g[tok] - lp))
+        elif lp > min(g.values()) + tolerance:
+            return math.inf, f"token {tok} (log-prob {lp:.6g}) left the top {len(g)}"
+    for tok, lp in g.items():
+        if tok not in w and lp > min(w.values()) + tolerance:
+            return math.inf, f"token {tok} (log-prob {lp:.6g}) entered the top {len(w)}"
+    if worst > tolerance:
+        return worst, f"log-probs moved by {worst:.4g} (> {tolerance})"
+    return worst, None
 
 
 def check_answer(
@@ -62,27 +151,79 @@ def check_answer(
 ) -> str | None:
     """Why a probe after restore fails against the recorded reference, or None.
 
-    Where the reference's best token led its runner-up by less than `TIE_MARGIN`,
-    the arithmetic noise of a different batch or cell layout may pick either: the
-    check accepts either and stops there, since the continuation legitimately
-    differs after a tie. Everything before it must match exactly.
+    Position by position, the top-k log-prob vector must match the reference's within
+    `tolerance` (see `_vector_problem`), and so must the greedy token. Where the two
+    greedy tokens differ and the reference's best token led its runner-up by less than
+    `TIE_MARGIN` (or twice the tolerance), the arithmetic noise of another cell layout
+    may legitimately pick either: the check stops there, since the continuation
+    differs after it — but only once that position's vector has matched.
     """
+    steps = _steps(resp)
+    if not all(
+        math.isfinite(lp)
+        for p in steps
+        for lp in [_num(p.get("logprob"))] + [v for _, v in _top(p)]
+    ):
+        return "probe non-finite log-probs: the state holds NaN or inf"
     if cache_n is None or cache_n < prefix_n - REUSE_SLACK:
         return f"reuse probe: cache_n {cache_n}, expected ≥ {prefix_n - REUSE_SLACK}"
-    tokens, logprobs, _ = probe_answer(resp)
-    ref_tokens, ref_lps = reference["tokens"], reference["logprobs"]
-    margins = reference.get("margins") or [float("inf")] * len(ref_tokens)
-    if len(tokens) != len(ref_tokens):
-        return f"probe answer changed: {len(tokens)} tokens, expected {len(ref_tokens)}"
-    for i, (got, want) in enumerate(zip(tokens, ref_tokens, strict=True)):
-        tie = margins[i] < TIE_MARGIN
-        if got != want and not tie:
-            return f"probe answer changed at token {i}: {tokens} ≠ {ref_tokens}"
-        if got == want and abs(logprobs[i] - ref_lps[i]) > tolerance:
-            return (
-                f"probe log-probs moved by {abs(logprobs[i] - ref_lps[i]):.4g} "
-                f"(> {tolerance}) at token {i}"
-            )
-        if tie:
-            break  # after a near-tie the continuation may differ
+    if reference.get("version") != PROBE_VERSION or not reference.get("top"):
+        return (
+            f"probe reference of an older format (version {reference.get('version', 1)}, "
+            f"need {PROBE_VERSION}) cannot verify this state: rebuilt instead"
+        )
+    ref_tokens, ref_top = reference["tokens"], reference["top"]
+    margins = reference.get("margins") or [math.inf] * len(ref_tokens)
+    if len(steps) != len(ref_tokens):
+        return f"probe answer changed: {len(steps)} tokens, expected {len(ref_tokens)}"
+    ref_lps = reference.get("logprobs") or []
+    for i, step in enumerate(steps):
+        want = [(int(t), _num(lp)) for t, lp in ref_top[i]]
+        _, problem = _vector_problem(_top(step), want, tolerance)
+        if problem is not None:
+            return f"probe {problem} at token {i}"
+        got_tok = int(step.get("id", -1))
+        if got_tok == ref_tokens[i] and i < len(ref_lps):
+            moved = abs(_num(step.get("logprob")) - _num(ref_lps[i]))
+            if not moved <= tolerance:  # NaN never passes
+                return f"probe log-probs moved by {moved:.4g} (> {tolerance}) at token {i}"
+        if got_tok != ref_tokens[i]:
+            if margins[i] < max(TIE_MARGIN, 2 * tolerance):
+                break  # a near-tie went the other way: the rest may differ
+            return f"probe answer changed at token {i}: {got_tok} ≠ {ref_tokens[i]}"
     return None
+
+
+def probe_deviation(resp: dict[str, Any], reference: dict[str, Any]) -> float:
+    """The largest log-prob difference from the reference over the compared positions
+    (inf where a vector is missing or non-finite): what the tolerance is measured against."""
+    steps, ref_top = _steps(resp), reference.get("top") or []
+    worst = 0.0
+    for step, want, ref_tok in zip(steps, ref_top, reference.get("tokens") or [], strict=False):
+        dev, _ = _vector_problem(_top(step), [(int(t), _num(lp)) for t, lp in want], math.inf)
+        worst = max(worst, dev)
+        if int(step.get("id", -1)) != ref_tok:
+            break
+    return worst
+
+
+def non_finite(problem: str | None) -> bool:
+    """Whether a `check_answer` verdict saw non-finite log-probs (NaN/inf in the state)."""
+    return problem is not None and "non-finite" in problem
+
+
+def scrub_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> dict[str, Any]:
+    """A cold prompt over every cell a failed probe wrote, to overwrite what it left.
+
+    Measured: after a probe on a state holding NaN/inf, erasing the slot is not enough —
+    the next cold request in that slot's KV stream still came out wrong (NaN keys and
+    values stay in the freed cells past its prompt, and attention reads them), while a
+    prompt covering those cells restored the cold answer (docs/cache.md#verification).
+    """
+    filler = [suffix[-1] if suffix else (prefix[-1] if prefix else 0)] * (PROBE_TOKENS + 1)
+    return {
+        "prompt": [*prefix, *suffix, *filler],
+        "n_predict": 0,
+        "id_slot": slot,
+        "cache_prompt": False,
+    }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,45 +211,149 @@ def test_disk_tier_needs_the_patch_for_sliding_window_and_hybrid_models(
     assert tier.usable is usable and tier.reason
 
 
-def _resp(steps: list[tuple[int, float, float]]) -> dict[str, object]:
-    """A probe response: (token, logprob, runner-up logprob) per step."""
+Step = tuple[int, float, float]
+
+
+def _resp(steps: list[Step], rest: list[list[tuple[int, float]]] | None = None) -> dict[str, Any]:
+    """A probe response: (token, logprob, runner-up logprob) per step, plus `rest`, more
+    (token, logprob) entries of each step's top-k list."""
     return {
         "completion_probabilities": [
             {
                 "id": t,
                 "logprob": lp,
-                "top_logprobs": [{"id": t, "logprob": lp}, {"id": t + 1, "logprob": lp2}],
+                "top_logprobs": [{"id": t, "logprob": lp}, {"id": t + 1, "logprob": lp2}]
+                + [{"id": i, "logprob": v} for i, v in (rest[n] if rest else [])],
             }
-            for t, lp, lp2 in steps
+            for n, (t, lp, lp2) in enumerate(steps)
         ]
     }
 
 
+def _flat(shift: float = 0.0, at: int = 7) -> dict[str, Any]:
+    """A flat model's answer (every margin under TIE_MARGIN, like the tiny random model):
+    16 log-probs near -7.16 per step; `shift` moves the `at`-th entry of step 0 only."""
+    steps = [(100 + s, -7.1600 - s * 1e-4, -7.1620 - s * 1e-4) for s in range(4)]
+    rest = [
+        [
+            (200 + j, -7.1630 - j * 1e-4 - s * 1e-4 + (shift if s == 0 and j == at else 0.0))
+            for j in range(14)
+        ]
+        for s in range(4)
+    ]
+    return _resp(steps, rest)
+
+
+def _ref(resp: dict[str, Any]) -> dict[str, Any]:
+    """A reference as the manager stores it: through JSON, like the index row."""
+    from core.cache.probe import probe_reference
+
+    return json.loads(json.dumps({"prefix": [1], "suffix": [2], **probe_reference(resp)}))
+
+
 def test_probe_check_exact_ties_and_changes() -> None:
-    from core.cache.probe import check_answer, probe_answer
+    from core.cache.probe import check_answer
 
     ref_resp = _resp([(5, -0.1, -3.0), (7, -0.2, -0.2005), (9, -0.3, -2.0)])
-    tokens, lps, margins = probe_answer(ref_resp)
-    ref = {"tokens": tokens, "logprobs": lps, "margins": margins}
+    ref = _ref(ref_resp)
     assert check_answer(ref_resp, 100, 100, ref) is None
     # Reuse too low: the restored state did not hold the prefix.
     assert "reuse probe" in (check_answer(ref_resp, 10, 100, ref) or "")
     # A clear first token changed: rejected.
-    assert "changed at token 0" in (
-        check_answer(_resp([(6, -0.1, -3.0), (7, -0.2, -0.3), (9, -0.3, -2.0)]), 100, 100, ref)
-        or ""
-    )
+    changed = _resp([(6, -0.1, -3.0), (7, -0.2, -0.3), (9, -0.3, -2.0)])
+    assert "token 0" in (check_answer(changed, 100, 100, ref) or "")
     # Same tokens, log-prob moved: rejected (a restore that silently computes differently).
     moved = _resp([(5, -0.15, -3.0), (7, -0.2, -0.2005), (9, -0.3, -2.0)])
     assert "log-probs moved" in (check_answer(moved, 100, 100, ref) or "")
-    # Step 1 was a near-tie in the reference: either token is fine, the rest may differ.
+    # Step 1 was a near-tie in the reference: with its vector within the tolerance either
+    # token is fine, and the rest may differ.
     flipped = _resp([(5, -0.1, -3.0), (8, -0.2003, -0.2004), (2, -1.0, -1.5)])
-    assert check_answer(flipped, 100, 100, ref) is None
+    assert check_answer(flipped, 100, 100, ref, tolerance=1e-3) is None
+    # ... but not when the tied position's log-probs themselves moved.
+    far = _resp([(5, -0.1, -3.0), (8, -0.1, -0.4), (2, -1.0, -1.5)])
+    assert "at token 1" in (check_answer(far, 100, 100, ref, tolerance=1e-3) or "")
 
 
-def test_sliding_window_ring_gets_a_measured_tolerance_but_exact_tokens() -> None:
+def test_probe_on_a_flat_model_compares_whole_top_k_vectors() -> None:
+    """Issue 19: every margin under TIE_MARGIN; the old check compared token 0's
+    log-prob within 1e-3 only and accepted 64 flipped bytes and another model's file."""
+    from core.cache.probe import LOGPROB_TOLERANCE, PROBE_TOP_K, TIE_MARGIN, check_answer
+
+    ref = _ref(_flat())
+    assert len(ref["top"][0]) == PROBE_TOP_K and max(ref["margins"]) < TIE_MARGIN
+    assert check_answer(_flat(), 600, 600, ref) is None
+    # Token 0 and its log-prob unchanged; the 8th entry moved by 2e-4 (as 2 flipped bytes
+    # did on the tiny model): rejected at the dense tolerance.
+    assert "moved by 0.0002" in (check_answer(_flat(shift=2e-4), 600, 600, ref) or "")
+    # One ulp at -7.16 is a different state too: a correct dense restore is bit-exact.
+    assert LOGPROB_TOLERANCE == 0.0
+    assert check_answer(_flat(shift=4.77e-7), 600, 600, ref) is not None
+    # An entry jumping into the top of the list (another model's state).
+    assert "token" in (check_answer(_flat(shift=0.5, at=13), 600, 600, ref) or "")
+
+
+def test_probe_top_k_cut_off_may_move_within_the_tolerance_only() -> None:
+    from core.cache.probe import check_answer
+
+    ref = _ref(_resp([(5, -0.1, -3.0)], [[(30, -5.0), (31, -5.001)]]))
+    # The last two swap places across the cut-off: one leaves, another enters, both at
+    # the boundary within the tolerance.
+    edge = _resp([(5, -0.1, -3.0)], [[(30, -5.0), (32, -5.0009)]])
+    assert check_answer(edge, 10, 10, ref, tolerance=0.01) is None
+    assert "entered the top" in (check_answer(edge, 10, 10, ref, tolerance=0.0) or "")
+    # A token well inside the list vanishes: rejected whatever the tolerance allows.
+    gone = _resp([(5, -0.1, -3.0)], [[(30, -5.0), (31, -5.001)]])
+    gone["completion_probabilities"][0]["top_logprobs"][1]["id"] = 7  # was 6, at -3.0
+    assert "left the top" in (check_answer(gone, 10, 10, ref, tolerance=0.25) or "")
+
+
+def test_probe_non_finite_answers_are_rejected_not_crashed_on() -> None:
+    """A state with NaN/inf cells gives null log-probs; the old check raised TypeError,
+    and the caller left the state in the slot."""
+    from core.cache.probe import check_answer, non_finite
+
+    ref = _ref(_resp([(5, -0.1, -3.0), (9, -0.3, -2.0)]))
+    for bad in (None, float("nan"), float("-inf"), "x"):
+        resp = _resp([(5, -0.1, -3.0), (9, -0.3, -2.0)])
+        resp["completion_probabilities"][1]["top_logprobs"][1]["logprob"] = bad
+        problem = check_answer(resp, 10, 10, ref)
+        assert non_finite(problem), (bad, problem)
+        # Even when the reuse check would fail too: the slot must be scrubbed either way.
+        assert non_finite(check_answer(resp, 0, 10, ref))
+    assert not non_finite(check_answer(_resp([(6, -0.1, -3.0), (9, -0.3, -2.0)]), 10, 10, ref))
+
+
+def test_probe_reference_of_the_old_format_is_never_accepted() -> None:
+    """References saved before version 2 (tokens, log-probs, margins only) cannot be held
+    to the vector check: the state is treated as unverifiable and rebuilt."""
+    from core.cache.probe import PROBE_VERSION, check_answer, probe_answer
+
+    resp = _resp([(5, -0.1, -3.0), (9, -0.3, -2.0)])
+    tokens, lps, margins = probe_answer(resp)
+    old = {"prefix": [1], "suffix": [2], "tokens": tokens, "logprobs": lps, "margins": margins}
+    problem = check_answer(resp, 10, 10, old)  # the very same answer
+    assert problem is not None and "older format" in problem
+    assert check_answer(resp, 10, 10, {**old, "version": PROBE_VERSION}) is not None  # no top
+    assert check_answer(resp, 10, 10, _ref(resp)) is None
+
+
+def test_probe_request_asks_for_the_top_k_vectors() -> None:
+    from core.cache.probe import PROBE_TOP_K, probe_request, scrub_request
+
+    body = probe_request([1, 2], [3], 0)
+    assert body["n_probs"] == PROBE_TOP_K >= 10 and body["prompt"] == [1, 2, 3]
+    scrub = scrub_request([1, 2], [3], 1)
+    # Covers every cell the probe wrote: prompt + the generated tokens.
+    assert len(scrub["prompt"]) > len(body["prompt"]) + body["n_predict"]
+    assert scrub["cache_prompt"] is False and scrub["id_slot"] == 1
+
+
+def test_sliding_window_ring_is_held_exact_too() -> None:
+    """The reference is taken from a restored state, so a ring restored again matches it
+    bit for bit (Gemma 3 270M, docs/cache.md#verification); 0.25 let 8 flipped bytes
+    through that changed the answer."""
     from core.cache.manager import disk_tier_for
-    from core.cache.probe import LOGPROB_TOLERANCE, check_answer, probe_answer
+    from core.cache.probe import LOGPROB_TOLERANCE, check_answer
 
     ring = disk_tier_for(
         swa=True, recurrent=False, swa_full=False, patches=("slot-checkpoints-v1",)
@@ -258,12 +364,9 @@ def test_sliding_window_ring_gets_a_measured_tolerance_but_exact_tokens() -> Non
         swa_full=True,
         patches=("slot-checkpoints-v1", "swa-full-state-v1"),
     )
-    assert exact.logprob_tolerance == LOGPROB_TOLERANCE < ring.logprob_tolerance
-    ref_resp = _resp([(5, -0.5, -3.0), (9, -0.3, -2.0)])
-    tokens, lps, margins = probe_answer(ref_resp)
-    ref = {"tokens": tokens, "logprobs": lps, "margins": margins}
-    noisy = _resp([(5, -0.6014, -3.0), (9, -0.31, -2.0)])  # measured: 0.10 after restore
-    assert check_answer(noisy, 50, 50, ref, tolerance=ring.logprob_tolerance) is None
-    assert check_answer(noisy, 50, 50, ref, tolerance=exact.logprob_tolerance) is not None
-    other = _resp([(6, -0.5, -3.0), (9, -0.3, -2.0)])
-    assert check_answer(other, 50, 50, ref, tolerance=ring.logprob_tolerance) is not None
+    assert ring.usable and exact.usable
+    assert exact.logprob_tolerance == ring.logprob_tolerance == LOGPROB_TOLERANCE == 0.0
+    ref = _ref(_resp([(5, -0.5, -3.0), (9, -0.3, -2.0)]))
+    assert check_answer(_resp([(5, -0.5, -3.0), (9, -0.3, -2.0)]), 50, 50, ref) is None
+    accepted_before = _resp([(5, -0.695, -3.0), (9, -0.3, -2.0)])  # measured: 0.195, 8 bytes
+    assert check_answer(accepted_before, 50, 50, ref, tolerance=ring.logprob_tolerance)
