@@ -103,7 +103,9 @@ class FakeLlama:
         cache_n = min(lcp, len(prompt) - 1)  # the last token is always re-evaluated
         n_predict = int(body.get("n_predict", 0))
         self.contents[slot] = prompt + list(range(max(0, n_predict - 1)))
-        probs = [{"id": 7, "logprob": -1.0} for _ in range(max(1, n_predict))]
+        # The probe's reference and check compare these top-k lists (core/cache/probe.py).
+        top = [{"id": 7, "logprob": -1.0}, {"id": 8, "logprob": -3.0}]
+        probs = [{"id": 7, "logprob": -1.0, "top_logprobs": top} for _ in range(max(1, n_predict))]
         return {
             "timings": {
                 "cache_n": cache_n,
