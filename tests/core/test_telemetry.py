@@ -420,3 +420,31 @@ def test_a_row_sqlite_refuses_is_dropped_counted_and_noted_and_the_rest_recorded
 
 
 BATCH_PLUS = telemetry_mod.BATCH + 5  # more than one batch: the automatic flush too
+
+
+def test_a_database_that_cannot_be_written_keeps_a_bounded_buffer(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Locked (or full) database: rows stay buffered for later, but never more than
+    MAX_PENDING; the oldest beyond it are dropped and counted; writes resume after."""
+    monkeypatch.setattr(telemetry_mod, "BATCH", 3)
+    monkeypatch.setattr(telemetry_mod, "MAX_PENDING", 10)
+    path = tmp_path / "t.sqlite3"
+    tel = Telemetry(path, clock=clock)
+    tel.db.execute("PRAGMA busy_timeout = 0")  # fail at once instead of waiting 5 s
+    other = sqlite3.connect(str(path), isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another writer holds the database
+    try:
+        for i in range(25):
+            tel.record(req(T + i, request_id=f"r{i}"))
+        assert tel.dropped == 15
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    tel.flush()
+    rows = tel.recent_requests(50)
+    assert [r["request_id"] for r in rows] == [f"r{i}" for i in range(24, 14, -1)]  # newest
+    assert tel.totals()["dropped_rows"] == 15
+    (event,) = tel.recent_events(category="telemetry")
+    assert event["details"]["rows"] == 15 and "BufferFull" in event["reason"]
+    tel.close()
