@@ -386,10 +386,12 @@ def _scan_hf(root: Root, budget: _Budget, seen: set[tuple[int, int]]) -> list[Fo
         repo_name = repo.name[len("models--") :].replace("--", "/")
         snapshots = repo / "snapshots"
         try:
-            # Newest revision first: its name wins when a file is in several.
+            # A revision a ref names (refs/main) first, then the newest: its path is
+            # listed when a file is in several revisions.
+            refs = {_small_text(r, 256).strip() for r in (repo / "refs").glob("*")}
             revs = sorted(
                 (d for d in snapshots.iterdir() if d.is_dir()),
-                key=lambda d: d.stat().st_mtime,
+                key=lambda d: (d.name in refs, d.stat().st_mtime, d.name),
                 reverse=True,
             )
         except OSError:

@@ -12,7 +12,7 @@ import pytest
 
 from app.backend import CoreBackend
 from app.client_setup import ClientSetupDialog
-from app.menu import COPY_URL, menu_entries
+from app.menu import CHOOSE_MODEL, COPY_URL, START, menu_entries
 from app.model_chooser import COLUMNS, ModelChooser
 from app.qt import QtWidgets
 from app.state import AppState, TrayState
@@ -22,6 +22,7 @@ from core.config import Settings
 from core.engine import Core
 from core.models.catalog import Catalog, find_models
 from core.paths import Paths
+from core.server.tinymodel import make_tiny_model
 from tests.app.conftest import Launch, prepare
 from tests.core.test_model_catalog import BIG_HOST, Tree, build_tree
 
@@ -209,3 +210,61 @@ def test_tray_handlers_and_the_overview_button(
 def dlg_roots(dlg: ModelChooser) -> list[Any]:
     """The places the chooser's last scan looked in (from its status line's catalog)."""
     return list(dlg.last_catalog.roots) if dlg.last_catalog is not None else []
+
+
+@pytest.mark.integration
+def test_choosing_a_model_and_restarting_serves_it(
+    qtbot: Any,
+    tmp_path: Path,
+    start_app: Launch,
+    server_binary: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """End to end with a real llama-server: the chooser lists a model from
+    server.model_dirs, Use this model + Restart llama-server now loads it."""
+    for var in TOOL_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "empty-home"))
+    first = make_tiny_model(tmp_path / "first.gguf", seed=11)
+    library = tmp_path / "library"
+    second = make_tiny_model(library / "coder" / "second.gguf", seed=12)
+    home = tmp_path / "home"
+    levels = ("ram_low", "ram_critical", "vram_low", "vram_critical", "disk_low", "disk_critical")
+    calm = {f"pressure.{k}_pct": 0.0 for k in levels}  # a busy machine must not degrade it
+    prepare(
+        home,
+        **{
+            "server.model": str(first),
+            "server.binary": str(server_binary),
+            "server.threads": 2,
+            "server.ctx_per_slot": 4096,
+            "server.model_dirs": [str(library)],
+            **calm,
+        },
+    )
+    app = start_app(home, tray_available=False)
+    app.handlers[START]()
+    qtbot.waitUntil(lambda: app.controller.state.server_state == "ready", timeout=120_000)
+    assert app.controller.state.model == "first.gguf"
+
+    app.handlers[CHOOSE_MODEL]()
+    dlg = app.model_chooser
+    assert dlg is not None
+    qtbot.waitUntil(lambda: dlg.scans >= 1, timeout=60_000)
+    listed = {e.path: e for e in dlg.entries}
+    assert listed[str(first)].current and listed[str(first)].source == "configured"
+    entry = listed[str(second)]
+    assert (entry.name, entry.source_label, entry.fits) == ("coder/second", "added folder", True)
+    assert dlg.select_path(str(second))
+    dlg.use_button.click()
+    qtbot.waitUntil(lambda: dlg.restart_box.isVisible(), timeout=30_000)
+    assert config_mod.load(app.paths.config_file).server.model == str(second)
+    dlg.restart_now.click()
+
+    def serves_second() -> bool:
+        st = app.controller.status or {}
+        path = ((st.get("server") or {}).get("model") or {}).get("path")
+        return path == str(second) and (st.get("server") or {}).get("state") == "ready"
+
+    qtbot.waitUntil(serves_second, timeout=120_000)
+    assert app.controller.state.model == "second.gguf"

@@ -114,9 +114,11 @@ def build_tree(base: Path) -> Tree:
         snap = repo / "snapshots" / rev
         snap.mkdir(parents=True)
         (snap / "tiny-coder-Q8_0.gguf").symlink_to(Path("../../blobs/0123abcd"))
+    # refs/main names the older-looking revision: the catalog lists its path.
     paths["hf"] = repo / "snapshots" / "aaaa1111" / "tiny-coder-Q8_0.gguf"
     (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("bbbb2222")
+    (repo / "refs" / "main").write_text("aaaa1111")
+    os.utime(repo / "snapshots" / "aaaa1111", (1_600_000_000, 1_600_000_000))
 
     # Ollama: two tags of one model share a blob; a third names a blob that is gone.
     ollama = home / ".ollama" / "models"
