@@ -541,7 +541,12 @@ def fit_line(
 ) -> tuple[bool, str]:
     """Whether the model fits with `request` (the settings), in one line."""
     p = plan(facts, gpus, host, request)
-    where = f"{p.n_gpu_layers} layers on GPU" if gpus else "CPU"
+    if not gpus or p.n_gpu_layers == 0:
+        where = "CPU"
+    elif p.n_gpu_layers > facts.n_layer:  # -ngl counts the output layer too
+        where = "all on GPU"
+    else:
+        where = f"{p.n_gpu_layers} of {facts.n_layer} layers on GPU"
     if p.fits:
         return True, f"fits: {p.slots} slots × {p.ctx_per_slot:,} tokens, {where}"
     why = p.gave_up[0] if p.gave_up else "over budget"

@@ -27,7 +27,7 @@ from core.models.catalog import (
     model_roots,
     scan,
 )
-from core.server.devices import HostInfo
+from core.server.devices import GpuInfo, HostInfo
 from core.server.fit import FitRequest
 from core.server.tinymodel import make_tiny_model
 from tests.core.test_gguf_facts import BASE, qwen3next_meta, write_gguf
@@ -240,6 +240,10 @@ def test_a_model_too_big_says_it_does_not_fit(tree: Tree) -> None:
     e = describe(item, gpus=[], host=TINY_HOST, request=FitRequest(slots=4, ctx_per_slot=4096))
     assert e.fits is False and e.fit.startswith("does not fit with 4 slots"), e.fit
     assert describe(item).fits is None  # no host given: facts only
+    # With a GPU (as NVML would report one) the line says where the layers go.
+    gpu = GpuInfo(index=0, name="H200", total_bytes=140 * GIB, free_bytes=139 * GIB)
+    e = describe(item, gpus=[gpu], host=BIG_HOST, request=FitRequest(slots=2, ctx_per_slot=4096))
+    assert e.fits is True and e.fit == "fits: 2 slots × 4,096 tokens, all on GPU", e.fit
 
 
 def test_configured_model_is_current_and_a_missing_one_is_listed_with_its_error(
