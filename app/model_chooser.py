@@ -21,7 +21,13 @@ from app.qt import Qt, QtGui, QtWidgets, Signal
 from app.tasks import Tasks
 from core.cli_models import format_size
 from core.config import Settings
-from core.models.catalog import Catalog, ModelEntry, describe_file, for_settings
+from core.models.catalog import (
+    Catalog,
+    ModelEntry,
+    describe_file,
+    for_settings,
+    profile_note,
+)
 from core.paths import Paths
 
 COLUMNS = ("Name", "Source", "Size", "Architecture", "Context", "SWA / hybrid", "Fits")
@@ -300,6 +306,9 @@ class ModelChooser(QtWidgets.QDialog):
         self.set_entries([dataclasses.replace(x, current=x.path == chosen.path)
                           for x in self.entries])  # fmt: skip
         self.saved.emit(chosen.path)
+        if note := profile_note(self.backend.settings):
+            self.status.setText(f"Saved, but: {note}")
+            return
         if "server.model" in restart_names and self._server_running():
             self.status.setText(f"Saved: server.model = {chosen.path}")
             self.restart_text.setText(

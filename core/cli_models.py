@@ -25,7 +25,7 @@ from core.clients import (
     proxy_address,
 )
 from core.errors import ConfigError, ModelNotFound
-from core.models.catalog import Catalog, ModelEntry, for_settings
+from core.models.catalog import Catalog, ModelEntry, for_settings, profile_note
 from core.paths import Paths
 from core.server.gguf_facts import read_facts
 
@@ -144,6 +144,8 @@ def cmd_use(args: argparse.Namespace) -> int:
     print(f"server.model = {chosen}\n  {facts.architecture}, trained context "
           f"{facts.n_ctx_train:,}{kind}")  # fmt: skip
     print(_running_note(paths, chosen))
+    if note := profile_note(config_mod.load(paths.config_file)):
+        print(f"note: {note}")
     return 0
 
 

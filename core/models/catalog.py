@@ -48,6 +48,7 @@ from typing import Any
 from core.cli_fit import request_from_settings
 from core.config import Settings
 from core.errors import WarmslotError
+from core.models import profiles
 from core.paths import Paths
 from core.server.devices import GpuInfo, HostInfo, read_gpus, read_host
 from core.server.fit import FitRequest, plan
@@ -64,6 +65,7 @@ __all__ = [
     "find_models",
     "for_settings",
     "model_roots",
+    "profile_note",
     "scan",
 ]
 
@@ -608,6 +610,19 @@ def _same_file(a: str | Path, b: str | Path) -> bool:
         return os.path.realpath(Path(a).expanduser()) == os.path.realpath(Path(b).expanduser())
     except OSError:
         return False
+
+
+def profile_note(settings: Settings) -> str:
+    """Why server.model may not be what is served: a primary profile naming its own model."""
+    if not settings.models:
+        return ""
+    primary = profiles.primary(settings)
+    if not primary.source.model:
+        return ""
+    return (
+        f"Model profiles are configured and the primary one ('{primary.name}') names its own "
+        f"model ({primary.source.model}): server.model applies only to profiles without one."
+    )
 
 
 def demo_model_name() -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from core.config import ModelProfile, Settings
 from core.models.catalog import (
     Found,
     ModelEntry,
@@ -25,6 +26,7 @@ from core.models.catalog import (
     describe,
     find_models,
     model_roots,
+    profile_note,
     scan,
 )
 from core.server.devices import GpuInfo, HostInfo
@@ -304,3 +306,12 @@ def test_scan_is_bounded_by_entries_and_time(tmp_path: Path) -> None:
     ticks = iter(range(1000))
     found, notes = scan([Root("folder", tmp_path)], time_budget_s=5, clock=lambda: next(ticks))
     assert notes and "too long" in notes[0]
+
+
+def test_profile_note_when_the_primary_profile_names_its_own_model() -> None:
+    s = Settings()
+    assert profile_note(s) == ""
+    s.models = [ModelProfile(name="coder")]  # uses server.model
+    assert profile_note(s) == ""
+    s.models = [ModelProfile(name="coder", model="/m/own.gguf")]
+    assert "'coder'" in profile_note(s) and "/m/own.gguf" in profile_note(s)
