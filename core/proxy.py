@@ -248,14 +248,15 @@ _FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model": (lambda v: isinstance(v, str), "a string"),
     "stream": (lambda v: isinstance(v, bool), "a boolean"),
     "cache_prompt": (lambda v: isinstance(v, bool), "a boolean"),
-    "logprobs": (lambda v: isinstance(v, bool), "a boolean"),
+    # A boolean in chat; an integer (how many) in the legacy completions API.
+    "logprobs": (lambda v: isinstance(v, bool) or _is_int(v), "a boolean or an integer"),
     "parallel_tool_calls": (lambda v: isinstance(v, bool), "a boolean"),
     "max_tokens": (_is_int, "an integer"),
     "n_predict": (_is_int, "an integer"),
     "max_completion_tokens": (_is_int, "an integer"),
     "n": (_is_int, "an integer"),
     "seed": (_is_int, "an integer"),
-    "top_k": (_is_int, "an integer"),
+    "top_k": (_is_number, "a number"),  # llama-server takes 40.0 as 40
     "top_logprobs": (_is_int, "an integer"),
     "n_probs": (_is_int, "an integer"),
     "temperature": (_is_number, "a number"),

@@ -363,7 +363,8 @@ def test_malformed_tools(tools: list[Any]) -> None:
         ("temperature", "0.5"),
         ("temperature", True),
         ("top_p", [1]),
-        ("top_k", 2.5),
+        ("top_k", "40"),
+        ("logprobs", "yes"),
         ("seed", "1"),
         ("stop", 5),
         ("stop", ["a", 1]),
@@ -430,6 +431,7 @@ def test_other_endpoints_shapes(endpoint: str, body: dict[str, Any], param: str)
             "response_format": {"type": "json_object"},
         },
         {**msg(), "temperature": None, "stop": None, "tools": None},
+        {**msg(), "top_k": 40.0, "logprobs": True, "top_logprobs": 2},
     ],
 )
 def test_real_shapes_pass(body: dict[str, Any]) -> None:
@@ -508,3 +510,7 @@ def test_origin_allowed(origin: str, allowed: tuple[str, ...], ok: bool) -> None
 )
 def test_json_content_types(ctype: str, ok: bool) -> None:
     assert _is_json_type(ctype) is ok
+
+
+def test_legacy_completions_logprobs_is_a_count() -> None:
+    validate("completions", {"prompt": "x", "logprobs": 3}, 2)
