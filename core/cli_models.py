@@ -33,8 +33,13 @@ __all__ = ["cmd_clients", "cmd_models", "cmd_use", "format_size", "format_table"
 
 
 def format_size(n: int) -> str:
-    """Bytes as MiB or GiB, one decimal."""
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+    """Bytes as KiB, MiB or GiB, one decimal; "" for nothing (a missing file)."""
+    if n <= 0:
+        return ""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
 
 
 def _fits_cell(e: ModelEntry) -> str:
