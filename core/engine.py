@@ -266,7 +266,11 @@ class Core:
         self.sweeps = Sweeps(self.clock, self.emit)
         self.pressure = PressureMonitor(
             lambda: self.settings.pressure,
-            Sampler(self.paths.state_dir, self._server_pids, clock=self.clock.monotonic),
+            Sampler(
+                (self.paths.slot_dir, self.paths.state_dir),  # slot files first (issue 19)
+                self._server_pids,
+                clock=self.clock.monotonic,
+            ),
             self.emit,
             self.clock,
             telemetry=lambda: self.telemetry,

@@ -42,10 +42,13 @@ from core.cache.plan import SlotPlan
 from core.cache.probe import (
     REUSE_SLACK,
     check_answer,
-    probe_answer,
+    non_finite,
+    probe_reference,
     probe_request,
+    scrub_request,
+    second_look,
 )
-from core.cache.retention import Retention
+from core.cache.retention import Retention, save_problem
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore, file_sha256
 from core.cache.warmup import disk_tier_for as disk_tier_for
@@ -159,6 +162,8 @@ class CacheManager:
         """Save the prefix in the background unless a save of it is under way."""
         if info.fingerprint in self._persisting:
             return False
+        if not self.retention.save_backoff.allows(info.fingerprint):
+            return False  # its last save failed: wait out the backoff (core.cache.retention)
         self._persisting.add(info.fingerprint)
         self._spawn(self._persist(info))
         return True
@@ -419,6 +424,7 @@ class CacheManager:
     ) -> None:
         entry = {
             "ts": time.time(),
+            "request_id": req.request_id,
             "client": req.client,
             "session": req.plan.session if req.plan is not None else None,
             "slot": req.slot,
@@ -442,6 +448,7 @@ class CacheManager:
             slot=req.slot,
             tokens=t.cache_n,
             client=req.client,
+            request_id=req.request_id,
             where=where,
         )
 
@@ -533,8 +540,14 @@ class CacheManager:
                 return
             async with self.lock(slot):
                 await self._persist_in(info, slot, client)
-        except UpstreamError as e:
-            self.emit(CacheEventKind.SAVE_FAILED, str(e), fp=info.fingerprint)
+        except (UpstreamError, OSError) as e:
+            # After an answer (an HTTP error) the server no longer writes: its partial file
+            # goes now. After a timeout it may still write: the retention sweep deletes it.
+            answered = not isinstance(e, UpstreamError) or e.status != 0
+            name = state_filename(info.fingerprint)
+            self.retention.save_failed(
+                info.fingerprint, str(e), filename=name, server_answered=answered
+            )
         finally:
             self._persisting.discard(info.fingerprint)
 
@@ -544,20 +557,18 @@ class CacheManager:
         self.retention.journal.begin(self.launch_id, name)  # a save that never ends is swept
         saved = await client.slot_action(slot, "save", name)
         path = self._server_slot_dir() / name
-        if int(saved.get("n_saved", 0)) != info.n_tokens or not path.is_file():
-            path.unlink(missing_ok=True)
-            self.retention.journal.end(name)
-            self.emit(
-                CacheEventKind.SAVE_FAILED,
-                f"server saved {saved.get('n_saved')} tokens, expected {info.n_tokens}",
-                fp=info.fingerprint,
-                slot=slot,
-            )
+        problem = save_problem(saved, info.n_tokens, path)
+        if problem is not None:
+            self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
             return
         await self._wait_idle(exclude=slot)
         assert self.probe_suffix is not None
+        # The reference comes from the file as a restore lays it out, so that a later
+        # restore reproduces it bit for bit, sliding-window ring included
+        # (docs/cache.md#verification).
+        await client.slot_action(slot, "restore", name)
+        await self._server_idle(client, exclude=slot)
         answer = await client.completion(probe_request(info.tokens, self.probe_suffix, slot))
-        tokens, logprobs, margins = probe_answer(answer)
         now = self.clock.time()
         rec = StateRecord(
             filename=name,
@@ -575,16 +586,11 @@ class CacheManager:
             last_used=now,
             verified_at=now,
             verify_result="reference",
-            probe={
-                "prefix": info.tokens,
-                "suffix": self.probe_suffix,
-                "tokens": tokens,
-                "logprobs": logprobs,
-                "margins": margins,
-            },
+            probe={"prefix": info.tokens, "suffix": self.probe_suffix, **probe_reference(answer)},
         )
         self.store.add(rec)
         self.retention.journal.end(name)
+        self.retention.save_succeeded(info.fingerprint)
         self.emit(
             CacheEventKind.SAVE,
             f"saved the {info.n_tokens}-token prefix",
@@ -635,11 +641,16 @@ class CacheManager:
                 restore_ms=(resp.get("timings") or {}).get("restore_ms"),
             )
             return
+        if non_finite(problem):  # NaN/inf cells outlive an erase: overwrite them first
+            with contextlib.suppress(UpstreamError):
+                await client.completion(
+                    scrub_request(rec.probe["prefix"], rec.probe["suffix"], slot)
+                )
         with contextlib.suppress(UpstreamError):
             await client.slot_action(slot, "erase")
         st = self.slots.slots[slot]
         st.prefix_fp, st.tokens_hint = "", 0
-        freed = self.store.delete(rec)
+        freed = self.retention.discard(rec, problem)  # an undeletable file is quarantined
         self.emit(
             CacheEventKind.RESTORE_REJECTED,
             problem,
@@ -659,8 +670,26 @@ class CacheManager:
         suffix, prefix_tokens = probe.get("suffix"), probe.get("prefix")
         if not suffix or not prefix_tokens or "tokens" not in probe:
             return "no known-answer probe recorded"
+        problem = await self._probe(rec, slot, client)
+        if not second_look(problem):
+            return problem
+        # A request of another slot in the same batch changes the matrix shapes and so the
+        # last bits of the probe's log-probs (docs/cache.md#verification): restore once more
+        # and probe alone. A wrong state fails again, bit for bit.
+        try:
+            await client.slot_action(slot, "erase")
+            again = await client.slot_action(slot, "restore", rec.filename)
+        except UpstreamError:
+            return problem
+        if int(again.get("n_restored", -1)) != rec.n_tokens:
+            return problem
+        return await self._probe(rec, slot, client)
+
+    async def _probe(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
+        probe = rec.probe
         await self._wait_idle(exclude=slot)
-        resp = await client.completion(probe_request(prefix_tokens, suffix, slot))
+        await self._server_idle(client, exclude=slot)
+        resp = await client.completion(probe_request(probe["prefix"], probe["suffix"], slot))
         t = Timings.parse(resp.get("timings"))
         return check_answer(
             resp,
@@ -669,6 +698,20 @@ class CacheManager:
             probe,
             tolerance=self.disk.logprob_tolerance,
         )
+
+    async def _server_idle(self, client: LlamaClient, exclude: int, timeout: float = 10.0) -> None:
+        """Wait until the server itself reports no other slot processing (our own background
+        work is not in `inflight`): a probe must not share its batches."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                busy = [s.id for s in await client.slots() if s.is_processing and s.id != exclude]
+            except UpstreamError:
+                return
+            if not busy:
+                return
+            await asyncio.sleep(0.05)
+        log.warning("probing while slots %s process: verification may be noisy", busy)
 
     # ------------------------------------------------------------ status / lifecycle
     def idle(self) -> bool:
