@@ -8,16 +8,14 @@ from typing import Any
 
 import pytest
 
-from core.proxy import (
+from core.proxy import SSEScanner, error_response, timings_from_json
+from core.proxy_checks import (
     MAX_DEPTH,
-    _host_name,
-    _Invalid,
-    _is_json_type,
-    _origin_allowed,
-    _SSEScanner,
-    _timings_from_json,
-    error_response,
+    Invalid,
+    host_name,
+    is_json_type,
     is_loopback,
+    origin_allowed,
     parse_json,
     validate,
 )
@@ -26,8 +24,8 @@ from core.router import client_name, session_key
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-def invalid(endpoint: str, body: Any, n_slots: int = 2) -> _Invalid:
-    with pytest.raises(_Invalid) as e:
+def invalid(endpoint: str, body: Any, n_slots: int = 2) -> Invalid:
+    with pytest.raises(Invalid) as e:
         validate(endpoint, body, n_slots)
     assert e.value.status == 400
     return e.value
@@ -192,8 +190,8 @@ def completion_stream() -> bytes:
     return b"".join(b"data: " + json.dumps(p).encode() + b"\n\n" for p in parts)
 
 
-def feed_in(body: bytes, cuts: list[int]) -> _SSEScanner:
-    scanner = _SSEScanner()
+def feed_in(body: bytes, cuts: list[int]) -> SSEScanner:
+    scanner = SSEScanner()
     last = 0
     for cut in [*sorted(cuts), len(body)]:
         scanner.feed(body[last:cut])
@@ -240,15 +238,15 @@ def test_scanner_ignores_an_unfinished_last_line() -> None:
 
 def test_timings_from_json() -> None:
     data = json.dumps({"id_slot": 1, "timings": {"cache_n": 3, "prompt_n": 1}}).encode()
-    assert _timings_from_json(data) == ({"cache_n": 3, "prompt_n": 1}, 1)
-    assert _timings_from_json(b"[1]") == (None, None)
-    assert _timings_from_json(b"not json") == (None, None)
-    assert _timings_from_json(b'{"id_slot": -1, "timings": 5}') == (None, None)
+    assert timings_from_json(data) == ({"cache_n": 3, "prompt_n": 1}, 1)
+    assert timings_from_json(b"[1]") == (None, None)
+    assert timings_from_json(b"not json") == (None, None)
+    assert timings_from_json(b'{"id_slot": -1, "timings": 5}') == (None, None)
 
 
 # ------------------------------------------------------------------ strict JSON (issue 19)
 def bad_json(raw: bytes) -> str:
-    with pytest.raises(_Invalid) as e:
+    with pytest.raises(Invalid) as e:
         parse_json(raw)
     assert e.value.status == 400
     return str(e.value)
@@ -470,8 +468,8 @@ def test_is_loopback(host: str, loopback: bool) -> None:
         ("attacker.example:80", "attacker.example"),
     ],
 )
-def test_host_name(header: str, name: str) -> None:
-    assert _host_name(header) == name
+def testhost_name(header: str, name: str) -> None:
+    assert host_name(header) == name
 
 
 @pytest.mark.parametrize(
@@ -490,8 +488,8 @@ def test_host_name(header: str, name: str) -> None:
         ("http://evil.example:81", ("http://evil.example",), False),
     ],
 )
-def test_origin_allowed(origin: str, allowed: tuple[str, ...], ok: bool) -> None:
-    assert _origin_allowed(origin, allowed) is ok
+def testorigin_allowed(origin: str, allowed: tuple[str, ...], ok: bool) -> None:
+    assert origin_allowed(origin, allowed) is ok
 
 
 @pytest.mark.parametrize(
@@ -509,7 +507,7 @@ def test_origin_allowed(origin: str, allowed: tuple[str, ...], ok: bool) -> None
     ],
 )
 def test_json_content_types(ctype: str, ok: bool) -> None:
-    assert _is_json_type(ctype) is ok
+    assert is_json_type(ctype) is ok
 
 
 def test_legacy_completions_logprobs_is_a_count() -> None:
