@@ -227,3 +227,15 @@ def scrub_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> di
         "id_slot": slot,
         "cache_prompt": False,
     }
+
+
+def second_look(problem: str | None) -> bool:
+    """Whether a failed check deserves one more probe, alone: only a log-prob or token
+    difference, which a batch shared with another slot's request can also cause. Missing
+    reuse, non-finite values and an old reference fail the same way every time."""
+    return (
+        problem is not None
+        and not non_finite(problem)
+        and "reuse probe" not in problem
+        and ("older format" not in problem)
+    )

@@ -370,3 +370,21 @@ def test_sliding_window_ring_is_held_exact_too() -> None:
     assert check_answer(_resp([(5, -0.5, -3.0), (9, -0.3, -2.0)]), 50, 50, ref) is None
     accepted_before = _resp([(5, -0.695, -3.0), (9, -0.3, -2.0)])  # measured: 0.195, 8 bytes
     assert check_answer(accepted_before, 50, 50, ref, tolerance=ring.logprob_tolerance)
+
+
+def test_probe_second_look_only_for_differences_noise_could_cause() -> None:
+    """A batch shared with another slot's request moves log-probs in the last bits (a
+    false 'moved by 0.0005' in the soak test): such a verdict gets one more probe, alone.
+    Missing reuse, NaN and an old reference cannot be noise."""
+    from core.cache.probe import check_answer, second_look
+
+    ref = _ref(_flat())
+    assert second_look(check_answer(_flat(shift=5e-4), 600, 600, ref))
+    assert second_look(check_answer(_flat(shift=0.5, at=13), 600, 600, ref))
+    assert not second_look(check_answer(_flat(), 600, 600, ref))  # passed: nothing to do
+    assert not second_look(check_answer(_flat(), 10, 600, ref))
+    old = {k: v for k, v in ref.items() if k not in ("version", "top")}
+    assert not second_look(check_answer(_flat(), 600, 600, old))
+    nan = _flat()
+    nan["completion_probabilities"][0]["logprob"] = None
+    assert not second_look(check_answer(nan, 600, 600, ref))
