@@ -13,7 +13,9 @@ does not move the bar.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import os
 import re
 import shutil
 import threading
@@ -248,6 +250,20 @@ async def terminate_group(proc: asyncio.subprocess.Process) -> None:
         await asyncio.wait_for(proc.wait(), _KILL_GRACE_S)
 
 
+# Build steps running now (their group/session leaders). A Python that exits without
+# cancelling its build (an exception in the owner, sys.exit) must not leave cmake and
+# ninja compiling: the atexit hook kills what is left. A SIGKILLed Python runs no hook;
+# then `die_with_parent` stops the step's leader and the next build sweeps the folder.
+_LIVE_STEPS: set[int] = set()
+
+
+@atexit.register
+def _kill_live_steps() -> None:
+    for pid in list(_LIVE_STEPS):
+        process.kill_group(pid)
+    _LIVE_STEPS.clear()
+
+
 async def run_step(
     cmd: Sequence[str],
     *,
@@ -268,6 +284,7 @@ async def run_step(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             limit=1 << 20,
+            preexec_fn=process.die_with_parent if os.name == "posix" else None,
             **process.new_group_kwargs(),
         )
     except FileNotFoundError as e:
@@ -276,6 +293,7 @@ async def run_step(
         ) from e
     assert proc.stdout is not None
     stdout = proc.stdout
+    _LIVE_STEPS.add(proc.pid)
 
     async def pump() -> None:
         while True:
@@ -311,6 +329,7 @@ async def run_step(
         await asyncio.shield(terminate_group(proc))
         raise
     finally:
+        _LIVE_STEPS.discard(proc.pid)
         for t in (reader, waiter, stopper):
             if t is not None and not t.done():
                 t.cancel()

@@ -29,12 +29,14 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from typing import Any
 
 import psutil
 
 __all__ = [
     "ask_to_stop",
+    "die_with_parent",
     "kill_group",
     "kill_leftovers",
     "new_group_kwargs",
@@ -57,6 +59,19 @@ def new_group_kwargs() -> dict[str, Any]:
     if _WINDOWS:
         return {"creationflags": _CREATE_NEW_PROCESS_GROUP}
     return {"start_new_session": True}
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
+    """`preexec_fn` for a child that must not outlive the thread that started it: the
+    kernel sends it SIGTERM when that thread dies, even by SIGKILL (Linux only; a no-op
+    elsewhere). Only the direct child is covered — its own children are reached through
+    its group or session (`kill_group`)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def ask_to_stop(pid: int) -> bool:

@@ -127,16 +127,6 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _preexec() -> None:  # pragma: no cover - runs in the child
-    """In the child: ask the kernel to SIGTERM it when its parent thread dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 def _open_log(path: Path) -> logging.handlers.RotatingFileHandler:
     """llama-server's output file, rotated by size: ``llama-server.log``, ``.1`` …
     ``.LOG_FILE_KEEP``. Lines are written through `_write_log` as they are, one a line."""
@@ -445,7 +435,7 @@ class Supervisor:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
-                preexec_fn=_preexec if sys.platform.startswith("linux") else None,
+                preexec_fn=process.die_with_parent if sys.platform.startswith("linux") else None,
                 **process.new_group_kwargs(),
             )
         except BaseException:

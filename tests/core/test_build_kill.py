@@ -148,3 +148,58 @@ async def test_stopping_a_group_also_kills_the_groups_its_members_made(tmp_path:
     finally:
         if not pid_gone(child):
             os.kill(child, signal.SIGKILL)
+
+
+# An owner of a build (as Core is: its loop on a thread) that exits on a line from stdin
+# without cancelling the build first.
+_OWNER = """\
+import asyncio, sys, threading
+from pathlib import Path
+from core.build import BuildRequest, build
+from core.paths import Paths
+
+req = BuildRequest(source=sys.argv[1], patches=False, backend="cpu", native=False,
+                   extra_cmake_args=("-DFAKE_SLOW=ON",))
+loop = asyncio.new_event_loop()
+threading.Thread(target=loop.run_forever, daemon=True).start()
+asyncio.run_coroutine_threadsafe(build(req, Paths.under(Path(sys.argv[2]))), loop)
+sys.stdin.readline()
+sys.exit(3)
+"""
+
+
+@posix_only
+@needs_cmake
+def test_an_owner_that_exits_mid_build_leaves_no_compiler_running(tmp_path: Path) -> None:
+    """Found when a script's Core timed out while it built: cmake and the compilers went
+    on under PID 1. Python's exit now kills the live steps' sessions."""
+    src = tmp_path / "llama-src"
+    shutil.copytree(FAKE_SRC, src)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(src), str(tmp_path / "home")],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    tree: list[psutil.Process] = []
+    try:
+
+        def slow_step_runs() -> list[psutil.Process]:
+            kids = psutil.Process(owner.pid).children(recursive=True)
+            return kids if any(_is_slow_step(p) for p in kids) else []
+
+        tree = wait_until(slow_step_runs, 120, interval=0.05, message="no slow step")
+        _, err = owner.communicate("exit\n", timeout=60)
+        assert owner.returncode == 3, err
+        wait_until(
+            lambda: not _alive(tree),
+            30,
+            message=lambda: f"still running: {[p.cmdline() for p in _alive(tree)]}",
+        )
+    finally:
+        owner.kill()
+        for p in _alive(tree):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
