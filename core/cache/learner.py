@@ -23,6 +23,12 @@ from core.events import CacheEventKind, Event, Notice
 from core.proxy import ProxyRequest
 from core.server.client import LlamaClient
 
+# Bodies larger than this are not rendered and tokenized to learn their prefix: an
+# 8 MiB conversation cost the proxy +250 MiB and a 1.2 s stall in doing so (measured,
+# docs/security.md#large-bodies), while a 262k-token agent context is 1–2 MB of JSON.
+# Such a request still runs in its session's slot with llama-server's own reuse.
+LEARN_MAX_BYTES = 2 * 1024 * 1024
+
 
 def render_body(body: dict[str, Any]) -> dict[str, Any]:
     """The fields `/apply-template` needs to render a chat request as the server will."""
@@ -68,6 +74,8 @@ class PrefixLearner:
         prefix, e.g. when the <env> block is the same all day). The longer one wins.
         Rendering happens once per new session and request shape, not per turn.
         """
+        if req.body_bytes > LEARN_MAX_BYTES:
+            return None
         body = req.body
         key = pfx.shape_key(req.client, body)
         tkey = pfx.tools_key(req.client, body)

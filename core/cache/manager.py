@@ -37,7 +37,7 @@ from core.cache.deps import DiskTier as DiskTier
 from core.cache.fingerprint import ServerIdentity, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
-from core.cache.learner import PrefixLearner, render_body
+from core.cache.learner import LEARN_MAX_BYTES, PrefixLearner, render_body
 from core.cache.plan import SlotPlan
 from core.cache.probe import (
     REUSE_SLACK,
@@ -394,7 +394,8 @@ class CacheManager:
         elif info is not None and previous_fp == fp:
             head = int(info.meta.get("head_n") or info.n_tokens)
             expected, what = head - REUSE_SLACK, "the stable prefix"
-        if expected > 0 and timings.cache_n < expected and previous_body is not None:
+        big = req.body_bytes > LEARN_MAX_BYTES  # rendering it twice costs more than it tells
+        if expected > 0 and timings.cache_n < expected and previous_body is not None and not big:
             reason = f"reused {timings.cache_n} tokens; expected ≥ {expected} ({what})"
             self._spawn(self._diagnose(req, previous_body, reason, timings))
         if info is not None and self.disk.usable and fp not in self._persisting:
@@ -683,7 +684,10 @@ class CacheManager:
             return problem
         if int(again.get("n_restored", -1)) != rec.n_tokens:
             return problem
-        return await self._probe(rec, slot, client)
+        second = await self._probe(rec, slot, client)
+        if second is None:
+            log.info("%s verified on a second probe (first: %s)", rec.filename, problem)
+        return second
 
     async def _probe(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
         probe = rec.probe

@@ -309,3 +309,30 @@ def test_inventory_says_what_the_boot_rewarm_does(state: str) -> None:
         assert "re-warm" not in text
     else:
         assert expected in text
+
+
+async def test_a_huge_body_is_not_rendered_to_learn_its_prefix(tmp_path: Path) -> None:
+    """Rendering and tokenizing an 8 MiB conversation cost +250 MiB and a 1.2 s stall;
+    above LEARN_MAX_BYTES the request keeps its session's slot and nothing is rendered."""
+    from core.cache.learner import LEARN_MAX_BYTES
+
+    core, _ = make_manager(tmp_path)
+    mgr, fake = attach(core)
+    req = request("s-huge")
+    req.body_bytes = LEARN_MAX_BYTES + 1
+    rendered: list[int] = []
+    original = fake.apply_template
+
+    async def counting(body: dict[str, Any]) -> str:
+        rendered.append(1)
+        return await original(body)
+
+    fake.apply_template = counting  # type: ignore[method-assign]
+    plan = await mgr.prepare(req)
+    assert plan is not None and plan.prefix is None and rendered == []
+    assert req.body["id_slot"] == plan.slot
+    small = request("s-small")
+    small.body_bytes = 40_000
+    assert await prepared_fp(mgr, small)  # an ordinary body is learned as before
+    assert rendered
+    await mgr.close()
