@@ -195,6 +195,13 @@ class ServerSettings:
         default=180.0,
         metadata=_meta("Seconds to wait for /health to answer 200 after launch.", _range(5, 3600)),
     )
+    start_on_request: bool = field(
+        default=True,
+        metadata=_meta(
+            "A request while llama-server is stopped (not failed) starts it and waits for it, "
+            "up to start_timeout_s, as Ollama and LM Studio do. Off: such requests get 503."
+        ),
+    )
     max_restarts: int = field(
         default=5,
         metadata=_meta(

@@ -161,6 +161,7 @@ class Core:
             self.paths, self.emit, self._record_build, check=binary_check, request=build_request
         )
         self._upgrade_task: asyncio.Task[None] | None = None
+        self._demand_start: asyncio.Future[None] | None = None  # a start for a request
         self._upgrade_failed = False
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0
@@ -287,6 +288,7 @@ class Core:
             extra_metrics=self._extra_metrics,
             allowed_origins=lambda: self.settings.proxy.allowed_origins,
         )
+        self.proxy.on_demand = self._start_for_request
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
             self.proxy.policy = self.policy
@@ -421,6 +423,8 @@ class Core:
         self.provision.cancel()
         if self._upgrade_task is not None:
             self._upgrade_task.cancel()
+        if self._demand_start is not None:
+            self._demand_start.cancel()
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
@@ -476,6 +480,37 @@ class Core:
         except WarmslotError as e:
             self.emit(Notice(level="error", text=str(e), hint=e.hint))
             raise
+
+    async def _start_for_request(self) -> None:
+        """Wait for llama-server on behalf of a request that came while it was not ready:
+        start it if it is stopped (``server.start_on_request``), then wait until it is
+        ready, failed, or ``server.start_timeout_s`` passed. Concurrent requests wait for
+        the same start; a failed server is not started again here (the 503 says why)."""
+        sup = self.supervisor
+        if sup is None or not self.settings.server.start_on_request:
+            return
+        if sup.state is ServerState.STOPPED and self._demand_start is None:
+            self.emit(Notice(level="info", text="llama-server is starting for a request"))
+            self._demand_start = asyncio.ensure_future(self._start_demanded(sup))
+        demand = self._demand_start
+        if sup.state is not ServerState.STARTING and demand is None:
+            return
+        ready = asyncio.ensure_future(sup.wait_ready(self.settings.server.start_timeout_s))
+        waits: set[asyncio.Future[Any]] = {ready}
+        if demand is not None:  # ends early when the start fails
+            waits.add(asyncio.shield(demand))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+
+    async def _start_demanded(self, sup: Supervisor) -> None:
+        try:
+            await sup.start("request")
+        except WarmslotError as e:
+            self.emit(Notice(level="error", text=str(e), hint=e.hint))
+        finally:
+            self._demand_start = None
 
     def stop_server(self) -> concurrent.futures.Future[None]:
         assert self.supervisor is not None

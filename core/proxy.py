@@ -278,6 +278,9 @@ class Proxy:
         # answers GET /v1/models with the configured profiles.
         self.router: Router = Router.single(upstream)
         self.admit: Admit | None = None
+        # Starts a stopped llama-server and returns once it is ready or could not start
+        # (single-model mode; the model pool loads on demand itself).
+        self.on_demand: Callable[[], Awaitable[None]] | None = None
         self.models: Callable[[], dict[str, Any]] | None = None
         self.counters = ProxyCounters()
         # Per request: the session is the upstream's, shared with Warmslot's own calls.
@@ -353,6 +356,17 @@ class Proxy:
         return error_response(
             401, "Warmslot: invalid or missing API key", type_="authentication_error"
         )
+
+    async def _ready_or_start(self) -> tuple[web.Response | None, float | None]:
+        """(None, load ms) when llama-server can take the request — a stopped or starting
+        one is waited for, started first if stopped (`on_demand`, where the core offers
+        it, decides); (503, None) when it does not come up."""
+        if self._upstream.base_url is None and self.on_demand is not None:
+            t0 = time.perf_counter()
+            await self.on_demand()
+            if self._upstream.base_url is not None:
+                return None, (time.perf_counter() - t0) * 1000
+        return self._not_ready(), None
 
     def _not_ready(self) -> web.Response | None:
         if self._upstream.base_url is not None:
@@ -503,8 +517,11 @@ class Proxy:
             validate(endpoint, body, self._n_slots())
         except Invalid as e:
             return error_response(e.status, str(e), param=e.param)
-        if self.admit is None and (err := self._not_ready()):
-            return err
+        load_ms: float | None = None
+        if self.admit is None:
+            err, load_ms = await self._ready_or_start()
+            if err is not None:
+                return err
         # Header values that are not text (non-UTF-8 bytes, which aiohttp passes on as
         # lone surrogates) become U+FFFD here, before any of them reaches the router's
         # Decision, a session key, an event or the telemetry database (issue 19).
@@ -532,6 +549,8 @@ class Proxy:
             raw_body=raw if generation else None,
         )
         del raw  # req.raw_body holds it while it is needed
+        if load_ms is not None:  # this request started llama-server and waited for it
+            req.response_headers["X-Warmslot-Load-Ms"] = f"{load_ms:.0f}"
         if self.admit is None:
             return await self._prepare_and_forward(request, req, generation, t0)
         route = await self.admit(decision)

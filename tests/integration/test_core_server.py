@@ -6,6 +6,8 @@ stop, kill or reconfigure the server get their own Core from `make_core`.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import json
 import os
 import signal
@@ -366,8 +368,44 @@ def test_kill_9_during_a_stream_errors_the_client_and_the_server_comes_back(
     assert r.status_code == 200
 
 
-def test_503_while_stopped_and_stop_leaves_no_llama_server(make_core: MakeCore) -> None:
+def test_a_request_while_stopped_starts_llama_server(make_core: MakeCore, tmp_path: Path) -> None:
+    """As Ollama and LM Studio do: the first requests start the model and wait for it
+    (one launch for all of them); a failed server is not started again by requests."""
     core = make_core()
+    core.start(start_server=False)
+    sup = core.supervisor
+    assert sup is not None and sup.pid is None
+    url = proxy_url(core) + "/v1/chat/completions"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = list(
+            pool.map(lambda i: httpx.post(url, json=chat_body(f"q{i}"), timeout=120), range(3))
+        )
+    assert [r.status_code for r in answers] == [200, 200, 200]
+    loads = [float(r.headers["X-Warmslot-Load-Ms"]) for r in answers]
+    assert all(ms > 0 for ms in loads)
+    assert sup.state.value == "ready"
+    assert len(core.query("server_runs").result(10)) == 1  # one launch served all three
+    notices = wait_until(
+        lambda: core.query("recent_events", category="notice").result(10), 10, message="notice"
+    )
+    assert [n["reason"] for n in notices] == ["llama-server is starting for a request"]
+    # A stopped server (the user's Stop) is started again by the next request.
+    core.stop_server().result(30)
+    again = httpx.post(url, json=chat_body("again"), timeout=120)
+    assert again.status_code == 200 and "X-Warmslot-Load-Ms" in again.headers
+    # A failed start is reported, not retried by every request.
+    broken = make_core(server__model=str(tmp_path / "missing.gguf"))
+    broken.start(start_server=False)
+    bad = proxy_url(broken) + "/v1/chat/completions"
+    first = httpx.post(bad, json=chat_body("x"), timeout=60)
+    assert first.status_code == 503 and "missing.gguf" in first.json()["error"]["message"]
+    assert broken.supervisor is not None and broken.supervisor.state.value == "failed"
+    second = httpx.post(bad, json=chat_body("y"), timeout=60)
+    assert second.status_code == 503 and "failed" in second.json()["error"]["message"]
+
+
+def test_503_while_stopped_and_stop_leaves_no_llama_server(make_core: MakeCore) -> None:
+    core = make_core(server__start_on_request=False)
     core.start(wait_ready=True, timeout=120)
     sup = core.supervisor
     assert sup is not None and sup.pid is not None
