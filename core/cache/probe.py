@@ -13,8 +13,12 @@ Why whole vectors: on a model whose next-token distribution is flat (every margi
 below `TIE_MARGIN`, as on a random-weight model) the greedy tokens say nothing, and
 one log-prob within 1e-3 let 64 flipped bytes and another model's file through
 (docs/cache.md#verification). Sixteen log-probs at each of several positions
-each move when the state moves; a correct restore of a dense model reproduces
-them bit for bit, so the dense tolerance can be tight.
+each move when the state moves, and a correct restore reproduces them bit for bit
+(dense models, and a sliding-window ring once the reference too is taken from a
+restore), so the tolerance is 0. The one benign difference measured is a batch
+shared with another slot's request: `second_look` says when a failed check gets
+one more restore and probe, alone. A state whose probe sees NaN or inf is
+rejected outright, and `scrub_request` overwrites the cells it poisoned.
 
 A reference recorded in an older format (before `PROBE_VERSION` 2) cannot be
 checked this strictly: it is reported as unverifiable, so the state is deleted
