@@ -31,6 +31,7 @@ from core.cache import background as bg
 from core.cache import prefix as pfx
 from core.cache import warmup
 from core.cache.boot import BootRewarm
+from core.cache.conversations import Conversations
 from core.cache.definitions import DefinitionStore
 from core.cache.deps import CacheDeps, EngineParts, ServerHandle, deps_from
 from core.cache.deps import DiskTier as DiskTier
@@ -118,6 +119,8 @@ class CacheManager:
         self.sweeps: Sweeps | None = deps.sweeps  # the engine's scheduler (for status)
         self.retention = Retention(self, slot_dir=deps.slot_dir)
         self.keepalive = KeepAlive(self)
+        # Whole conversations saved and restored (core.cache.conversations).
+        self.conversations = Conversations(self, self.retention, self._spawn)
         deps.subscribe(self._on_event, (ServerStateChanged,))
 
     # ------------------------------------------------------------ plumbing
@@ -261,6 +264,7 @@ class CacheManager:
             self.slots.reset()
             self.identity = None
             self.learner.server_gone()
+            self.conversations.server_gone()
             self.boot.forget()  # the last start's re-warm says nothing about the next
 
     # ------------------------------------------------------------ server start
@@ -316,7 +320,9 @@ class CacheManager:
         if info is not None:
             info.last_used = time.time()
             self._touch(info)
-            await self._ensure_slot(info, slot, session)
+            # A saved conversation this request continues beats its stable prefix.
+            if not await self.conversations.restore_for(req, info, slot, session):
+                await self._ensure_slot(info, slot, session)
         body["id_slot"] = slot
         body["cache_prompt"] = True
         self.slots.begin(slot)
@@ -398,6 +404,8 @@ class CacheManager:
         if expected > 0 and timings.cache_n < expected and previous_body is not None and not big:
             reason = f"reused {timings.cache_n} tokens; expected ≥ {expected} ({what})"
             self._spawn(self._diagnose(req, previous_body, reason, timings))
+        if plan.session:
+            self.conversations.after_response(slot, timings)  # debounced conversation save
         if info is not None and self.disk.usable and fp not in self._persisting:
             rec = self.store.for_fingerprint(fp)
             if rec is None:
@@ -623,7 +631,23 @@ class CacheManager:
             except UpstreamError as e:
                 problem = f"server refused the file: {e}"
         if problem is None:
-            problem = await self._verify(rec, slot, client)
+            try:
+                problem = await self._verify(rec, slot, client)
+            except BaseException as e:
+                # The probe could not run (the server went away, a time-out, a bug): the
+                # restored state is unverified, so it must not stay in the slot, where
+                # llama-server's own slot choice could reuse it. The file may be fine: kept.
+                await self._unload(slot, client)
+                self.emit(
+                    CacheEventKind.RESTORE_REJECTED,
+                    f"could not verify ({e!r}); the slot was cleared, the file kept",
+                    fp=rec.fingerprint,
+                    slot=slot,
+                    tokens=rec.n_tokens,
+                )
+                if isinstance(e, Exception):
+                    raise VerificationFailed(f"could not verify: {e!r}") from e
+                raise
         ms = (time.perf_counter() - t0) * 1000
         if problem is None:
             st = self.slots.slots[slot]
@@ -647,10 +671,7 @@ class CacheManager:
                 await client.completion(
                     scrub_request(rec.probe["prefix"], rec.probe["suffix"], slot)
                 )
-        with contextlib.suppress(UpstreamError):
-            await client.slot_action(slot, "erase")
-        st = self.slots.slots[slot]
-        st.prefix_fp, st.tokens_hint = "", 0
+        await self._unload(slot, client)
         freed = self.retention.discard(rec, problem)  # an undeletable file is quarantined
         self.emit(
             CacheEventKind.RESTORE_REJECTED,
@@ -665,6 +686,13 @@ class CacheManager:
         if info is not None and self.disk.usable:
             self.persist_soon(info)
         raise VerificationFailed(problem)
+
+    async def _unload(self, slot: int, client: LlamaClient) -> None:
+        """Erase `slot` (best effort, even while cancelled) and forget what it held."""
+        with contextlib.suppress(UpstreamError, OSError, asyncio.CancelledError):
+            await asyncio.shield(client.slot_action(slot, "erase"))
+        st = self.slots.slots[slot]
+        st.prefix_fp, st.tokens_hint = "", 0
 
     async def _verify(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
         probe = rec.probe
@@ -824,9 +852,23 @@ class CacheManager:
         on_disk = len(self.store.all(self.launch_id))
         return {"saved": saved, "on_disk": on_disk, "reason": self.disk.reason}
 
+    async def save_conversation(self, slot: int, why: str) -> str:
+        """Save the conversation `slot` holds beyond its stable prefix; "" when there is
+        none to save, else what happened, in words."""
+        if self.conversations.unsaved(slot) <= 0:
+            return ""
+        return await self.conversations.save(slot, why)
+
     async def close(self) -> None:
+        """At shutdown (the server still runs): save live conversations, then stop."""
         if self._ready_task is not None:
             self._ready_task.cancel()
+        if self.client is not None and self.identity is not None:
+            try:  # before the jobs are cancelled: a conversation save is a few ms each
+                out = await self.conversations.save_all()
+                log.info("conversations at shutdown: %s", out)
+            except Exception:
+                log.exception("saving conversations at shutdown failed")
         if self._definitions is not None and self.has_db:
             with contextlib.suppress(sqlite3.Error):
                 self._definitions.flush()  # the uses noted since the last write

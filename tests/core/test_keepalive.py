@@ -250,3 +250,38 @@ async def test_prewarm_and_keepalive_send_one_body(tmp_path: Path) -> None:
         "response_fields": ["timings", "tokens_cached"],
     }
     assert fake.contents[0] == fake.contents[1] == PREFIX
+
+
+async def test_a_restore_whose_probe_cannot_run_is_cleared_not_served(tmp_path: Path) -> None:
+    """An error while verifying (the server went away, a time-out) leaves no unverified
+    state in the slot — llama-server's own slot choice could reuse it — and keeps the
+    file, which may well be good."""
+    from core.cache.manager import VerificationFailed
+    from core.server.client import UpstreamError
+
+    core, mgr = make_manager(tmp_path, slots=3)
+    fake = mgr.fake
+    assert fake is not None
+    info = prefix(PREFIX)
+    mgr.by_fp[info.fingerprint] = info
+    mgr._persisting.add(info.fingerprint)
+    await mgr._persist(info)
+    rec = mgr.store.get(state_filename(info.fingerprint))
+    assert rec is not None
+    fake.contents.clear()
+    answer = fake.completion
+
+    async def server_gone(body: dict[str, Any]) -> dict[str, Any]:
+        raise UpstreamError("POST /completion failed: connection refused")
+
+    fake.completion = server_gone  # type: ignore[method-assign]
+    with pytest.raises(VerificationFailed, match="could not verify"):
+        await mgr.restore(rec, 1)
+    assert fake.calls[-1] == ("erase", 1) and fake.contents[1] == []
+    assert mgr.slots.slots[1].prefix_fp == ""
+    assert mgr.store.get(rec.filename) is not None  # kept for a later try
+    (ev,) = core.cache_events("restore_rejected")
+    assert "could not verify" in ev.reason
+    fake.completion = answer  # type: ignore[method-assign]
+    await mgr.restore(rec, 1)  # the next try verifies and serves it
+    assert fake.contents[1][: len(PREFIX)] == PREFIX
