@@ -27,7 +27,7 @@ from core.errors import ConfigError
 
 INT_LIMIT = 2**31 - 1
 FILE_FIELDS = {"server.binary", "server.model", "server.chat_template_file"}
-SECRET_FIELDS = {"proxy.api_key"}
+SECRET_FIELDS = config_mod.SECRET_SETTINGS
 WORDS = {
     "ttl": "TTL",
     "ctx": "context",
@@ -219,6 +219,14 @@ class Field(QObject):
             self.in_words.setText(f"= {fmt.duration(value)}" if value else "")
         return problem is None
 
+    def show_problem(self, problem: str) -> None:
+        """Show a problem found beyond this field's own checks (until it is edited)."""
+        self.problem = problem
+        self.error.setText(problem)
+        self.error.setVisible(True)
+        self.caption.setVisible(False)
+        self.mark.setVisible(True)
+
     def _edited(self, *_: Any) -> None:
         self.validate()
         self.changed.emit()
@@ -355,7 +363,8 @@ class SettingsDialog(QtWidgets.QDialog):
             if problem is not None:
                 raise ConfigError(problem, key=name)
             if s.get(name) != value:
-                s = s.replace(name, value)
+                s = s.replace(name, value, check=False)
+        config_mod.check_settings(s)  # the rules between settings, on the whole result
         return s
 
     # ------------------------------------------------------------ saving
@@ -366,7 +375,11 @@ class SettingsDialog(QtWidgets.QDialog):
         try:
             new = self.new_settings()
         except ConfigError as e:
+            field = self.fields.get(e.key or "")
+            if field is not None:  # a rule between settings: shown at the field it names
+                field.show_problem(str(e))
             self.status.setText(str(e))
+            self.status.setStyleSheet("color: #c92a2a;")
             return
         self.save_button.setEnabled(False)
         self.status.setText("Saving…")

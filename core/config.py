@@ -14,7 +14,7 @@ import dataclasses
 import ipaddress
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast, get_type_hints
@@ -223,17 +223,17 @@ class ProxySettings:
         default="127.0.0.1",
         metadata=_meta(
             "Address the OpenAI-compatible proxy binds to. Other than loopback exposes your "
-            "model to the network, so it is refused unless proxy.api_key is set.",
+            "model to the network, so it is refused unless proxy.api_key is set. Changing "
+            "it moves the running proxy at once.",
             _host,
-            restart=True,
         ),
     )
     port: int = field(
         default=8089,
         metadata=_meta(
-            "Port of the proxy; point your client's base URL at http://HOST:PORT/v1.",
+            "Port of the proxy; point your client's base URL at http://HOST:PORT/v1. "
+            "Changing it moves the running proxy at once.",
             _port,
-            restart=True,
         ),
     )
     api_key: str = field(
@@ -507,14 +507,18 @@ class Settings:
         section, key = _split(name)
         return getattr(getattr(self, section), key)
 
-    def replace(self, name: str, value: Any) -> Settings:
-        """A copy with one validated value changed."""
+    def replace(self, name: str, value: Any, *, check: bool = True) -> Settings:
+        """A copy with one validated value changed. With `check`, the rules between
+        settings (`check_settings`) must hold too; an editor that changes several at
+        once passes ``check=False`` and checks the result once (one change may only be
+        valid with the next)."""
         spec = SCHEMA[name]
         spec.validate(value)
         new = dataclasses.replace(self)
         section, key = _split(name)
         setattr(new, section, dataclasses.replace(getattr(self, section), **{key: value}))
-        check_settings(new)
+        if check:
+            check_settings(new)
         return new
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
@@ -734,8 +738,33 @@ def _migrate(doc: dict[str, Any], path: str) -> dict[str, Any]:
     return doc
 
 
+# Settings whose values never appear in events, logs or status.
+SECRET_SETTINGS = frozenset({"proxy.api_key"})
+
+
+def settings_changes(
+    old: Settings, new: Settings, names: Iterable[str]
+) -> tuple[tuple[str, Any, Any], ...]:
+    """``(name, old, new)`` for each of `names`, secrets shown as "***" (or "" if unset)."""
+
+    def shown(name: str, value: Any) -> Any:
+        return ("***" if value else "") if name in SECRET_SETTINGS else value
+
+    return tuple((n, shown(n, old.get(n)), shown(n, new.get(n))) for n in names)
+
+
 def check_settings(settings: Settings, *, file: str | None = None) -> None:
     """Rules that involve more than one setting; raises ConfigError."""
+    c = settings.cache
+    for shorter, longer in (("ttl_short_s", "ttl_long_s"), ("ttl_long_s", "ttl_extended_s")):
+        if getattr(c, shorter) > getattr(c, longer):
+            raise ConfigError(
+                "TTL classes must not shrink: short ≤ long ≤ extended",
+                file=file,
+                key=f"cache.{longer}",
+                expected=f"at least cache.{shorter} ({getattr(c, shorter)} s)",
+                got=getattr(c, longer),
+            )
     host = settings.proxy.host
     if not _is_loopback(host) and not settings.proxy.api_key:
         raise ConfigError(

@@ -36,7 +36,7 @@ from core.cli_fit import request_from_settings
 from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
 from core.errors import CacheError, CoreStopped, WarmslotError
-from core.events import Event, Notice, ServerStateChanged
+from core.events import Event, Notice, ServerStateChanged, SettingsChanged
 from core.models import profiles
 from core.models.pool import ModelPool
 from core.paths import Paths, resources_dir
@@ -677,9 +677,20 @@ class Core:
                 for spec in config_mod.iter_specs()
                 if old.get(spec.name) != settings.get(spec.name)
             ]
+            config_mod.check_settings(settings)
+            moved = {"proxy.host", "proxy.port"} & set(changed)
+            if moved and self.proxy is not None and self.proxy.port:
+                # Live: the new address first (a taken port changes nothing), then the
+                # runtime file, so `warmslot status` and the tray find it.
+                await self.proxy.rebind(settings.proxy.host, settings.proxy.port)
+                self._write_runtime()
             if persist:
                 config_mod.save(self.paths.config_file, settings)
             self.settings = settings
+            if changed:
+                self.emit(
+                    SettingsChanged(changes=config_mod.settings_changes(old, settings, changed))
+                )
             return [n for n in changed if config_mod.SCHEMA[n].restart]
 
         return self.submit(apply())

@@ -226,6 +226,18 @@ class Notice(Event):
 
 
 @dataclass(frozen=True)
+class SettingsChanged(Event):
+    """Settings were changed through the core (the tray's dialog, the API): what changed,
+    as ``(name, old, new)`` with secrets masked — the visible cause of what follows (a
+    pressure level after a threshold change, a proxy on a new port)."""
+
+    changes: tuple[tuple[str, Any, Any], ...]
+
+    def text(self) -> str:
+        return "; ".join(f"{n}: {old!r} → {new!r}" for n, old, new in self.changes)
+
+
+@dataclass(frozen=True)
 class ModelEvent(Event):
     """A decision or step of the model pool (core.models): load, unload, refusal, route.
 

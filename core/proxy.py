@@ -286,6 +286,7 @@ class Proxy:
         # Per request: the session is the upstream's, shared with Warmslot's own calls.
         self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=10)
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
         # For "is now a quiet moment?" (switching to a new server build): requests being
         # handled, and when the last one ended.
@@ -316,22 +317,45 @@ class Proxy:
             logger=logging.getLogger("warmslot.proxy.http"),
         )
         await self._runner.setup()
+        try:
+            self._site = await self._listen(host, port)
+        except PortInUse:
+            await self._runner.cleanup()
+            raise
+        log.info("proxy listening on http://%s:%d", self.host, self.port)
+
+    async def _listen(self, host: str, port: int) -> web.TCPSite:
+        assert self._runner is not None
         # SO_REUSEADDR on POSIX: a restart right after clients were connected must not
         # fail on the old connections' TIME_WAIT; a second live listener is still refused
         # there (that needs SO_REUSEPORT). On Windows the flag would allow exactly that.
         site = web.TCPSite(self._runner, host, port, reuse_address=os.name == "posix")
+        before = set(map(tuple, self._runner.addresses))
         try:
             await site.start()
         except OSError as e:
-            await self._runner.cleanup()
             raise PortInUse(
                 f"proxy port {host}:{port} is already in use ({e.strerror})",
                 hint="is another Warmslot running? `warmslot status` tells; or set proxy.port",
             ) from e
-        addresses = self._runner.addresses  # (host, port, …) of each listening socket
+        # (host, port, …) of the socket(s) this site added: the port when `port` was 0
+        new = [a for a in self._runner.addresses if tuple(a) not in before]
         self.host = host
-        self.port = int(addresses[0][1]) if addresses else port
-        log.info("proxy listening on http://%s:%d", self.host, self.port)
+        self.port = int(new[0][1]) if new else port
+        return site
+
+    async def rebind(self, host: str, port: int) -> None:
+        """Listen on a new address: the new one first (PortInUse leaves the old one
+        serving), then the old one stops accepting; requests under way finish."""
+        old_host, old_port, old = self.host, self.port, self._site
+        try:
+            self._site = await self._listen(host, port)
+        except PortInUse:
+            self.host, self.port = old_host, old_port
+            raise
+        if old is not None:
+            await old.stop()
+        log.info("proxy moved to http://%s:%d", self.host, self.port)
 
     async def stop(self) -> None:
         """Stop accepting and let in-flight requests finish (5 s).

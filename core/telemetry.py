@@ -35,6 +35,7 @@ from core.events import (
     ServerExited,
     ServerLaunched,
     ServerStateChanged,
+    SettingsChanged,
     SweepRun,
 )
 
@@ -440,6 +441,17 @@ class Telemetry:
                     "kind": event.state,
                     "reason": event.reason,
                     "details": json.dumps({"previous": event.previous, "pid": event.pid}),
+                },
+            )
+        elif isinstance(event, SettingsChanged):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "settings",
+                    "kind": "changed",
+                    "reason": event.text(),
+                    "details": json.dumps({"changes": event.changes}, default=str),
                 },
             )
         elif isinstance(event, Notice):

@@ -11,7 +11,7 @@ from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import QtGui, QtWidgets
 from core.events import CacheEventKind
 
-CATEGORIES = ["all", "cache", "server", "pressure", "notice", "build"]
+CATEGORIES = ["all", "cache", "server", "pressure", "notice", "build", "settings"]
 # The cache event kinds the kind filter offers (any other can be typed in).
 CACHE_KINDS = [
     CacheEventKind.EVICTED,

@@ -166,8 +166,9 @@ def test_durations_in_words_errors_in_place_and_autostart(
     ttl.set_value(1)
     assert not ttl.error.isHidden() and ttl.caption.isHidden()
     assert ttl.in_words.text() == ""
-    ttl.set_value(600)
+    ttl.set_value(90_000)
     assert ttl.error.isHidden() and not ttl.caption.isHidden()
+    assert ttl.in_words.text() == "= 25.0 h"
     # Start at login: written on save, into XDG_CONFIG_HOME (the tests' own).
     entry = autostart.entry_path()
     assert entry.is_relative_to(tmp_path)
@@ -183,3 +184,69 @@ def test_durations_in_words_errors_in_place_and_autostart(
     with qtbot.waitSignal(again.saved, timeout=10_000):
         again.save()
     assert not entry.exists()
+
+
+def test_rules_between_settings_are_checked_on_the_whole_edit(
+    qtbot: Any, core: Core, tasks: Tasks
+) -> None:
+    """Raising short above the old long TTL is fine when long is raised too; an order
+    that does not hold is shown at the field the rule names."""
+    dlg = SettingsDialog(CoreBackend(core), tasks)
+    qtbot.addWidget(dlg)
+    dlg.fields["cache.ttl_short_s"].set_value(7200)
+    dlg.fields["cache.ttl_long_s"].set_value(10_000)
+    with qtbot.waitSignal(dlg.saved, timeout=10_000):
+        dlg.save()
+    assert (core.settings.cache.ttl_short_s, core.settings.cache.ttl_long_s) == (7200, 10_000)
+    dlg2 = SettingsDialog(CoreBackend(core), tasks)
+    qtbot.addWidget(dlg2)
+    dlg2.fields["cache.ttl_extended_s"].set_value(5000)  # below long (10,000)
+    dlg2.save()
+    field = dlg2.fields["cache.ttl_extended_s"]
+    assert not field.error.isHidden() and "short ≤ long ≤ extended" in field.error.text()
+    assert core.settings.cache.ttl_extended_s == 86400  # nothing was saved
+
+
+def test_a_new_proxy_port_applies_at_once(qtbot: Any, core: Core, tasks: Tasks) -> None:
+    """Changing the proxy's port moved nothing until Warmslot restarted (issue 18): now the
+    proxy listens on the new port when the settings are saved, and the change is an event."""
+    import json
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from tests.helpers import wait_until
+
+    assert core.proxy is not None
+    old = core.proxy.port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        new = s.getsockname()[1]
+    dlg = SettingsDialog(CoreBackend(core), tasks, server_running=lambda: True)
+    qtbot.addWidget(dlg)
+    dlg.fields["proxy.port"].set_value(new)
+    with qtbot.waitSignal(dlg.saved, timeout=10_000) as saved:
+        dlg.save()
+    assert saved.args[1] == []  # nothing needs a restart
+    assert core.proxy.port == new
+    assert json.loads(core.paths.runtime_file.read_text())["proxy_port"] == new
+    with urllib.request.urlopen(f"http://127.0.0.1:{new}/warmslot/status", timeout=10) as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{old}/warmslot/status", timeout=5)
+    events = wait_until(
+        lambda: core.query("recent_events", category="settings").result(10), 10, message="event"
+    )
+    assert events[0]["reason"] == f"proxy.port: 0 → {new}"
+    # A port that is taken changes nothing: the proxy stays, the file keeps its value.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        dlg2 = SettingsDialog(CoreBackend(core), tasks)
+        qtbot.addWidget(dlg2)
+        dlg2.fields["proxy.port"].set_value(busy)
+        dlg2.save()
+        qtbot.waitUntil(lambda: "already in use" in dlg2.status.text(), timeout=10_000)
+    assert core.proxy.port == new
+    assert config_mod.load(core.paths.config_file).proxy.port == new

@@ -350,3 +350,29 @@ def test_allowed_origins(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as e:
             config.load(path)
         assert e.value.key == "proxy.allowed_origins"
+
+
+def test_ttl_classes_must_not_shrink(tmp_path: Path) -> None:
+    s = Settings()
+    with pytest.raises(ConfigError) as e:
+        s.replace("cache.ttl_short_s", 7200)  # above the default long TTL (3600)
+    assert e.value.key == "cache.ttl_long_s" and "short ≤ long ≤ extended" in str(e.value)
+    # Several changes at once are checked on the result, not one by one.
+    both = s.replace("cache.ttl_short_s", 7200, check=False).replace(
+        "cache.ttl_long_s", 10_000, check=False
+    )
+    config.check_settings(both)
+    assert (both.cache.ttl_short_s, both.cache.ttl_long_s) == (7200, 10_000)
+    path = tmp_path / "settings.toml"
+    path.write_text("[cache]\nttl_long_s = 100000\n")  # above extended (86400)
+    with pytest.raises(ConfigError) as bad:
+        config.load(path)
+    assert bad.value.key == "cache.ttl_extended_s" and str(path) in str(bad.value)
+
+
+def test_settings_changes_mask_secrets() -> None:
+    old = Settings()
+    new = old.replace("proxy.api_key", "s3cret").replace("cache.ttl_short_s", 600)
+    changes = config.settings_changes(old, new, ["proxy.api_key", "cache.ttl_short_s"])
+    assert changes == (("proxy.api_key", "", "***"), ("cache.ttl_short_s", 300, 600))
+    assert "s3cret" not in repr(changes)
