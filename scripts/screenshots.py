@@ -2,11 +2,14 @@
 """Render every dashboard tab (and the settings dialog and tray icons) to PNG.
 
     .venv/bin/python scripts/screenshots.py [--out docs/screenshots]
+    .venv/bin/python scripts/screenshots.py --live MODEL.gguf [--out docs/screenshots/live]
 
 Runs offscreen (``QT_QPA_PLATFORM=offscreen``) unless a display is set (e.g.
 under ``xvfb-run``). The data is a month of realistic synthetic telemetry
 (`tests/fixtures/demo_data.py`) in a temporary SQLite database, read through the same telemetry
-queries the live dashboard uses.
+queries the live dashboard uses. With ``--live``, a real core instead: llama-server with
+MODEL, an opencode-shaped trace (two agent sessions with title calls) through the real
+proxy, and the dashboard on the running core, as the tray shows it.
 """
 
 from __future__ import annotations
@@ -110,13 +113,84 @@ def tray_menu(path: Path, state: AppState) -> None:
     frame.grab().save(str(path))
 
 
+def shoot_tabs(dash: Dashboard, out: Path) -> None:
+    """Every tab of `dash`, refreshed, to ``out/<tab>.png``."""
+    for i in range(dash.tabs.count()):
+        dash.tabs.setCurrentIndex(i)
+        page = dash.current_page()
+        if page.title == "Cache":
+            wait_refreshed(page)
+            if page.saved.rowCount():  # type: ignore[attr-defined]
+                page.saved.selectRow(0)  # type: ignore[attr-defined]
+        if page.title == "Requests":
+            wait_refreshed(page)
+            page.table.selectRow(0)  # type: ignore[attr-defined]
+        wait_refreshed(page)
+        path = out / f"{page.title.lower()}.png"
+        dash.grab().save(str(path))
+        print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+
+
+def live(model: Path, out: Path, width: int, height: int) -> int:
+    """Screenshots of the dashboard on a real core after real traffic."""
+    import httpx
+
+    from app.backend import CoreBackend
+    from core.bench.trace import make_trace
+    from core.config import Settings
+    from core.engine import Core
+    from core.paths import Paths
+
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["warmslot-screenshots"])
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings()
+        settings.proxy.port = 0
+        settings.server.model = str(model)
+        settings.server.slots = 3
+        core = Core(Paths.under(Path(tmp)), settings, policy_factory=_policy_factory())
+        core.start(wait_ready=True, timeout=600)
+        try:
+            assert core.proxy is not None
+            url = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
+            trace = make_trace(sessions=2, turns=3, scale=0.3, restart_before_session=None)
+            for i, r in enumerate(trace):
+                resp = httpx.post(url, json=r.body, headers=r.headers, timeout=600)
+                print(f"request {i + 1}/{len(trace)} ({r.kind}): {resp.status_code}")
+            tasks = Tasks()
+            bridge = Bridge(core)
+            ctx = ViewContext(backend=CoreBackend(core), tasks=tasks, bridge=bridge)
+            dash = Dashboard(ctx)
+            dash.resize(width, height)
+            dash.show()
+            app.processEvents()
+            shoot_tabs(dash, out)
+            dash.close()
+            bridge.detach()
+            tasks.shutdown()
+        finally:
+            core.stop()
+    return 0
+
+
+def _policy_factory() -> object:
+    from core.cache.manager import policy_factory
+
+    return policy_factory
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "screenshots")
+    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--size", default="1280x860")
+    ap.add_argument("--live", type=Path, help="a GGUF model: shoot a real core instead")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     width, height = (int(v) for v in args.size.split("x"))
+    if args.live is not None:
+        out = args.out or REPO / "docs" / "screenshots" / "live"
+        out.mkdir(parents=True, exist_ok=True)
+        return live(args.live, out, width, height)
+    args.out = args.out or REPO / "docs" / "screenshots"
+    args.out.mkdir(parents=True, exist_ok=True)
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["warmslot-screenshots"])
     now = time.time()

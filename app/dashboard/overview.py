@@ -196,7 +196,10 @@ class OverviewTab(Tab):
         self.state_label.setText(st.label)
         self.detail_label.setText(st.detail)
         self.detail_label.setToolTip(st.detail)
-        self.details_button.setVisible(bool(st.detail))
+        # Errors and warnings run long; the ordinary state line needs no Details button.
+        self.details_button.setVisible(
+            bool(st.detail) and st.tray in (TrayState.ERROR, TrayState.DEGRADED, TrayState.COLD)
+        )
         if self.ctx.controller is None:  # an offline view: nothing to command
             return
         running = st.running or st.tray is TrayState.BUILDING

@@ -169,8 +169,9 @@ def test_overview_long_error_has_details(qtbot: Any, offline: Any) -> None:
     tab.details_button.click()
     assert tab.details_box is not None and long in tab.details_box.text()
     tab.details_box.close()
-    tab.show_state(AppState(tray=TrayState.WARM, detail="", server_state="ready", model="m"))
-    assert not tab.details_button.isVisibleTo(tab)
+    ready = "ready; prefixes warm as clients send them"
+    tab.show_state(AppState(tray=TrayState.WARM, detail=ready, server_state="ready", model="m"))
+    assert not tab.details_button.isVisibleTo(tab)  # an ordinary state needs no Details
 
 
 def test_memory_chart_equals_pressure_series(qtbot: Any, offline: Any, expected: Any) -> None:
