@@ -7,7 +7,6 @@ stop, kill or reconfigure the server get their own Core from `make_core`.
 from __future__ import annotations
 
 import concurrent.futures
-
 import json
 import os
 import signal
