@@ -16,11 +16,13 @@ import os
 import signal
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 from core import config as config_mod
+from core.cache.crowding import crowding
 from core.errors import ConfigError, WarmslotError
 from core.paths import Paths
 
@@ -208,6 +210,8 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("clients:")
         for c in st["clients"]:
             lines.append(f"  {c['client']:<16} {c['requests']:>6} req  hit {_pct(c['hit_ratio'])}")
+    if warning := crowding(st.get("sessions") or [], st.get("cache") or {}, time.time()):
+        lines.append(f"warning: {warning}")
     if st.get("sessions"):
         lines.append("sessions (last hour):")
         for r in st["sessions"][:10]:

@@ -8,35 +8,9 @@ from typing import Any
 from app import fmt
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import QtWidgets
+from core.cache.crowding import crowding
 
 SINCE = {"last hour": 3600, "last 24 hours": 86400, "last 7 days": 7 * 86400}
-ACTIVE_S = 600  # an agent session counts as active when it sent a request this recently
-
-
-def agent_slots(cache: dict[str, Any]) -> int | None:
-    """How many slots serve agents (all but the side-call slot); None when unknown."""
-    slots = cache.get("slots")
-    if not isinstance(slots, list) or not slots:
-        return None
-    return len(slots) - (1 if cache.get("aux_slot") is not None else 0)
-
-
-def crowding(rows: list[dict[str, Any]], cache: dict[str, Any], now: float) -> str:
-    """A warning when more agent sessions are active than there are agent slots."""
-    slots = agent_slots(cache)
-    active = [
-        r
-        for r in rows
-        if r["session"] and "agent" in (r.get("kinds") or "") and now - r["last_seen"] < ACTIVE_S
-    ]
-    if slots is None or len(active) <= slots:
-        return ""
-    return (
-        f"{len(active)} agent sessions were active in the last {ACTIVE_S // 60} minutes but "
-        f"llama-server has {slots} agent slot{'s' if slots != 1 else ''}: they take turns on "
-        "it and each turn re-reads the conversation beyond the shared prefix. More slots "
-        "(server.slots; `warmslot fit --auto` shows what memory allows) keep each in its own."
-    )
 
 
 class SessionsTab(Tab):

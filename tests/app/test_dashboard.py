@@ -21,8 +21,9 @@ from app.dashboard.overview import OverviewTab, saved_basis
 from app.dashboard.requests import RequestsTab
 from app.dashboard.reuse import ReuseTab, window
 from app.dashboard.server import ServerTab, exits_summary
-from app.dashboard.sessions import SessionsTab, crowding
+from app.dashboard.sessions import SessionsTab
 from app.qt import Qt, QtGui, QtWidgets
+from core.cache.crowding import crowding
 from core.events import BuildProgress, LogLine
 from tests.app.conftest import NOW
 

@@ -1,0 +1,40 @@
+"""When agents outnumber agent slots: a warning from the sessions and the slot map.
+
+Two agent sessions on one agent slot take turns: each turn re-reads its conversation
+beyond the shared prefix, where a bare ``-np 2`` server would keep each in its own
+slot (issue 16). `warmslot status` and the dashboard's Sessions tab say so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ACTIVE_S = 600  # an agent session counts as active when it sent a request this recently
+
+
+def agent_slots(cache: Mapping[str, Any]) -> int | None:
+    """How many slots serve agents (all but the side-call slot); None when unknown."""
+    slots = cache.get("slots")
+    if not isinstance(slots, list) or not slots:
+        return None
+    return len(slots) - (1 if cache.get("aux_slot") is not None else 0)
+
+
+def crowding(sessions: Sequence[Mapping[str, Any]], cache: Mapping[str, Any], now: float) -> str:
+    """A warning when more agent sessions were active lately than there are agent slots
+    ("" otherwise). `sessions` are telemetry's `sessions` rows, `cache` the cache status."""
+    slots = agent_slots(cache)
+    active = [
+        r
+        for r in sessions
+        if r["session"] and "agent" in (r.get("kinds") or "") and now - r["last_seen"] < ACTIVE_S
+    ]
+    if slots is None or len(active) <= slots:
+        return ""
+    return (
+        f"{len(active)} agent sessions were active in the last {ACTIVE_S // 60} minutes but "
+        f"llama-server has {slots} agent slot{'s' if slots != 1 else ''}: they take turns on "
+        "it and each turn re-reads the conversation beyond the shared prefix. More slots "
+        "(server.slots; `warmslot fit --auto` shows what memory allows) keep each in its own."
+    )
