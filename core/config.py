@@ -299,6 +299,22 @@ class CacheSettings:
     aux_class: str = field(
         default="short", metadata=_meta("TTL class of side-call state.", choices=TTL_CLASSES)
     )
+    conversation_save_tokens: int = field(
+        default=2048,
+        metadata=_meta(
+            "Save a conversation's slot to disk again once it has grown by this many tokens "
+            "since its last save (also saved at idle release and shutdown); 0 = only then.",
+            _range(0, 1 << 24),
+        ),
+    )
+    conversations_per_session: int = field(
+        default=2,
+        metadata=_meta(
+            "Saved conversation states kept per session (a newer state of the same "
+            "conversation replaces the older one).",
+            _range(1, 100),
+        ),
+    )
     keepalive_interval_s: int = field(
         default=240,
         metadata=_meta("Seconds between keep-alive sweeps (at least 30).", _range(30, 86400)),

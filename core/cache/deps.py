@@ -207,3 +207,8 @@ class CacheHost(Protocol):
     def persist_soon(self, info: PrefixInfo) -> bool:
         """Save the prefix in the background unless a save of it is under way."""
         ...
+
+    async def save_conversation(self, slot: int, why: str) -> str:
+        """Save the conversation `slot` holds beyond its stable prefix (core.cache.conversations);
+        what happened, in words."""
+        ...

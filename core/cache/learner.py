@@ -36,6 +36,29 @@ def render_body(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k in keep}
 
 
+def system_end(body: dict[str, Any], rendered: str) -> int | None:
+    """Where the system message and tools end in `rendered`: the start of the first
+    user message's text (the turn header before it is the template's, stable too), or
+    the end of the system text. None without a system message or tools."""
+    system = pfx.system_text(body)
+    if not system and not body.get("tools"):
+        return None
+    start = rendered.find(system) + len(system) if system and system in rendered else 0
+    first_user = next(
+        (
+            pfx.content_text(m.get("content"))
+            for m in body.get("messages", [])
+            if isinstance(m, dict) and m.get("role") == "user"
+        ),
+        "",
+    )
+    if first_user.strip():
+        pos = rendered.find(first_user, start)
+        if pos > 0:
+            return pos
+    return start or None
+
+
 class PrefixLearner:
     """Known prefixes by request shape, what sessions taught, and the template check."""
 
@@ -102,6 +125,16 @@ class PrefixLearner:
             if other_session != session:
                 n = pfx.common_prefix_len(other, full)
                 learned = full[:n] if n > len(learned) else learned
+        if cut is None and all(s == session for s, _ in group):
+            # No marker and only one conversation yet: its system message and tools are
+            # the stable prefix, so the first conversation is persisted too; a second
+            # session's common prefix refines it (docs/cache.md#what-survives-a-restart).
+            end = system_end(body, rendered)
+            if end is not None:
+                head_tokens = await client.tokenize(rendered[:end], add_special=True)
+                head = full[: pfx.common_prefix_len(head_tokens, full)]
+                cut = (end, "system")
+                source = "system"
         if not any(s == session for s, _ in group):
             group.append((session, full))
             del group[:-4]

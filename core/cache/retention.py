@@ -590,6 +590,11 @@ class Retention:
             },
         )
 
+    def evict_now(self, rec: StateRecord, rule: str, reason: str) -> int:
+        """Delete one indexed file now (e.g. a superseded conversation state) and record
+        the eviction, as a sweep would; returns bytes freed."""
+        return self._evict(rec, rule, reason, self.clock.time() - rec.last_used)
+
     def _evict(self, rec: StateRecord, rule: str, reason: str, age_s: float) -> int:
         """Delete one indexed file (or only its row) and record the eviction."""
         try:
@@ -695,7 +700,14 @@ class Retention:
             if idle < limit:
                 continue
             saved = self._save_for_release(st.prefix_fp)
+            # The conversation beyond the prefix too, before another session may take
+            # the slot (under the slot's lock; milliseconds, core.cache.conversations).
             session = st.session
+            conversation = await mgr.save_conversation(st.id, "idle release")
+            if st.inflight or st.session != session:
+                continue  # the session came back while it was being saved
+            if conversation:
+                saved = f"{saved}; {conversation}"
             mgr.slots.release(session)
             why = (
                 f"conversation idle {human_age(idle)} ≥ {cls} TTL {human_age(self.ttl(cls))}"
@@ -715,6 +727,7 @@ class Retention:
                     "idle_s": round(idle, 1),
                     "ttl_class": cls,
                     "saved": saved,
+                    "conversation": conversation,
                 },
             )
             released.append(session)

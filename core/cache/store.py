@@ -15,6 +15,7 @@ restart can re-warm them (see `core.cache.definitions`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -82,12 +83,29 @@ def m002_prefixes(db: sqlite_utils.Database) -> None:
     cast(Table, db["prefixes"]).create_index(["model", "template", "last_used"])
 
 
+@migrations()
+def m003_conversations(db: sqlite_utils.Database) -> None:
+    """Conversation states (core.cache.conversations): their session and stable prefix."""
+    table = cast(Table, db["states"])
+    table.add_column("session", str, not_null_default="")
+    table.add_column("base", str, not_null_default="")
+    table.create_index(["kind", "session"])
+
+
+@migrations()
+def m004_state_stat(db: sqlite_utils.Database) -> None:
+    """The file's stat when its sha256 was last known to match: a restore skips
+    hashing an unchanged file again (`StateStore.check_file`)."""
+    cast(Table, db["states"]).add_column("stat", str)
+
+
 def safe_name(name: str) -> bool:
     """Only names of the shape Warmslot writes may be read, restored or deleted."""
     return bool(_NAME_RE.match(name))
 
 
 def file_sha256(path: Path) -> str:
+    """The file's sha256 (hex), read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -113,13 +131,22 @@ class StateRecord:
     verified_at: float | None
     verify_result: str
     probe: dict[str, Any]
-    kind: str = "prefix"
+    kind: str = "prefix"  # or "conversation" (core.cache.conversations)
+    session: str = ""  # a conversation's session id
+    base: str = ""  # a conversation's stable prefix (fingerprint)
+    # "size:mtime_ns:ctime_ns:inode:recorded_ns" when the sha256 last matched (see
+    # `file_stat`); empty when unknown, so the next check hashes.
+    stat: str | None = ""
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> StateRecord:
         row = dict(row)
+        row["kind"] = row.get("kind") or "prefix"
+        row["session"] = row.get("session") or ""
+        row["base"] = row.get("base") or ""
         row["pinned"] = bool(row.get("pinned"))
         row["probe"] = json.loads(row["probe"]) if row.get("probe") else {}
+        row["stat"] = row.get("stat") or ""
         return cls(**row)
 
     def to_row(self) -> dict[str, Any]:
@@ -127,6 +154,39 @@ class StateRecord:
         row["pinned"] = int(self.pinned)
         row["probe"] = json.dumps(self.probe)
         return row
+
+
+# A file changed within this long after its stat was recorded may keep the same mtime (the
+# kernel stamps files from a coarse clock, a tick of 1-10 ms): such a stat proves nothing,
+# and the next check hashes (git's "racily clean" entries). Filesystems that keep whole
+# seconds get two.
+RACY_NS = 50_000_000
+RACY_COARSE_NS = 2_000_000_000
+
+
+def file_stat(path: Path, recorded_ns: int | None = None) -> str:
+    """What `check_file` compares instead of hashing again: size, mtime, ctime (which no
+    one can set back), inode, and when this was recorded."""
+    st = path.stat()
+    now = time.time_ns() if recorded_ns is None else recorded_ns
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{now}"
+
+
+def _unchanged(recorded: str | None, path: Path) -> bool:
+    """Whether the file is the one whose sha256 matched when `recorded` was taken: the
+    same size, mtime, ctime and inode, recorded clearly after its last change."""
+    if not recorded:
+        return False
+    try:
+        size, mtime, ctime, ino, at = (int(x) for x in recorded.split(":"))
+    except ValueError:
+        return False
+    st = path.stat()
+    if (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) != (size, mtime, ctime, ino):
+        return False
+    changed = max(mtime, ctime)
+    coarse = changed % 1_000_000_000 == 0
+    return at - changed >= (RACY_COARSE_NS if coarse else RACY_NS)
 
 
 class StateStore:
@@ -172,7 +232,15 @@ class StateStore:
         return [StateRecord.from_row(r) for r in rows]
 
     def add(self, rec: StateRecord) -> None:
-        """Index a finished file (call only after the save returned and the file is hashed)."""
+        """Index a finished file (call only after the save returned and the file is hashed).
+
+        The file's stat is recorded with it, so that a restore of the unchanged file need
+        not read it a second time to hash it (`check_file`).
+        """
+        if not rec.stat:
+            path = self.path(rec)
+            if path.is_file():
+                rec.stat = file_stat(path)
         self.table.upsert(rec.to_row(), pk="filename")
 
     def touch(self, filename: str) -> None:
@@ -185,15 +253,29 @@ class StateStore:
         self.table.update(filename, {"pinned": int(pinned)})
 
     def check_file(self, rec: StateRecord) -> str | None:
-        """Why the file cannot be trusted (missing, truncated, changed), or None."""
+        """Why the file cannot be trusted (missing, truncated, changed), or None.
+
+        The sha256 is computed again only when the file's stat differs from the one
+        recorded when it last matched (or that record is too close to the file's last
+        change to prove anything): hashing reads the whole file, as long again as the
+        server's own read of it (measured: docs/benchmarks.md#restore). The known-answer
+        probe after the restore still checks the state itself.
+        """
         path = self.path(rec)
         if not path.is_file():
             return "file is missing"
         size = path.stat().st_size
         if size != rec.bytes:
             return f"size changed ({size} bytes, expected {rec.bytes}): truncated or replaced"
+        if _unchanged(rec.stat, path):
+            return None
+        before = time.time_ns()
         if file_sha256(path) != rec.sha256:
             return "contents changed (sha256 mismatch): corrupted"
+        # Recorded as of before the hash: a change while it read makes the stat racy.
+        rec.stat = file_stat(path, recorded_ns=before)
+        with contextlib.suppress(NotFoundError):  # a record not (or no longer) indexed
+            self.table.update(rec.filename, {"stat": rec.stat})
         return None
 
     def delete(self, rec: StateRecord) -> int:

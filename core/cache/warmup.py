@@ -68,8 +68,8 @@ def disk_tier_for(
         if swa and not swa_full:
             return DiskTier(
                 True,
-                "patched server persists checkpoints (sliding-window ring: "
-                f"probe log-probs within {SWA_LOGPROB_TOLERANCE})",
+                "patched server persists checkpoints (the sliding-window ring restores "
+                "bit-exact: docs/cache.md#verification)",
                 SWA_LOGPROB_TOLERANCE,
             )
         return DiskTier(True, "patched server persists checkpoints")
@@ -223,6 +223,8 @@ def load_saved(mgr: CacheHost) -> None:
                 nbytes=freed,
             )
             continue
+        if rec.kind != "prefix":
+            continue  # a conversation state (core.cache.conversations), not a prefix
         if fp not in mgr.by_fp:
             info = pfx.PrefixInfo(
                 key="",

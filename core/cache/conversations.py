@@ -1,0 +1,516 @@
+"""Conversation states: a session's live slot saved to disk, restored when it comes back.
+
+A stable prefix (core.cache.prefix) is only the head of a conversation; an agent session
+that has grown to 30k tokens would be re-read from there after a restart. So the whole
+slot of a conversation that holds more than its stable prefix is saved — the *live*
+slot (`POST /slots/N?action=save`, milliseconds, no prefill) — at these moments:
+
+- after a response, once it has grown by ``cache.conversation_save_tokens`` since its
+  last save (debounced; 0 turns this off);
+- when its session is released for idleness (the retention's idle sweep);
+- at a graceful shutdown, longest-unsaved and most recent first, within
+  `SHUTDOWN_SAVE_S` and the disk cap.
+
+Saves run under the slot's lock, between requests: a request for that slot waits for the
+few milliseconds of a save, never for a prefill. Each save records the known-answer probe
+(core.cache.probe) the same way a prefix save does: the file is restored into its slot,
+probed, and restored once more so the slot is left as the conversation left it.
+
+When a request's rendered prompt shares more with a saved conversation than its stable
+prefix gives — found by session id, or by token prefix among conversations that started
+with the same stable prefix (a client that resumes with a new session id) — the longest
+match is restored and verified (`CacheManager.restore`) before the request runs. A state
+whose restore is predicted, from the times measured when it was saved, to cost more than
+the prefill it saves is skipped. Any failure leaves the request to the prefix path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from core.cache import prefix as pfx
+from core.cache.deps import CacheHost
+from core.cache.fingerprint import fingerprint
+from core.cache.learner import LEARN_MAX_BYTES, render_body
+from core.cache.probe import probe_reference, probe_request
+from core.cache.retention import save_problem
+from core.cache.store import StateRecord, file_sha256
+from core.errors import UpstreamError, VerificationFailed
+from core.events import CacheEventKind
+from core.proxy import ProxyRequest
+from core.server.client import Timings
+
+if TYPE_CHECKING:
+    from core.cache.retention import Retention
+
+log = logging.getLogger("warmslot.cache")
+
+KIND = "conversation"  # `StateRecord.kind` of a conversation state
+SEQ_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence state file (llama_state_seq_save_file)
+SHUTDOWN_SAVE_S = 20.0  # share of the staged stop's time (60 s) the conversation saves get
+MIN_GAIN_TOKENS = 64  # a conversation state must give this many tokens beyond the prefix
+CANDIDATES = 8  # most recent states looked at per request
+# Until a prefill was measured on this server (a fresh start): a fast GPU's speed, so an
+# unmeasured guess errs against restoring.
+PRIOR_PREFILL_MS_PER_TOKEN = 0.05
+
+
+def read_tokens(path: Path) -> list[int]:
+    """The slot's tokens from the head of a llama.cpp sequence state file (magic, version,
+    count, token words): what the slot held when it was saved.
+
+    The server writes its token list packed (`server_tokens::serialize`): a -1 marker, a
+    format version, the u32-counted tokens, then u32-counted media keys; older servers
+    wrote the plain list. Media (multimodal) states are refused: their tokens are not
+    all text.
+    """
+    with path.open("rb") as f:
+        head = f.read(12)
+        if len(head) < 12:
+            raise ValueError("state file shorter than its header")
+        magic, _version, n = struct.unpack("<III", head)
+        if magic != SEQ_MAGIC:
+            raise ValueError(f"not a sequence state file (magic {magic:#x})")
+        data = f.read(4 * n)
+    if len(data) != 4 * n:
+        raise ValueError("state file shorter than its token list")
+    words = list(struct.unpack(f"<{n}i", data))
+    if not words or words[0] != -1:
+        return words  # a plain token list
+    if n < 4 or words[2] != n - 4 or words[n - 1] != 0:
+        raise ValueError("packed token list with media or of an unknown layout")
+    return words[3 : n - 1]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The saved conversation to restore for a request, and why."""
+
+    rec: StateRecord
+    match: int  # tokens of the request the state covers
+    by: str  # "session" (same session id) or "tokens" (another session's, same tokens)
+    cost_ms: float  # predicted: hash + restore + verify
+    saves_ms: float  # predicted: the prefill it saves
+
+
+def restore_cost_ms(rec: StateRecord, verify_ms: float | None = None) -> float:
+    """Predicted milliseconds to restore and verify `rec`, from what its save measured.
+
+    `verify_ms`, when given, is the quickest probe measured lately on this server: a
+    probe timed while other work shared the CPU says more about that work than about
+    the probe, so the smaller of the two counts."""
+    p = rec.probe
+    verify = float(p.get("verify_ms") or 0)
+    if verify_ms is not None:
+        verify = min(verify, verify_ms)
+    return float(p.get("hash_ms") or 0) + float(p.get("restore_ms") or 0) + verify
+
+
+def choose(
+    candidates: Sequence[StateRecord],
+    prompt: Sequence[int],
+    session: str,
+    base_n: int,
+    prefill_ms_per_token: float | None,
+    verify_ms: float | None = None,
+) -> tuple[Choice | None, str]:
+    """The state covering most of `prompt`, or None and why none (empty: nothing fits).
+
+    A state counts for the tokens it shares with the prompt; it must give at least
+    `MIN_GAIN_TOKENS` more than `base_n` (what the stable prefix gives anyway). The
+    longest match wins; on a tie the same session's, then the newest. A state whose
+    predicted restore (its own measured save-time restore and verify) costs more than
+    the prefill of the tokens it saves is skipped — a too-large state never holds up a
+    request longer than prefilling would.
+    """
+    best: Choice | None = None
+    skipped = ""
+    for rec in candidates:
+        tokens = rec.probe.get("prefix")
+        if not isinstance(tokens, list):
+            continue
+        match = pfx.common_prefix_len(tokens, prompt)
+        gain = match - base_n
+        if gain < MIN_GAIN_TOKENS:
+            continue
+        rate = prefill_ms_per_token
+        if rate is None:
+            rate = float(rec.probe.get("prefill_ms_per_token") or PRIOR_PREFILL_MS_PER_TOKEN)
+        saves = gain * rate
+        cost = restore_cost_ms(rec, verify_ms)
+        if cost > saves:
+            skipped = (
+                f"{rec.n_tokens}-token conversation {rec.filename} not restored: "
+                f"restore + verify ≈ {cost:.0f} ms > prefill of {gain} tokens ≈ {saves:.0f} ms"
+            )
+            continue
+        by = "session" if rec.session == session else "tokens"
+        c = Choice(rec, match, by, cost, saves)
+        if best is None or (match, by == "session", rec.created) > (
+            best.match,
+            best.by == "session",
+            best.rec.created,
+        ):
+            best = c
+    return best, ("" if best is not None else skipped)
+
+
+@dataclass
+class _Saved:
+    session: str
+    n_tokens: int  # what the slot held at its last save (or restore)
+
+
+class Conversations:
+    """Saves and restores conversation states for one cache manager."""
+
+    def __init__(
+        self,
+        mgr: CacheHost,
+        retention: Retention,
+        spawn: Callable[[Coroutine[Any, Any, Any]], object],
+    ) -> None:
+        self.mgr = mgr
+        self.retention = retention
+        self._spawn = spawn  # runs a background job (the manager's, cancelled at close)
+        self._saved: dict[int, _Saved] = {}  # slot → its conversation's last save
+        self._prefill: float | None = None  # measured ms per prompt token (moving average)
+        self._verify: deque[float] = deque(maxlen=20)  # probe times measured at saves (ms)
+        self.last_saves: list[dict[str, Any]] = []  # recent saves' numbers (status, docs)
+
+    # ------------------------------------------------------------ bookkeeping
+    def server_gone(self) -> None:
+        """Slots were emptied (the server stopped or restarts)."""
+        self._saved.clear()
+
+    def observe(self, t: Timings) -> None:
+        """Learn the server's prefill speed from a response's timings."""
+        if t.prompt_n >= 64 and t.prompt_ms > 0:
+            rate = t.prompt_ms / t.prompt_n
+            self._prefill = rate if self._prefill is None else 0.7 * self._prefill + 0.3 * rate
+
+    @property
+    def prefill_ms_per_token(self) -> float | None:
+        return self._prefill
+
+    def _usable(self) -> str:
+        """Why conversations cannot be saved or restored now ("" when they can)."""
+        m = self.mgr
+        if not m.settings.cache.enabled or not m.settings.cache.persist:
+            return "persistence is off"
+        if not m.disk.usable:
+            return f"not saved: {m.disk.reason}"
+        if m.identity is None or m.client is None or m.probe_suffix is None:
+            return "the server is not ready"
+        if not m.has_db:
+            return "no index database"
+        return ""
+
+    def unsaved(self, slot: int) -> int:
+        """Tokens the slot's conversation holds beyond its last save (0: nothing to save)."""
+        st = self.mgr.slots.slots[slot]
+        info = self.mgr.by_fp.get(st.prefix_fp) if st.prefix_fp else None
+        if not st.session_of_last or info is None or st.last_kind == "aux":
+            return 0
+        if st.tokens_hint < info.n_tokens + MIN_GAIN_TOKENS:
+            return 0  # only its stable prefix: the prefix machinery keeps that
+        last = self._saved.get(slot)
+        done = last.n_tokens if last is not None and last.session == st.session_of_last else 0
+        return max(0, st.tokens_hint - max(done, info.n_tokens))
+
+    # ------------------------------------------------------------ save
+    def after_response(self, slot: int, t: Timings) -> bool:
+        """Note a finished request in `slot`; True when a debounced save was started."""
+        self.observe(t)
+        every = self.mgr.settings.cache.conversation_save_tokens
+        if every <= 0 or self._usable() or self.unsaved(slot) < every:
+            return False
+        self._spawn(self.save(slot, "grew", wait=False))
+        return True
+
+    async def save(self, slot: int, why: str, *, wait: bool = True) -> str:
+        """Save the conversation `slot` holds, under the slot's lock; what happened, in words.
+
+        With `wait` False (after a response) a save that would have to wait — the slot
+        or another slot busy — is left for the next response, the idle release or the
+        shutdown, so no client waits for it.
+        """
+        m = self.mgr
+        problem = self._usable()
+        if problem:
+            return problem
+        if not m.pressure.allows_persist():
+            return f"not saved: {m.pressure.paused().get('persist', '')}"
+        lock = m.lock(slot)
+        if not wait and lock.locked():
+            return "not saved now: the slot is busy"
+        async with lock:
+            st = m.slots.slots[slot]
+            if st.inflight:
+                return "not saved now: a request runs in the slot"
+            if not wait and any(s.inflight for s in m.slots.slots if s.id != slot):
+                return "not saved now: another slot is busy"
+            if self.unsaved(slot) <= 0:
+                return "conversation already saved"
+            try:
+                rec = await self._save_in(slot, why)
+            except (UpstreamError, OSError, ValueError) as e:
+                log.warning("saving the conversation in slot %d failed: %s", slot, e)
+                return f"conversation not saved: {e}"
+        return f"saved its {rec.n_tokens}-token conversation ({rec.bytes / 1e6:.1f} MB)"
+
+    async def _save_in(self, slot: int, why: str) -> StateRecord:
+        m = self.mgr
+        client, ident, suffix = m.client, m.identity, m.probe_suffix
+        assert client is not None and ident is not None and suffix is not None
+        st = m.slots.slots[slot]
+        session, base = st.session_of_last, st.prefix_fp
+        name = f"ws-{secrets.token_hex(16)}.bin"  # named before its tokens are known
+        path = m.store.dir_for(m.launch_id) / name
+        self.retention.journal.begin(m.launch_id, name)  # a save that never ends is swept
+        t0 = time.perf_counter()
+        try:
+            saved = await client.slot_action(slot, "save", name)
+        except UpstreamError as e:
+            if e.status != 0:  # the server answered: it writes no more
+                self.retention.discard_partial(name)
+            raise
+        save_ms = (time.perf_counter() - t0) * 1000
+        n_saved = saved.get("n_saved")
+        problem = save_problem(saved, n_saved if isinstance(n_saved, int) else -1, path)
+        tokens: list[int] = []
+        if problem is None:
+            tokens = read_tokens(path)
+            if len(tokens) != n_saved:
+                problem = f"the file lists {len(tokens)} tokens, the server saved {n_saved}"
+        if problem is not None:
+            self.retention.discard_partial(name)
+            m.emit(CacheEventKind.SAVE_FAILED, problem, fp=base, slot=slot, state=KIND)
+            raise ValueError(problem)
+        t1 = time.perf_counter()
+        sha = file_sha256(path)
+        hash_ms = (time.perf_counter() - t1) * 1000
+        # The reference comes from the file as a restore lays it out (docs/cache.md#verification).
+        t2 = time.perf_counter()
+        await client.slot_action(slot, "restore", name)
+        restore_ms = (time.perf_counter() - t2) * 1000
+        t3 = time.perf_counter()
+        answer = await client.completion(probe_request(tokens, suffix, slot))
+        verify_ms = (time.perf_counter() - t3) * 1000
+        self._verify.append(verify_ms)
+        # Leave the slot as the conversation left it, not with the probe's suffix.
+        await client.slot_action(slot, "restore", name)
+        now = m.clock.time()
+        info = m.by_fp.get(base)
+        rec = StateRecord(
+            filename=name,
+            identity=m.launch_id,
+            fingerprint=fingerprint(ident, tokens),
+            client=info.client if info is not None else "",
+            source=KIND,
+            prefix_n=len(tokens),
+            n_tokens=len(tokens),
+            bytes=path.stat().st_size,
+            sha256=sha,
+            ttl_class=m.settings.cache.conversation_class,
+            pinned=False,
+            created=now,
+            last_used=now,
+            verified_at=now,
+            verify_result="reference",
+            probe={
+                "prefix": tokens,
+                "suffix": suffix,
+                **probe_reference(answer),
+                "hash_ms": round(hash_ms, 2),
+                "restore_ms": round(restore_ms, 2),
+                "verify_ms": round(verify_ms, 2),
+                "prefill_ms_per_token": self._prefill,
+            },
+            kind=KIND,
+            session=session,
+            base=base,
+        )
+        m.store.add(rec)
+        self.retention.journal.end(name)
+        self._saved[slot] = _Saved(session, st.tokens_hint)
+        superseded = self._supersede(rec)
+        numbers = {
+            "save_ms": round(save_ms, 1),
+            "server_save_ms": (saved.get("timings") or {}).get("save_ms"),
+            "restore_ms": round(restore_ms, 1),
+            "verify_ms": round(verify_ms, 1),
+            "hash_ms": round(hash_ms, 1),
+        }
+        entry = {"tokens": rec.n_tokens, "bytes": rec.bytes, **numbers}
+        self.last_saves = [entry, *self.last_saves][:10]
+        m.emit(
+            CacheEventKind.SAVE,
+            f"saved the {rec.n_tokens}-token conversation of session {session[:24]} ({why})",
+            fp=rec.fingerprint,
+            slot=slot,
+            tokens=rec.n_tokens,
+            nbytes=rec.bytes,
+            state=KIND,
+            file=name,
+            session=session,
+            base=base[:16],
+            why=why,
+            superseded=superseded,
+            **numbers,
+        )
+        return rec
+
+    def _supersede(self, new: StateRecord) -> list[str]:
+        """Drop older states of the same conversation (same session and stable prefix),
+        then all but the newest ``cache.conversations_per_session`` of the session."""
+        m = self.mgr
+        keep = max(1, m.settings.cache.conversations_per_session)
+        mine = [
+            r
+            for r in m.store.all(m.launch_id)
+            if r.kind == KIND and r.session == new.session and r.filename != new.filename
+        ]
+        gone: list[str] = []
+        kept = 1
+        for r in mine:  # newest first
+            if r.pinned:
+                continue
+            if r.base == new.base:
+                rule, reason = "superseded", "a newer state of the same conversation was saved"
+            elif kept < keep:
+                kept += 1
+                continue
+            else:
+                rule, reason = "per_session", f"more than {keep} conversation states of a session"
+            self.retention.evict_now(r, rule, reason)
+            gone.append(r.filename)
+        return gone
+
+    async def save_all(self, timeout: float = SHUTDOWN_SAVE_S) -> dict[str, Any]:
+        """At shutdown: save every slot's unsaved conversation, longest-unsaved and most
+        recent first, until `timeout` passes or the next would not fit under the disk cap."""
+        if self._usable():
+            return {"saved": 0, "reason": self._usable()}
+        m = self.mgr
+        deadline = time.monotonic() + timeout
+        order = sorted(
+            (s for s in m.slots.slots if self.unsaved(s.id) > 0),
+            key=lambda s: (-self.unsaved(s.id), -s.last_used),
+        )
+        done: list[str] = []
+        left = [s.id for s in order]
+        for st in order:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            estimate = self._bytes_per_token() * st.tokens_hint
+            if m.store.total_bytes() + estimate > self.retention.cap_bytes:
+                log.warning("conversation of slot %d not saved: over the disk cap", st.id)
+                continue
+            try:
+                async with asyncio.timeout(remaining):
+                    done.append(await self.save(st.id, "shutdown"))
+            except TimeoutError:
+                log.warning("conversation saves stopped: the shutdown's time is up")
+                break
+            left.remove(st.id)
+        return {"saved": done, "not_saved_slots": left}
+
+    def _bytes_per_token(self) -> float:
+        """From the last saves (0 before any: the first save is not held back)."""
+        sizes = [(s["bytes"], s["tokens"]) for s in self.last_saves if s["tokens"]]
+        return sum(b for b, _ in sizes) / sum(t for _, t in sizes) if sizes else 0.0
+
+    # ------------------------------------------------------------ restore
+    def candidates(self, session: str, base: str) -> list[StateRecord]:
+        """Saved conversations of this session, or that started with the same prefix."""
+        m = self.mgr
+        rows = m.store.table.rows_where(
+            "identity = ? AND kind = ? AND (session = ? OR base = ?)",
+            [m.launch_id, KIND, session, base],
+            order_by="last_used desc",
+            limit=CANDIDATES,
+        )
+        return [StateRecord.from_row(r) for r in rows]
+
+    async def restore_for(
+        self, req: ProxyRequest, info: pfx.PrefixInfo, slot: int, session: str
+    ) -> bool:
+        """Before a request runs: restore (verified) the saved conversation it continues
+        into `slot`; False when none applies or anything failed (the prefix path follows)."""
+        try:
+            return await self._restore_for(req, info, slot, session)
+        except VerificationFailed:
+            return False  # recorded (restore_rejected) and deleted by `restore`
+        except Exception as e:  # fail open: the request goes on as it would have
+            log.exception("restoring a conversation for slot %d failed", slot)
+            self.mgr.emit(
+                CacheEventKind.BYPASS,
+                f"conversation restore failed, served without it: {e!r}",
+                fp=info.fingerprint,
+                slot=slot,
+                state=KIND,
+            )
+            return False
+
+    async def _restore_for(
+        self, req: ProxyRequest, info: pfx.PrefixInfo, slot: int, session: str
+    ) -> bool:
+        m = self.mgr
+        st = m.slots.slots[slot]
+        if self._usable() or st.inflight or req.body_bytes > LEARN_MAX_BYTES:
+            return False
+        if st.tokens_hint and st.session_of_last == session:
+            return False  # its own conversation is in the slot: the server reuses it
+        cands = self.candidates(session, info.fingerprint)
+        if not cands:
+            return False
+        client = m.client
+        assert client is not None
+        rendered = await client.apply_template(render_body(req.body))
+        prompt = await client.tokenize(rendered, add_special=True)
+        quickest = min(self._verify) if self._verify else None
+        choice, skipped = choose(cands, prompt, session, info.n_tokens, self._prefill, quickest)
+        if choice is None:
+            if skipped:
+                m.emit(
+                    CacheEventKind.PREWARM_SKIPPED,
+                    skipped,
+                    fp=info.fingerprint,
+                    slot=slot,
+                    state=KIND,
+                )
+                req.response_headers["X-Warmslot-Conversation"] = "skipped: too large to pay"
+            return False
+        async with m.lock(slot):
+            if st.inflight:
+                return False
+            await m.restore(choice.rec, slot)
+        # The slot now holds the conversation, which starts with the stable prefix.
+        st.prefix_fp = info.fingerprint
+        st.tokens_hint = choice.rec.n_tokens
+        st.session_of_last = session
+        st.last_body = None
+        self._saved[slot] = _Saved(session, choice.rec.n_tokens)
+        req.response_headers["X-Warmslot-Conversation"] = (
+            f"restored {choice.match} of {len(prompt)} tokens ({choice.by})"
+        )
+        log.info(
+            "restored conversation %s into slot %d: %d of %d prompt tokens (by %s)",
+            choice.rec.filename,
+            slot,
+            choice.match,
+            len(prompt),
+            choice.by,
+        )
+        return True

@@ -1,0 +1,205 @@
+"""Conversations survive restarts and idle releases, not just their prefixes (issue 16).
+
+A 3-turn conversation under a system prompt without any client-profile marker (only one
+conversation yet: its stable prefix is the system message, item 0b) grows well past that
+prefix. Then either the Core is stopped and started again on the same home folder, or its
+session is released for idleness and another session runs in its slot. The 4th turn must
+reuse ≥ 95 % of its prompt from a *verified* restore of the saved conversation (a
+`restore_ok` of the conversation's file), and its greedy answer must equal a cold
+server's.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.cache.manager import CacheManager, policy_factory
+from core.engine import Core
+from tests.conftest import MakeCore, settings_for
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+WORDS = (
+    "alpha beta gamma delta kernel buffer socket thread module parser vector matrix "
+    "header footer render commit branch merge rebase signal handler config"
+).split()
+
+
+def _text(seed: int, n_words: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3 + i // 5) % len(WORDS)] for i in range(n_words))
+
+
+SYSTEM = "You are a careful coding assistant. Project notes follow.\n" + _text(1, 120)
+
+
+def _settings(model: Path, **changes: Any) -> Any:
+    # No RAM prompt cache: what comes back after a release comes from the disk, not RAM.
+    return settings_for(model, server__cache_ram_mib=0, **changes)
+
+
+def _chat(core: Core, body: dict[str, Any], session: str) -> tuple[dict[str, Any], dict[str, str]]:
+    assert core.proxy is not None
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "x-session-id": session,
+            "x-session-affinity": session,
+        },
+    )
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return json.loads(resp.read()), dict(resp.headers)
+
+
+def _body(messages: list[dict[str, str]]) -> dict[str, Any]:
+    return {
+        "model": "warmslot-test",
+        "messages": messages,
+        "max_tokens": 6,
+        "temperature": 0,
+        "seed": 0,
+    }
+
+
+def _converse(core: Core, session: str, system: str, turns: int) -> list[dict[str, str]]:
+    """`turns` turns of one conversation (each user turn a long tool output); returns the
+    messages so far, the assistant's answers included."""
+    messages = [{"role": "system", "content": system}]
+    for turn in range(turns):
+        messages.append(
+            {"role": "user", "content": f"Tool output {turn}:\n" + _text(10 + turn, 130)}
+        )
+        data, headers = _chat(core, _body(messages), session)
+        print(
+            session,
+            turn,
+            headers.get("X-Warmslot-Slot"),
+            headers.get("X-Warmslot-Kind"),
+            data["timings"]["cache_n"],
+            data["timings"]["prompt_n"],
+        )
+        messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
+    return messages
+
+
+def _manager(core: Core) -> CacheManager:
+    assert isinstance(core.policy, CacheManager)
+    return core.policy
+
+
+def _idle(core: Core) -> bool:
+    async def idle() -> bool:
+        return _manager(core).idle()
+
+    return core.submit(idle()).result(10)
+
+
+def _events(core: Core, kind: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = core.query(
+        "recent_events", limit=500, category="cache", kind=kind
+    ).result(10)
+    return rows
+
+
+def _conversation_saves(core: Core) -> list[dict[str, Any]]:
+    return [e for e in _events(core, "save") if e["details"].get("state") == "conversation"]
+
+
+def _cold_answer(make_core: MakeCore, model: Path, body: dict[str, Any]) -> str:
+    """The same request on a fresh server with the cache off: every token prefilled."""
+    cold = make_core(_settings(model, cache__enabled=False))
+    cold.start(wait_ready=True, timeout=300)
+    data, _ = _chat(cold, body, "cold")
+    assert data["timings"]["cache_n"] == 0
+    cold.stop()
+    return str(data["choices"][0]["message"]["content"])
+
+
+def _fourth_turn(
+    core: Core, messages: list[dict[str, str]], session: str
+) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    body = _body([*messages, {"role": "user", "content": "And now? Summarise in one line."}])
+    data, headers = _chat(core, body, session)
+    return data, headers, body
+
+
+def _assert_restored(core: Core, data: dict[str, Any], headers: dict[str, str]) -> float:
+    t = data["timings"]
+    prompt = int(t["cache_n"]) + int(t["prompt_n"])
+    share = int(t["cache_n"]) / prompt
+    assert share >= 0.95, (t, headers, [e["reason"] for e in _events(core, "prewarm_skipped")])
+    assert headers.get("X-Warmslot-Conversation", "").startswith("restored"), headers
+    restored = [e for e in _events(core, "restore_ok") if e["tokens"] and e["tokens"] > 1000]
+    assert restored, _events(core, "restore_ok")
+    return share
+
+
+def test_conversation_survives_a_restart(
+    make_core: MakeCore, tiny_model: Path, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    settings = _settings(tiny_model)
+    first = make_core(settings, home=home, policy_factory=policy_factory)
+    first.start(wait_ready=True, timeout=300)
+    messages = _converse(first, "conv-1", SYSTEM, 3)
+    learned = _events(first, "prefix_learned")
+    assert [e["details"]["source"] for e in learned] == ["system"], learned  # item 0b
+    prefix_n = learned[0]["tokens"]
+    wait_until(lambda: _idle(first), 120, interval=0.2, message="first core idle")
+    held = _manager(first).slots.slots[0].tokens_hint
+    assert held > prefix_n + 1200, (held, prefix_n)  # well past the stable prefix
+    first.stop()  # the staged stop saves the live conversation
+
+    second = make_core(settings, home=home, policy_factory=policy_factory)
+    second.start(wait_ready=True, timeout=300)
+    (save,) = _conversation_saves(second)  # the first core's event, in the shared database
+    assert save["details"]["why"] == "shutdown" and save["tokens"] > prefix_n + 1200, save
+    data, headers, body = _fourth_turn(second, messages, "conv-1")
+    share = _assert_restored(second, data, headers)
+    restored = [e for e in _events(second, "restore_ok") if e["tokens"] == save["tokens"]]
+    assert restored, _events(second, "restore_ok")
+    second.stop()
+    assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny_model, body)
+    print(f"reuse after restart: {share:.4f}", save["details"])
+
+
+def test_conversation_survives_an_idle_release(
+    make_core: MakeCore, tiny_model: Path, tmp_path: Path
+) -> None:
+    # The shortest long TTL, so the session is idle past it within seconds.
+    core = make_core(_settings(tiny_model, cache__ttl_long_s=10), policy_factory=policy_factory)
+    core.start(wait_ready=True, timeout=300)
+    messages = _converse(core, "conv-a", SYSTEM, 3)
+    wait_until(lambda: _idle(core), 120, interval=0.2, message="core idle")
+    mgr = _manager(core)
+
+    def released() -> bool:
+        out = core.submit(mgr.retention.sweep_idle()).result(60)
+        return "conv-a" in out.details["released"]
+
+    wait_until(released, 120, interval=1.0, message="conv-a released for idleness")
+    saves = _conversation_saves(core)
+    assert [s["details"]["why"] for s in saves] == ["idle release"], saves
+    # Another session takes the slot: its content is another conversation now.
+    _converse(core, "conv-b", "You are a terse shell helper.\n" + _text(3, 100), 1)
+    wait_until(
+        lambda: mgr.slots.slots[0].session_of_last == "conv-b" and _idle(core),
+        60,
+        interval=0.1,
+        message="conv-b's turn recorded in slot 0",
+    )
+    data, headers, body = _fourth_turn(core, messages, "conv-a")
+    assert headers["X-Warmslot-Slot"] == "0"
+    share = _assert_restored(core, data, headers)
+    restored = [e for e in _events(core, "restore_ok") if e["tokens"] == saves[0]["tokens"]]
+    assert restored, _events(core, "restore_ok")
+    core.stop()
+    assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny_model, body)
+    print(f"reuse after idle release: {share:.4f}", saves[0]["details"])
