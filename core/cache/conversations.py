@@ -57,6 +57,7 @@ log = logging.getLogger("warmslot.cache")
 KIND = "conversation"  # `StateRecord.kind` of a conversation state
 SEQ_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence state file (llama_state_seq_save_file)
 SHUTDOWN_SAVE_S = 20.0  # share of the staged stop's time (60 s) the conversation saves get
+OTHERS_WAIT_S = 10.0  # longest a save at release or shutdown waits for other slots to finish
 MIN_GAIN_TOKENS = 64  # a conversation state must give this many tokens beyond the prefix
 CANDIDATES = 8  # most recent states looked at per request
 # Until a prefill was measured on this server (a fresh start): a fast GPU's speed, so an
@@ -259,6 +260,8 @@ class Conversations:
                 return "not saved now: a request runs in the slot"
             if not wait and any(s.inflight for s in m.slots.slots if s.id != slot):
                 return "not saved now: another slot is busy"
+            if not await self._others_quiet(slot, OTHERS_WAIT_S if wait else 0.0) and not wait:
+                return "not saved now: the server works for another slot"
             if self.unsaved(slot) <= 0:
                 return "conversation already saved"
             try:
@@ -267,6 +270,25 @@ class Conversations:
                 log.warning("saving the conversation in slot %d failed: %s", slot, e)
                 return f"conversation not saved: {e}"
         return f"saved its {rec.n_tokens}-token conversation ({rec.bytes / 1e6:.1f} MB)"
+
+    async def _others_quiet(self, slot: int, timeout: float) -> bool:
+        """Whether the server reports no other slot processing (within `timeout`): the probe
+        reference must not share its batches, or its log-probs move in the last bits
+        (docs/cache.md#verification). Our own background work is not in `inflight`."""
+        client = self.mgr.client
+        assert client is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                busy = [s.id for s in await client.slots() if s.is_processing and s.id != slot]
+            except UpstreamError:
+                return True  # no /slots: the probe's second look covers a noisy reference
+            if not busy:
+                return True
+            if time.monotonic() >= deadline:
+                log.info("slots %s process while slot %d is saved", busy, slot)
+                return False
+            await asyncio.sleep(0.05)
 
     async def _save_in(self, slot: int, why: str) -> StateRecord:
         m = self.mgr
@@ -307,6 +329,8 @@ class Conversations:
         answer = await client.completion(probe_request(tokens, suffix, slot))
         verify_ms = (time.perf_counter() - t3) * 1000
         self._verify.append(verify_ms)
+        # What a probe costs when it has the CPU: the quickest one measured so far.
+        verify_est = min(self._verify)
         # Leave the slot as the conversation left it, not with the probe's suffix.
         await client.slot_action(slot, "restore", name)
         now = m.clock.time()
@@ -333,7 +357,8 @@ class Conversations:
                 **probe_reference(answer),
                 "hash_ms": round(hash_ms, 2),
                 "restore_ms": round(restore_ms, 2),
-                "verify_ms": round(verify_ms, 2),
+                "verify_ms": round(verify_est, 2),
+                "verify_ms_measured": round(verify_ms, 2),
                 "prefill_ms_per_token": self._prefill,
             },
             kind=KIND,
@@ -343,7 +368,7 @@ class Conversations:
         m.store.add(rec)
         self.retention.journal.end(name)
         self._saved[slot] = _Saved(session, st.tokens_hint)
-        superseded = self._supersede(rec)
+        superseded = self.supersede(rec)
         numbers = {
             "save_ms": round(save_ms, 1),
             "server_save_ms": (saved.get("timings") or {}).get("save_ms"),
@@ -370,7 +395,7 @@ class Conversations:
         )
         return rec
 
-    def _supersede(self, new: StateRecord) -> list[str]:
+    def supersede(self, new: StateRecord) -> list[str]:
         """Drop older states of the same conversation (same session and stable prefix),
         then all but the newest ``cache.conversations_per_session`` of the session."""
         m = self.mgr

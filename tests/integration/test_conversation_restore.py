@@ -20,15 +20,37 @@ import pytest
 
 from core.cache.manager import CacheManager, policy_factory
 from core.engine import Core
+from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
+from tests.conftest import test_cache as cache_dir
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
-WORDS = (
-    "alpha beta gamma delta kernel buffer socket thread module parser vector matrix "
-    "header footer render commit branch merge rebase signal handler config"
-).split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "kernel",
+    "buffer",
+    "socket",
+    "thread",
+    "module",
+    "parser",
+    "vector",
+    "matrix",
+    "header",
+    "footer",
+    "render",
+    "commit",
+    "branch",
+    "merge",
+    "rebase",
+    "signal",
+    "handler",
+    "config",
+]
 
 
 def _text(seed: int, n_words: int) -> str:
@@ -38,9 +60,15 @@ def _text(seed: int, n_words: int) -> str:
 SYSTEM = "You are a careful coding assistant. Project notes follow.\n" + _text(1, 120)
 
 
+@pytest.fixture(scope="module")
+def tiny32k() -> Path:
+    """The tiny dense model with a 32k trained context (a conversation of 6k tokens fits)."""
+    return make_tiny_model(cache_dir() / "tiny-32k.gguf", n_ctx=32768)
+
+
 def _settings(model: Path, **changes: Any) -> Any:
     # No RAM prompt cache: what comes back after a release comes from the disk, not RAM.
-    return settings_for(model, server__cache_ram_mib=0, **changes)
+    return settings_for(model, server__cache_ram_mib=0, server__ctx_per_slot=12288, **changes)
 
 
 def _chat(core: Core, body: dict[str, Any], session: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -74,17 +102,9 @@ def _converse(core: Core, session: str, system: str, turns: int) -> list[dict[st
     messages = [{"role": "system", "content": system}]
     for turn in range(turns):
         messages.append(
-            {"role": "user", "content": f"Tool output {turn}:\n" + _text(10 + turn, 130)}
+            {"role": "user", "content": f"Tool output {turn}:\n" + _text(10 + turn, 450)}
         )
-        data, headers = _chat(core, _body(messages), session)
-        print(
-            session,
-            turn,
-            headers.get("X-Warmslot-Slot"),
-            headers.get("X-Warmslot-Kind"),
-            data["timings"]["cache_n"],
-            data["timings"]["prompt_n"],
-        )
+        data, _ = _chat(core, _body(messages), session)
         messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
     return messages
 
@@ -142,10 +162,10 @@ def _assert_restored(core: Core, data: dict[str, Any], headers: dict[str, str]) 
 
 
 def test_conversation_survives_a_restart(
-    make_core: MakeCore, tiny_model: Path, tmp_path: Path
+    make_core: MakeCore, tiny32k: Path, tmp_path: Path
 ) -> None:
     home = tmp_path / "home"
-    settings = _settings(tiny_model)
+    settings = _settings(tiny32k)
     first = make_core(settings, home=home, policy_factory=policy_factory)
     first.start(wait_ready=True, timeout=300)
     messages = _converse(first, "conv-1", SYSTEM, 3)
@@ -154,27 +174,32 @@ def test_conversation_survives_a_restart(
     prefix_n = learned[0]["tokens"]
     wait_until(lambda: _idle(first), 120, interval=0.2, message="first core idle")
     held = _manager(first).slots.slots[0].tokens_hint
-    assert held > prefix_n + 1200, (held, prefix_n)  # well past the stable prefix
+    assert held > prefix_n + 4000, (held, prefix_n)  # well past the stable prefix
     first.stop()  # the staged stop saves the live conversation
 
     second = make_core(settings, home=home, policy_factory=policy_factory)
     second.start(wait_ready=True, timeout=300)
-    (save,) = _conversation_saves(second)  # the first core's event, in the shared database
-    assert save["details"]["why"] == "shutdown" and save["tokens"] > prefix_n + 1200, save
+    # The first core's events, in the shared database: saved once it had grown by
+    # cache.conversation_save_tokens, and again at the stop, superseding that one.
+    saves = sorted(_conversation_saves(second), key=lambda e: e["ts"])
+    assert [e["details"]["why"] for e in saves] == ["grew", "shutdown"], saves
+    assert saves[1]["details"]["superseded"] == [saves[0]["details"]["file"]]
+    save = saves[1]
+    assert save["tokens"] > prefix_n + 4000, save
     data, headers, body = _fourth_turn(second, messages, "conv-1")
     share = _assert_restored(second, data, headers)
     restored = [e for e in _events(second, "restore_ok") if e["tokens"] == save["tokens"]]
     assert restored, _events(second, "restore_ok")
     second.stop()
-    assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny_model, body)
+    assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny32k, body)
     print(f"reuse after restart: {share:.4f}", save["details"])
 
 
 def test_conversation_survives_an_idle_release(
-    make_core: MakeCore, tiny_model: Path, tmp_path: Path
+    make_core: MakeCore, tiny32k: Path, tmp_path: Path
 ) -> None:
     # The shortest long TTL, so the session is idle past it within seconds.
-    core = make_core(_settings(tiny_model, cache__ttl_long_s=10), policy_factory=policy_factory)
+    core = make_core(_settings(tiny32k, cache__ttl_long_s=10), policy_factory=policy_factory)
     core.start(wait_ready=True, timeout=300)
     messages = _converse(core, "conv-a", SYSTEM, 3)
     wait_until(lambda: _idle(core), 120, interval=0.2, message="core idle")
@@ -185,8 +210,9 @@ def test_conversation_survives_an_idle_release(
         return "conv-a" in out.details["released"]
 
     wait_until(released, 120, interval=1.0, message="conv-a released for idleness")
-    saves = _conversation_saves(core)
-    assert [s["details"]["why"] for s in saves] == ["idle release"], saves
+    saves = sorted(_conversation_saves(core), key=lambda e: e["ts"])
+    assert [s["details"]["why"] for s in saves] == ["grew", "idle release"], saves
+    saves = saves[1:]  # the newest state, which superseded the first
     # Another session takes the slot: its content is another conversation now.
     _converse(core, "conv-b", "You are a terse shell helper.\n" + _text(3, 100), 1)
     wait_until(
@@ -201,5 +227,5 @@ def test_conversation_survives_an_idle_release(
     restored = [e for e in _events(core, "restore_ok") if e["tokens"] == saves[0]["tokens"]]
     assert restored, _events(core, "restore_ok")
     core.stop()
-    assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny_model, body)
+    assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny32k, body)
     print(f"reuse after idle release: {share:.4f}", saves[0]["details"])
