@@ -6,6 +6,8 @@
   Warmslot (see `core.bench.tracebench`).
 - ``warmslot bench swap``: two models under one budget, plain reload vs swap-aware
   save/restore (see `core.bench.swap`).
+- ``warmslot bench restore``: cold prefill vs a verified restore at 8k / 32k / 64k
+  tokens, with the disk's bandwidth (see `core.bench.restore`).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ def register(subparsers: Any) -> None:
         help="attach the prefix-cache manager to the proxy (default: the plain proxy)",
     )
     p.set_defaults(func=_cmd_overhead)
-    from core.bench import swap, tracebench
+    from core.bench import restore, swap, tracebench
 
     tracebench.add_parser(sub)
     swap.add_parser(sub)
+    restore.add_parser(sub)
 
 
 def _cmd_overhead(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("bench", "overhead"): ("--json",),
     ("bench", "trace"): (),
     ("bench", "swap"): ("--model-a", "a.gguf", "--model-b", "b.gguf"),
+    ("bench", "restore"): ("--tiny", "--sizes", "1024", "--json"),
 }
 
 

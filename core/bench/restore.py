@@ -1,0 +1,691 @@
+"""`warmslot bench restore`: what a verified restore costs against a cold prefill.
+
+One run per model starts a Core (its own temporary folders, one slot, the cache
+manager off so nothing else touches the slot) on a llama-server that Warmslot
+launches, and talks to that server directly with the launch's key. For each
+context size (8k, 32k and 64k tokens by default; a size that does not fit the
+slot's context, which the model's trained context bounds, is skipped and says why):
+
+1. **cold** — an erased slot evaluates the whole prompt and predicts one token;
+2. **save** — the slot is written to a file (server time, wall time, bytes);
+3. the probe reference is taken as Warmslot takes it: restore the file, run the
+   known-answer probe (`core.cache.probe`) and record its answer;
+4. **restore**, twice — once with the file dropped from the page cache
+   (``posix_fadvise(DONTNEED)`` after an ``fsync``; the share of the file still
+   cached is measured with ``mincore`` and reported) and once with it cached:
+   the file check Warmslot runs before a restore (`StateStore.check_file`), the
+   server's restore, the probe and its check (``check_answer``: the state must
+   reproduce the reference), and the first token of a new turn after the prefix.
+
+The ratio is cold ÷ (check + restore + verify + first token), computed from those
+measured parts. The disk's read bandwidth is measured in the same run on a
+scratch file beside the slot files (at least 256 MiB, cold and cached), and each
+restore is compared with the time the file alone takes to read at that bandwidth.
+The issue's goals (issue 16): cold ÷ restored ≥ 150× at 32k tokens, and restore ≤
+3 × file size ÷ bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import mmap
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from core.bench.common import post_json
+from core.cache.probe import PROBE_SUFFIX, check_answer, probe_reference, probe_request
+from core.cache.store import StateRecord, StateStore, file_sha256
+from core.config import Settings
+from core.paths import Paths
+
+DEFAULT_SIZES = (8192, 32768, 65536)
+RESERVE = 128  # cells the probe suffix, its answer and the next turn need after the prompt
+GOAL_RATIO = 150.0
+GOAL_RATIO_AT = 32768
+GOAL_BANDWIDTH_FACTOR = 3.0
+BANDWIDTH_FILE_MIB = 256
+_VOCAB = (
+    "def class return import self None True False value cache slot token server model "
+    "request prompt window layer memory thread buffer stream result status kernel process "
+    "network record table paper letter city market garden winter summer number simple "
+    "careful report the a of to in and for with on is this that from by"
+)
+_WORDS = _VOCAB.split()
+TURN = "\n\nUser: Summarise what the code above does, in one sentence.\nAssistant:"
+Log = Callable[[str], None]
+
+
+# ----------------------------------------------------------------------------- the disk
+
+
+def drop_cache(path: Path) -> None:
+    """Write the file's dirty pages and drop it from the page cache (best effort: the
+    kernel may keep pages another process maps; `cached_fraction` says what stayed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached_fraction(path: Path) -> float | None:
+    """The share of the file's pages in the page cache (``mincore``), or None where it
+    cannot be asked."""
+    size = path.stat().st_size
+    if size == 0:
+        return 1.0
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return None
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    page = mmap.PAGESIZE
+    pages = (size + page - 1) // page
+    with path.open("rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable: from_buffer needs it
+        try:
+            buf = (ctypes.c_char * size).from_buffer(mm)
+            vec = (ctypes.c_ubyte * pages)()
+            try:
+                rc = libc.mincore(
+                    ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec
+                )
+            finally:
+                del buf  # the mmap cannot close while a buffer exports it
+        finally:
+            mm.close()
+    if rc != 0:
+        return None
+    return sum(v & 1 for v in vec) / pages
+
+
+def read_file_ms(path: Path) -> float:
+    """Milliseconds to read the whole file sequentially (8 MiB reads, no hashing)."""
+    t0 = time.perf_counter()
+    with path.open("rb", buffering=0) as f:
+        while f.read(8 << 20):
+            pass
+    return (time.perf_counter() - t0) * 1000
+
+
+def measure_bandwidth(folder: Path, nbytes: int) -> dict[str, Any]:
+    """Read bandwidth (MB/s) of the filesystem under `folder`: a scratch file of `nbytes`,
+    written, synced, dropped from the page cache and read (cold), then read again
+    (cached). The file is deleted afterwards."""
+    path = folder / f"bench-bandwidth-{uuid.uuid4().hex}.tmp"
+    chunk = os.urandom(8 << 20)
+    try:
+        with path.open("wb") as f:
+            written = 0
+            while written < nbytes:
+                f.write(chunk)
+                written += len(chunk)
+        drop_cache(path)
+        left = cached_fraction(path)
+        cold_ms = read_file_ms(path)
+        warm_ms = read_file_ms(path)
+        size = path.stat().st_size
+    finally:
+        path.unlink(missing_ok=True)
+    return {
+        "bytes": size,
+        "cold_cached_fraction": left,
+        "cold_ms": round(cold_ms, 1),
+        "cold_mb_s": round(size / 1e3 / cold_ms, 1),
+        "warm_ms": round(warm_ms, 1),
+        "warm_mb_s": round(size / 1e3 / warm_ms, 1),
+    }
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+class Server:
+    """The launched llama-server, spoken to directly (the proxy adds nothing here)."""
+
+    def __init__(self, base: str, auth: dict[str, str], slot_dir: Path) -> None:
+        self.base = base
+        self.auth = auth
+        self.slot_dir = slot_dir
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        """POST and return (answer, wall ms)."""
+        t0 = time.perf_counter()
+        data = post_json(self.base + path, body, self.auth)
+        return data, (time.perf_counter() - t0) * 1000
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        data, _ = self.post("/tokenize", {"content": text, "add_special": add_special})
+        return [int(t) for t in data["tokens"]]
+
+    def slot(self, action: str, filename: str | None = None) -> tuple[dict[str, Any], float]:
+        body = {"filename": filename} if filename else {}
+        return self.post(f"/slots/0?action={action}", body)
+
+    def complete(self, tokens: list[int], n_predict: int) -> tuple[dict[str, Any], float]:
+        return self.post(
+            "/completion",
+            {
+                "prompt": tokens,
+                "n_predict": n_predict,
+                "temperature": 0.0,
+                "top_k": 1,
+                "samplers": ["top_k"],
+                "id_slot": 0,
+                "cache_prompt": True,
+                "seed": 0,
+            },
+        )
+
+
+def prompt_tokens(server: Server, n: int, seed: int) -> list[int]:
+    """`n` tokens of code-like text (its own words per seed, so no two sizes share a
+    prefix the server could reuse), tokenized by the model, beginning with its BOS."""
+    rng = random.Random(seed)
+    words = max(64, n)
+    while True:
+        lines = []
+        for i in range(words // 8):
+            body = " ".join(rng.choice(_WORDS) for _ in range(7))
+            lines.append(f"{i:05d} {body} = {rng.randrange(10**6)}")
+        toks = server.tokenize("\n".join(lines), add_special=True)
+        if len(toks) >= n:
+            return toks[:n]
+        words *= 2
+
+
+def _ms(timings: dict[str, Any] | None, key: str) -> float | None:
+    value = (timings or {}).get(key)
+    return round(float(value), 2) if isinstance(value, int | float) else None
+
+
+def run_size(
+    server: Server,
+    store: StateStore,
+    identity: str,
+    n: int,
+    *,
+    seed: int,
+    suffix: list[int],
+    turn: list[int],
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """Cold prefill, save, reference probe and the two restores for one prompt size."""
+    tokens = prompt_tokens(server, n, seed)
+    server.slot("erase")
+    cold, cold_wall = server.complete(tokens, 1)
+    ct = cold.get("timings") or {}
+    if log:
+        log(f"  {n} tokens: cold {cold_wall / 1000:.2f} s (cache_n {ct.get('cache_n')})")
+    name = f"ws-{uuid.uuid4().hex}.bin"
+    saved, save_wall = server.slot("save", name)
+    path = server.slot_dir / name
+    t0 = time.perf_counter()
+    digest = file_sha256(path)
+    hash_ms = (time.perf_counter() - t0) * 1000
+    # The reference as Warmslot records it: from the file as a restore lays it out.
+    server.slot("erase")
+    server.slot("restore", name)
+    ref_resp, ref_ms = _probe(server, tokens, suffix)
+    now = time.time()
+    rec = StateRecord(
+        filename=name,
+        identity=identity,
+        fingerprint=uuid.uuid4().hex,
+        client="bench",
+        source="bench",
+        prefix_n=n,
+        n_tokens=int(saved.get("n_saved", n)),
+        bytes=path.stat().st_size,
+        sha256=digest,
+        ttl_class="short",
+        pinned=False,
+        created=now,
+        last_used=now,
+        verified_at=now,
+        verify_result="reference",
+        probe={"prefix": tokens, "suffix": suffix, **probe_reference(ref_resp)},
+    )
+    store.add(rec)
+    read_cold = _file_read(path, cold=True)
+    read_warm = _file_read(path, cold=False)
+    trials = {
+        cache: restore_once(server, store, rec, tokens, turn, cold_cache=cache == "cold")
+        for cache in ("cold", "warm")
+    }
+    result = {
+        "tokens": n,
+        "cold": {
+            "wall_ms": round(cold_wall, 1),
+            "prompt_ms": _ms(ct, "prompt_ms"),
+            "prompt_n": ct.get("prompt_n"),
+            "cache_n": ct.get("cache_n"),
+        },
+        "save": {
+            "wall_ms": round(save_wall, 1),
+            "server_ms": _ms(saved.get("timings"), "save_ms"),
+            "bytes": rec.bytes,
+            "n_saved": saved.get("n_saved"),
+            "sha256_ms": round(hash_ms, 1),
+        },
+        "reference_probe_ms": round(ref_ms, 1),
+        "file_read": {**read_cold, "warm_ms": read_warm["ms"]},
+        "restore": trials,
+    }
+    (server.slot_dir / name).unlink(missing_ok=True)
+    return result
+
+
+def _file_read(path: Path, *, cold: bool) -> dict[str, Any]:
+    if cold:
+        drop_cache(path)
+    left = cached_fraction(path)
+    return {"ms": round(read_file_ms(path), 2), "cached_fraction_before": left}
+
+
+def _probe(server: Server, prefix: list[int], suffix: list[int]) -> tuple[dict[str, Any], float]:
+    body = probe_request(prefix, suffix, 0)
+    return server.post("/completion", body)
+
+
+def restore_once(
+    server: Server,
+    store: StateStore,
+    rec: StateRecord,
+    tokens: list[int],
+    turn: list[int],
+    *,
+    cold_cache: bool,
+) -> dict[str, Any]:
+    """One restore as Warmslot runs it, timed in parts, then the next turn's first token."""
+    server.slot("erase")
+    path = store.path(rec)
+    if cold_cache:
+        drop_cache(path)
+    cached = cached_fraction(path)
+    t0 = time.perf_counter()
+    problem = store.check_file(rec)
+    check_ms = (time.perf_counter() - t0) * 1000
+    if problem is not None:
+        raise RuntimeError(f"the saved file failed its check: {problem}")
+    resp, restore_wall = server.slot("restore", rec.filename)
+    if int(resp.get("n_restored", -1)) != rec.n_tokens:
+        raise RuntimeError(f"restored {resp.get('n_restored')} tokens, expected {rec.n_tokens}")
+    t1 = time.perf_counter()
+    answer, _ = _probe(server, rec.probe["prefix"], rec.probe["suffix"])
+    pt = answer.get("timings") or {}
+    verdict = check_answer(answer, pt.get("cache_n"), rec.prefix_n, rec.probe, tolerance=0.0)
+    verify_ms = (time.perf_counter() - t1) * 1000
+    first, first_wall = server.complete([*tokens, *turn], 1)
+    ft = first.get("timings") or {}
+    total = check_ms + restore_wall + verify_ms + first_wall
+    return {
+        "cached_fraction_before": cached,
+        "check_ms": round(check_ms, 2),
+        "restore_wall_ms": round(restore_wall, 2),
+        "restore_server_ms": _ms(resp.get("timings"), "restore_ms"),
+        "verify_ms": round(verify_ms, 2),
+        "verify_prompt_ms": _ms(pt, "prompt_ms"),
+        "verify_predicted_ms": _ms(pt, "predicted_ms"),
+        "verify_result": verdict or "ok",
+        "first_token_ms": round(first_wall, 2),
+        "first_token_prompt_n": ft.get("prompt_n"),
+        "first_token_cache_n": ft.get("cache_n"),
+        "total_ms": round(total, 2),
+    }
+
+
+# ----------------------------------------------------------------------------- a run
+
+
+def derive(result: dict[str, Any], bandwidth: dict[str, Any]) -> None:
+    """Add the ratios, computed from the measured parts only."""
+    cold = result["cold"]["wall_ms"]
+    size = result["save"]["bytes"]
+    for cache, trial in result["restore"].items():
+        parts = (
+            trial["check_ms"]
+            + trial["restore_wall_ms"]
+            + trial["verify_ms"]
+            + trial["first_token_ms"]
+        )
+        trial["ratio"] = round(cold / parts, 1) if parts > 0 else None
+        mb_s = bandwidth["cold_mb_s" if cache == "cold" else "warm_mb_s"]
+        read_ms = size / 1e3 / mb_s if mb_s else None
+        trial["read_at_bandwidth_ms"] = round(read_ms, 2) if read_ms else None
+        restore = trial["check_ms"] + trial["restore_wall_ms"]
+        trial["restore_vs_read"] = round(restore / read_ms, 2) if read_ms else None
+
+
+def server_settings(model: str, ctx: int, threads: int, binary: str) -> Settings:
+    s = Settings()
+    s.proxy.port = 0
+    s.server.model = model
+    s.server.binary = binary
+    s.server.build = "off"  # a benchmark never builds a server
+    s.server.slots = 1
+    s.server.ctx_per_slot = ctx
+    s.server.threads = threads
+    s.server.cache_ram_mib = 0  # no RAM copy to serve a "cold" or restored prompt from
+    s.cache.enabled = False
+    return s
+
+
+def slot_context(model: str, sizes: list[int]) -> tuple[int, int]:
+    """(the model's trained context, the slot context to launch with)."""
+    from core.server.gguf_facts import read_facts
+
+    trained = read_facts(model).n_ctx_train or max(sizes) + RESERVE
+    want = max(sizes) + RESERVE
+    ctx = min(trained, (want + 255) // 256 * 256)
+    return trained, ctx
+
+
+def run_model(
+    model: str,
+    sizes: list[int],
+    *,
+    threads: int = 0,
+    binary: str = "",
+    bandwidth_mib: int = BANDWIDTH_FILE_MIB,
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """Every size on one llama-server launch of `model`; returns the model's report."""
+    from core.engine import Core
+
+    trained, ctx = slot_context(model, sizes)
+    settings = server_settings(model, ctx, threads, binary)
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="warmslot-bench-restore-") as tmp:
+        core = Core(Paths.under(Path(tmp)), settings)
+        core.start(wait_ready=True, timeout=600)
+        try:
+            sup = core.supervisor
+            assert sup is not None and sup.port is not None and sup.resolved is not None
+            slot_dir = sup.resolved.slot_dir or core.paths.slot_dir
+            server = Server(
+                f"http://{settings.server.host}:{sup.port}", sup.auth_headers(), slot_dir
+            )
+            n_ctx = _slot_ctx(server, ctx)
+            binary_info = sup.resolved.binary
+            argv = list(sup.argv)
+            if log:
+                log(
+                    f"{Path(model).name}: llama-server {binary_info.version} "
+                    f"(patches: {', '.join(binary_info.patches) or 'none'}), slot context {n_ctx}"
+                )
+            import sqlite_utils
+
+            store = StateStore(sqlite_utils.Database(Path(tmp) / "bench.sqlite3"), slot_dir.parent)
+            identity = slot_dir.name
+            suffix = server.tokenize(PROBE_SUFFIX, add_special=False)
+            turn = server.tokenize(TURN, add_special=False)
+            nbytes = bandwidth_mib << 20
+            rows: list[dict[str, Any]] = []
+            skipped: list[dict[str, Any]] = []
+            measured: list[dict[str, Any]] = []
+            for i, size in enumerate(sizes):
+                if size + RESERVE > n_ctx:
+                    why = (
+                        f"the model's trained context is {trained} tokens"
+                        if size + RESERVE > trained
+                        else f"the slot's context is {n_ctx} tokens"
+                    )
+                    # Where the size is the trained context itself, run it with room for
+                    # the probe and the next turn: the row says how many tokens it held.
+                    if size <= trained and n_ctx - RESERVE >= size * 0.95:
+                        size = n_ctx - RESERVE
+                    else:
+                        skipped.append({"tokens": size, "why": why})
+                        if log:
+                            log(f"  {size} tokens: skipped ({why})")
+                        continue
+                rows.append(
+                    run_size(
+                        server,
+                        store,
+                        identity,
+                        size,
+                        seed=1000 + i,
+                        suffix=suffix,
+                        turn=turn,
+                        log=log,
+                    )
+                )
+                nbytes = max(nbytes, rows[-1]["save"]["bytes"])
+            bandwidth = measure_bandwidth(slot_dir, nbytes)
+            for r in rows:
+                derive(r, bandwidth)
+                measured.append(r)
+        finally:
+            core.stop()
+    return {
+        "model": {"path": model, "name": Path(model).name, "bytes": os.path.getsize(model)},
+        "trained_context": trained,
+        "slot_context": n_ctx,
+        "server": {
+            "binary": str(binary_info.path),
+            "version": binary_info.version,
+            "patches": list(binary_info.patches),
+            "argv": argv,
+        },
+        "load_avg_before": [round(x, 2) for x in load0],
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+        "bandwidth": bandwidth,
+        "sizes": measured,
+        "skipped": skipped,
+    }
+
+
+def _slot_ctx(server: Server, fallback: int) -> int:
+    import urllib.request
+
+    req = urllib.request.Request(server.base + "/slots", headers=server.auth)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        slots = json.loads(resp.read())
+    return int(slots[0].get("n_ctx", fallback)) if slots else fallback
+
+
+def goals(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's two goals, per model and size, from the reported numbers."""
+    out = []
+    for m in models:
+        for r in m["sizes"]:
+            for cache, t in r["restore"].items():
+                out.append(
+                    {
+                        "model": m["model"]["name"],
+                        "tokens": r["tokens"],
+                        "page_cache": cache,
+                        "ratio": t["ratio"],
+                        "ratio_goal_met": (t["ratio"] or 0) >= GOAL_RATIO
+                        if r["tokens"] >= GOAL_RATIO_AT * 0.95
+                        else None,
+                        "restore_vs_read": t["restore_vs_read"],
+                        "bandwidth_goal_met": t["restore_vs_read"] is not None
+                        and t["restore_vs_read"] <= GOAL_BANDWIDTH_FACTOR,
+                    }
+                )
+    return out
+
+
+def machine() -> dict[str, Any]:
+    from core.bench.overhead import machine as overhead_machine
+
+    return overhead_machine()
+
+
+def run(
+    models: list[str],
+    sizes: list[int],
+    *,
+    threads: int = 0,
+    binary: str = "",
+    bandwidth_mib: int = BANDWIDTH_FILE_MIB,
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """The whole report: every model, every size."""
+    reports = [
+        run_model(m, sizes, threads=threads, binary=binary, bandwidth_mib=bandwidth_mib, log=log)
+        for m in models
+    ]
+    return {
+        "machine": machine(),
+        "sizes_asked": sizes,
+        "models": reports,
+        "goals": goals(reports),
+        "goal_ratio": GOAL_RATIO,
+        "goal_ratio_at": GOAL_RATIO_AT,
+        "goal_bandwidth_factor": GOAL_BANDWIDTH_FACTOR,
+    }
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text: one table per model, a row per size and page-cache state."""
+    m = report["machine"]
+    lines = [
+        f"machine: {m['cpu']}, {m['cpus']} CPUs, {m.get('ram_gib', '?')} GiB, {m['system']}",
+    ]
+    head = (
+        f"{'tokens':>7} {'cache':>5} {'cold s':>7} {'save ms':>8} {'file MB':>8} "
+        f"{'check':>7} {'restore':>8} {'(server)':>8} {'verify':>7} {'1st tok':>8} "
+        f"{'total':>8} {'cold÷':>7} {'read@bw':>8} {'rest÷rd':>7}  reuse"
+    )
+    for mod in report["models"]:
+        bw = mod["bandwidth"]
+        lines += [
+            "",
+            f"{mod['model']['name']} — llama-server {mod['server']['version']} "
+            f"(patches: {', '.join(mod['server']['patches']) or 'none'}); trained context "
+            f"{mod['trained_context']}, slot context {mod['slot_context']}; load "
+            f"{mod['load_avg_before']} → {mod['load_avg_after']}",
+            f"disk read: {bw['cold_mb_s']:.0f} MB/s cold (page cache dropped, "
+            f"{_pct(bw['cold_cached_fraction'])} still cached), {bw['warm_mb_s']:.0f} MB/s "
+            f"cached ({bw['bytes'] / 2**20:.0f} MiB file)",
+            head,
+        ]
+        for r in mod["sizes"]:
+            for cache, t in r["restore"].items():
+                reuse = f"{t['first_token_cache_n']}+{t['first_token_prompt_n']}"
+                if t["verify_result"] != "ok":
+                    reuse += f"  VERIFY FAILED: {t['verify_result']}"
+                lines.append(
+                    f"{r['tokens']:>7} {cache:>5} {r['cold']['wall_ms'] / 1000:>7.2f} "
+                    f"{r['save']['wall_ms']:>8.1f} {r['save']['bytes'] / 1e6:>8.1f} "
+                    f"{t['check_ms']:>7.1f} {t['restore_wall_ms']:>8.1f} "
+                    f"{_num(t['restore_server_ms']):>8} {t['verify_ms']:>7.1f} "
+                    f"{t['first_token_ms']:>8.1f} {t['total_ms']:>8.1f} "
+                    f"{_num(t['ratio'], '×'):>7} {_num(t['read_at_bandwidth_ms']):>8} "
+                    f"{_num(t['restore_vs_read'], '×'):>7}  {reuse}"
+                )
+        for s in mod["skipped"]:
+            lines.append(f"{s['tokens']:>7} skipped: {s['why']}")
+    lines += [
+        "",
+        "ms unless marked; cache: the state file dropped from (cold) or kept in (warm) the "
+        "page cache; check: Warmslot's file check before a restore; restore: the server's "
+        "restore call (server-side time in brackets); verify: the known-answer probe and its "
+        "check; total = check + restore + verify + 1st tok; cold÷ = cold ÷ total; read@bw: "
+        "file size ÷ the disk's measured bandwidth (cold or cached); rest÷rd = (check + "
+        "restore) ÷ read@bw; reuse: cached + evaluated tokens of the first request after "
+        "the restore.",
+    ]
+    for g in report["goals"]:
+        if g["ratio_goal_met"] is not None:
+            lines.append(
+                f"goal cold ÷ restored ≥ {report['goal_ratio']:.0f}× at {g['tokens']} tokens "
+                f"({g['model']}, {g['page_cache']} page cache): {g['ratio']}× — "
+                + ("met" if g["ratio_goal_met"] else "NOT met")
+            )
+    return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "?" if v is None else f"{v * 100:.0f} %"
+
+
+def _num(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "—"
+    return f"{v:.1f}{unit}" if v < 1000 else f"{v:.0f}{unit}"
+
+
+def add_parser(bench_sub: Any) -> None:
+    """Register ``warmslot bench restore``."""
+    p = bench_sub.add_parser(
+        "restore",
+        help="cold prefill vs verified restore at 8k / 32k / 64k tokens, with disk bandwidth",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        help="GGUF to bench (repeat for several; default: the configured or demo model)",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="also bench the generated tiny dense model (trained context: the largest size)",
+    )
+    p.add_argument(
+        "--sizes",
+        default=",".join(str(s) for s in DEFAULT_SIZES),
+        help="prompt sizes in tokens, comma-separated (default 8192,32768,65536)",
+    )
+    p.add_argument("--threads", type=int, help="llama-server threads (default: the setting)")
+    p.add_argument(
+        "--bandwidth-mib",
+        type=int,
+        default=BANDWIDTH_FILE_MIB,
+        help="size of the scratch file the disk's bandwidth is read from (at least the "
+        "largest state file)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from core import config as config_mod
+    from core.errors import ConfigError
+    from core.server import model as model_mod
+    from core.server.tinymodel import make_tiny_model
+
+    try:
+        sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    except ValueError:
+        raise ConfigError("--sizes takes token counts, e.g. 8192,32768", key="--sizes") from None
+    if not sizes or min(sizes) < 64:
+        raise ConfigError("--sizes must be at least 64 tokens each", key="--sizes")
+    paths = Paths.default(getattr(args, "dev_dir", None))
+    settings = config_mod.load(paths.config_file)
+    models = [str(model_mod.resolve(paths, m).path) for m in args.model or []]
+    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory(prefix="warmslot-bench-tiny-") as tmp:
+        if args.tiny:
+            tiny = make_tiny_model(Path(tmp) / "tiny.gguf", n_ctx=max(sizes) + RESERVE)
+            models.insert(0, str(tiny))
+        if not models:
+            models = [str(model_mod.resolve(paths, settings.server.model).path)]
+        threads = settings.server.threads if args.threads is None else args.threads
+        report = run(
+            models,
+            sizes,
+            threads=threads,
+            binary=settings.server.binary,
+            bandwidth_mib=args.bandwidth_mib,
+            log=log,
+        )
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
