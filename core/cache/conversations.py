@@ -525,6 +525,7 @@ class Conversations:
         st.prefix_fp = info.fingerprint
         st.tokens_hint = choice.rec.n_tokens
         st.session_of_last = session
+        st.prompt_n_last = choice.match  # what the request should reuse
         st.last_body = None
         self._saved[slot] = _Saved(session, choice.rec.n_tokens)
         req.response_headers["X-Warmslot-Conversation"] = (

@@ -800,6 +800,8 @@ class CacheManager:
                     "last_used": r.last_used,
                     "verified": r.verify_result,
                     "current": r.identity == ident,
+                    "kind": r.kind,  # "prefix" or "conversation" (with its session)
+                    "session": r.session,
                 }
                 for r in states
             ],
@@ -849,8 +851,14 @@ class CacheManager:
             self._persisting.add(fp)
             await self._persist(info)
             saved += 1
+        conversations = await self.conversations.save_all()  # the live conversations too
         on_disk = len(self.store.all(self.launch_id))
-        return {"saved": saved, "on_disk": on_disk, "reason": self.disk.reason}
+        return {
+            "saved": saved,
+            "on_disk": on_disk,
+            "reason": self.disk.reason,
+            "conversations": conversations,
+        }
 
     async def save_conversation(self, slot: int, why: str) -> str:
         """Save the conversation `slot` holds beyond its stable prefix; "" when there is

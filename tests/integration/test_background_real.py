@@ -172,21 +172,26 @@ def test_idle_session_is_saved_released_and_restored_when_it_returns(
     assert _live_slots(core)[slot_a] > 0
     assert not _events(core, "restore_ok")
 
-    # A comes back: its prefix is restored from disk, verified, and its turn reuses it.
+    # A comes back: its whole conversation (saved at the release, more than its prefix)
+    # is restored from disk, verified, and its turn reuses it (docs/cache.md#conversations).
+    (conv,) = [r for r in on_core(core, mgr.store.all) if r.session == a[0].session]
+    assert conv.kind == "conversation" and conv.n_tokens > prefix_a
+    assert "conversation" in released[0]["reason"]
     data, headers = _chat(core, a[2])
     assert int(headers["X-Warmslot-Slot"]) == slot_a
     assert headers["X-Warmslot-Prefix"] == f"{fp_a}:{prefix_a}"
+    assert headers["X-Warmslot-Conversation"].startswith("restored"), headers
     (restored,) = _events(core, "restore_ok")
-    assert restored["slot"] == slot_a and restored["tokens"] == prefix_a
-    assert restored["fingerprint"] == fp_a and restored["reason"] == "restored and verified"
-    rec = on_core(core, lambda: mgr.store.get(saved_a.filename))
+    assert restored["slot"] == slot_a and restored["tokens"] == conv.n_tokens
+    assert restored["reason"] == "restored and verified"
+    rec = on_core(core, lambda: mgr.store.get(conv.filename))
     assert rec is not None and rec.verify_result == "ok"
     cache_n = int(data["timings"]["cache_n"])
-    assert prefix_a - 2 <= cache_n <= prefix_a + 2, (cache_n, prefix_a)
+    assert cache_n >= conv.n_tokens - 64, (cache_n, conv.n_tokens)
     print(
-        f"\nA's {prefix_a}-token prefix ({saved_a.bytes} bytes on disk) restored into slot "
-        f"{slot_a} after B used it; A's next turn: cache_n {cache_n}, "
-        f"prompt_n {data['timings']['prompt_n']}"
+        f"\nA's {conv.n_tokens}-token conversation ({conv.bytes} bytes on disk; its prefix "
+        f"{prefix_a} tokens, {saved_a.bytes} bytes) restored into slot {slot_a} after B used "
+        f"it; A's next turn: cache_n {cache_n}, prompt_n {data['timings']['prompt_n']}"
     )
 
 

@@ -138,6 +138,7 @@ def _cold_answer(make_core: MakeCore, model: Path, body: dict[str, Any]) -> str:
     cold.start(wait_ready=True, timeout=300)
     data, _ = _chat(cold, body, "cold")
     assert data["timings"]["cache_n"] == 0
+    print("cold:", data["timings"])
     cold.stop()
     return str(data["choices"][0]["message"]["content"])
 
@@ -152,6 +153,7 @@ def _fourth_turn(
 
 def _assert_restored(core: Core, data: dict[str, Any], headers: dict[str, str]) -> float:
     t = data["timings"]
+    print("restored turn:", t, headers.get("X-Warmslot-Conversation"))
     prompt = int(t["cache_n"]) + int(t["prompt_n"])
     share = int(t["cache_n"]) / prompt
     assert share >= 0.95, (t, headers, [e["reason"] for e in _events(core, "prewarm_skipped")])
@@ -181,10 +183,13 @@ def test_conversation_survives_a_restart(
     second.start(wait_ready=True, timeout=300)
     # The first core's events, in the shared database: saved once it had grown by
     # cache.conversation_save_tokens, and again at the stop, superseding that one.
+    # (The save after growing is skipped while the server works for another slot, e.g.
+    # the prefix's own save in the side slot: then only the stop's save is there.)
     saves = sorted(_conversation_saves(second), key=lambda e: e["ts"])
-    assert [e["details"]["why"] for e in saves] == ["grew", "shutdown"], saves
-    assert saves[1]["details"]["superseded"] == [saves[0]["details"]["file"]]
-    save = saves[1]
+    whys = [e["details"]["why"] for e in saves]
+    assert whys[-1] == "shutdown" and set(whys[:-1]) <= {"grew"}, saves
+    save = saves[-1]
+    assert save["details"]["superseded"] == [e["details"]["file"] for e in saves[-2:-1]]
     assert save["tokens"] > prefix_n + 4000, save
     data, headers, body = _fourth_turn(second, messages, "conv-1")
     share = _assert_restored(second, data, headers)
@@ -192,7 +197,8 @@ def test_conversation_survives_a_restart(
     assert restored, _events(second, "restore_ok")
     second.stop()
     assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny32k, body)
-    print(f"reuse after restart: {share:.4f}", save["details"])
+    print(f"reuse after restart: {share:.4f}", save["tokens"], save["bytes"], save["details"])
+    print("restore:", [(e["tokens"], e["details"]) for e in restored])
 
 
 def test_conversation_survives_an_idle_release(
@@ -211,8 +217,9 @@ def test_conversation_survives_an_idle_release(
 
     wait_until(released, 120, interval=1.0, message="conv-a released for idleness")
     saves = sorted(_conversation_saves(core), key=lambda e: e["ts"])
-    assert [s["details"]["why"] for s in saves] == ["grew", "idle release"], saves
-    saves = saves[1:]  # the newest state, which superseded the first
+    whys = [e["details"]["why"] for e in saves]
+    assert whys[-1] == "idle release" and set(whys[:-1]) <= {"grew"}, saves
+    saves = saves[-1:]  # the newest state, which superseded any before it
     # Another session takes the slot: its content is another conversation now.
     _converse(core, "conv-b", "You are a terse shell helper.\n" + _text(3, 100), 1)
     wait_until(
@@ -228,4 +235,5 @@ def test_conversation_survives_an_idle_release(
     assert restored, _events(core, "restore_ok")
     core.stop()
     assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny32k, body)
-    print(f"reuse after idle release: {share:.4f}", saves[0]["details"])
+    print(f"reuse after idle release: {share:.4f}", saves[0]["bytes"], saves[0]["details"])
+    print("restore:", [(e["tokens"], e["details"]) for e in restored])

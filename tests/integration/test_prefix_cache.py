@@ -141,7 +141,8 @@ def test_damaged_state_is_never_used(
 
     tel = Telemetry(core.paths.telemetry_db)
     store = StateStore(tel.db, core.paths.slot_dir)
-    rec = store.all()[0]
+    # The prefix's state (the conversation saved at the stop is another file).
+    rec = next(r for r in store.all() if r.kind == "prefix")
     path = store.path(rec)
     probe: dict[str, Any] = {}
     if damage == "truncate":
