@@ -264,11 +264,28 @@ class Conversations:
                 return "not saved now: the server works for another slot"
             if self.unsaved(slot) <= 0:
                 return "conversation already saved"
+            # Backs off per conversation after a failure, as prefix saves do (a full disk
+            # costs one event per backoff step, not one per response).
+            key = f"{st.prefix_fp}:{st.session_of_last}"
+            if not self.retention.save_backoff.allows(key):
+                return "conversation not saved: its last save failed, the next try waits"
+            name = f"ws-{secrets.token_hex(16)}.bin"  # named before its tokens are known
             try:
-                rec = await self._save_in(slot, why)
+                rec = await self._save_in(slot, why, name)
             except (UpstreamError, OSError, ValueError) as e:
                 log.warning("saving the conversation in slot %d failed: %s", slot, e)
+                # After an answer the server writes no more: its partial file goes now;
+                # after a time-out the retention sweep deletes it (journaled).
+                answered = not isinstance(e, UpstreamError) or e.status != 0
+                self.retention.save_failed(
+                    key,
+                    f"saving the conversation of session {st.session_of_last[:24]} failed: {e}",
+                    filename=name,
+                    slot=slot,
+                    server_answered=answered,
+                )
                 return f"conversation not saved: {e}"
+            self.retention.save_succeeded(key)
         return f"saved its {rec.n_tokens}-token conversation ({rec.bytes / 1e6:.1f} MB)"
 
     async def _others_quiet(self, slot: int, timeout: float) -> bool:
@@ -290,22 +307,16 @@ class Conversations:
                 return False
             await asyncio.sleep(0.05)
 
-    async def _save_in(self, slot: int, why: str) -> StateRecord:
+    async def _save_in(self, slot: int, why: str, name: str) -> StateRecord:
         m = self.mgr
         client, ident, suffix = m.client, m.identity, m.probe_suffix
         assert client is not None and ident is not None and suffix is not None
         st = m.slots.slots[slot]
         session, base = st.session_of_last, st.prefix_fp
-        name = f"ws-{secrets.token_hex(16)}.bin"  # named before its tokens are known
         path = m.store.dir_for(m.launch_id) / name
         self.retention.journal.begin(m.launch_id, name)  # a save that never ends is swept
         t0 = time.perf_counter()
-        try:
-            saved = await client.slot_action(slot, "save", name)
-        except UpstreamError as e:
-            if e.status != 0:  # the server answered: it writes no more
-                self.retention.discard_partial(name)
-            raise
+        saved = await client.slot_action(slot, "save", name)
         save_ms = (time.perf_counter() - t0) * 1000
         n_saved = saved.get("n_saved")
         problem = save_problem(saved, n_saved if isinstance(n_saved, int) else -1, path)
@@ -315,8 +326,6 @@ class Conversations:
             if len(tokens) != n_saved:
                 problem = f"the file lists {len(tokens)} tokens, the server saved {n_saved}"
         if problem is not None:
-            self.retention.discard_partial(name)
-            m.emit(CacheEventKind.SAVE_FAILED, problem, fp=base, slot=slot, state=KIND)
             raise ValueError(problem)
         t1 = time.perf_counter()
         sha = file_sha256(path)

@@ -221,3 +221,25 @@ def test_the_token_list_is_read_from_the_slot_file(tmp_path: Path) -> None:
     short.write_bytes(struct.pack("<III", SEQ_MAGIC, 4, 10) + b"\0" * 8)
     with pytest.raises(ValueError, match="shorter"):
         read_tokens(short)
+
+
+async def test_a_failed_save_backs_off_and_leaves_no_indexed_file(tmp_path: Path) -> None:
+    core, mgr = make_manager(tmp_path)
+    assert mgr.fake is not None
+    info = prefix(SYSTEM)
+    mgr.by_fp[info.fingerprint] = info
+    st = mgr.slots.slots[0]
+    st.prefix_fp, st.session_of_last, st.last_kind = info.fingerprint, "s1", "agent"
+    st.tokens_hint = len(SYSTEM) + 500
+    mgr.fake.contents[0] = list(range(st.tokens_hint))
+    mgr.fake.fail_save = True  # the server dies half-way through writing
+    said = await mgr.conversations.save(0, "test")
+    assert said.startswith("conversation not saved"), said
+    (failed,) = core.cache_events("save_failed")
+    assert failed.details["failures"] == 1 and failed.fingerprint == info.fingerprint[:16]
+    assert mgr.store.all() == []  # journaled, never indexed: the retention sweep's to delete
+    # The next response's save waits out the backoff: no second try, no second event.
+    said = await mgr.conversations.save(0, "test")
+    assert "next try waits" in said
+    assert len(core.cache_events("save_failed")) == 1
+    assert mgr.fake.calls.count(("save", 0)) == 1
