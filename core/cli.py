@@ -343,7 +343,16 @@ def cmd_config(args: argparse.Namespace) -> int:
         )
     value = found.parse_text(args.value)
     config_mod.set_value(paths.config_file, args.key, value)
-    note = "  (restart the server for it to take effect)" if found.restart else ""
+    st = fetch_status(paths)
+    if st is not None:  # a running instance read its settings when it started
+        note = (
+            f"  (a running Warmslot, pid {st['warmslot']['pid']}, has the old value: restart "
+            "it, or change it in the tray's Settings, which applies it at once"
+            + (" and restarts llama-server" if found.restart else "")
+            + ")"
+        )
+    else:
+        note = ""
     print(f"{args.key} = {json.dumps(value)}{note}")
     return 0
 

@@ -90,7 +90,7 @@ def test_config_path_and_show(home: Path) -> None:
 def test_config_set_writes_a_commented_file(home: Path) -> None:
     proc = cli(home, "config", "set", "proxy.port", "9999")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "proxy.port = 9999  (restart the server for it to take effect)"
+    assert proc.stdout.strip() == "proxy.port = 9999"  # nothing runs here: no note
     assert cli(home, "config", "set", "server.extra_args", '["-fa", "on"]').returncode == 0
     path = home / "config" / "warmslot.toml"
     text = path.read_text()
@@ -235,6 +235,8 @@ def test_serve_status_requests_and_sigint(
     human = cli(tiny_home, "status")
     assert human.returncode == 0 and "llama-server: ready" in human.stdout
     assert "sessions (last hour):" in human.stdout and "cli-session-1" in human.stdout
+    changed = cli(tiny_home, "config", "set", "cache.ttl_short_s", "600")
+    assert f"a running Warmslot, pid {proc.pid}, has the old value" in changed.stdout
 
     # A second instance on the same port says so clearly and exits 1.
     second = cli(tiny_home, "serve", "--port", str(port), timeout=60)
