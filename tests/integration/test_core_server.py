@@ -158,7 +158,9 @@ def test_stream_is_passed_through_without_buffering(running_core: Core) -> None:
     assert running_core.supervisor is not None
     upstream = running_core.supervisor.base_url
     auth = running_core.supervisor.auth_headers()
-    body = chat_body("write a long answer", max_tokens=600, stream=True, ignore_eos=True)
+    # Long enough that generation is still running when /slots answers, even on a loaded
+    # machine (600 tokens were sometimes done first: a false failure under load).
+    body = chat_body("write a long answer", max_tokens=3000, stream=True, ignore_eos=True)
     lines: list[str] = []
     busy_at_first_chunk: list[bool] = []
     with httpx.stream(
