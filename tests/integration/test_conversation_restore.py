@@ -11,7 +11,9 @@ server's.
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,8 @@ from typing import Any
 import pytest
 
 from core.cache.manager import CacheManager, policy_factory
-from core.engine import Core
+from core.engine import DEMO_TEMPLATE, Core
+from core.paths import resources_dir
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
@@ -96,13 +99,15 @@ def _body(messages: list[dict[str, str]]) -> dict[str, Any]:
     }
 
 
-def _converse(core: Core, session: str, system: str, turns: int) -> list[dict[str, str]]:
-    """`turns` turns of one conversation (each user turn a long tool output); returns the
-    messages so far, the assistant's answers included."""
+def _converse(
+    core: Core, session: str, system: str, turns: int, words: int = 450
+) -> list[dict[str, str]]:
+    """`turns` turns of one conversation (each user turn a long tool output of `words`
+    words); returns the messages so far, the assistant's answers included."""
     messages = [{"role": "system", "content": system}]
     for turn in range(turns):
         messages.append(
-            {"role": "user", "content": f"Tool output {turn}:\n" + _text(10 + turn, 450)}
+            {"role": "user", "content": f"Tool output {turn}:\n" + _text(10 + turn, words)}
         )
         data, _ = _chat(core, _body(messages), session)
         messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
@@ -132,9 +137,9 @@ def _conversation_saves(core: Core) -> list[dict[str, Any]]:
     return [e for e in _events(core, "save") if e["details"].get("state") == "conversation"]
 
 
-def _cold_answer(make_core: MakeCore, model: Path, body: dict[str, Any]) -> str:
+def _cold_answer(make_core: MakeCore, model: Path, settings: Any, body: dict[str, Any]) -> str:
     """The same request on a fresh server with the cache off: every token prefilled."""
-    cold = make_core(_settings(model, cache__enabled=False))
+    cold = make_core(copy.deepcopy(settings), cache__enabled=False)
     cold.start(wait_ready=True, timeout=300)
     data, _ = _chat(cold, body, "cold")
     assert data["timings"]["cache_n"] == 0
@@ -163,14 +168,28 @@ def _assert_restored(core: Core, data: dict[str, Any], headers: dict[str, str]) 
     return share
 
 
+@pytest.fixture(params=["tiny", "gemma"])
+def case(request: pytest.FixtureRequest, tiny32k: Path) -> tuple[Path, Any, int]:
+    """(model, settings, words per tool output): the tiny dense model, or Gemma 3 270M
+    (sliding-window attention) on the patched server — slow, opt-in."""
+    if request.param == "tiny":
+        return tiny32k, _settings(tiny32k), 450
+    if os.environ.get("WARMSLOT_SLOW_TESTS") != "1":
+        pytest.skip("slow: Gemma 3 270M on the patched server; set WARMSLOT_SLOW_TESTS=1")
+    gemma: Path = request.getfixturevalue("gemma_model")
+    template = str(resources_dir() / DEMO_TEMPLATE)
+    return gemma, _settings(gemma, server__chat_template_file=template), 1400
+
+
+@pytest.mark.timeout(1800)
 def test_conversation_survives_a_restart(
-    make_core: MakeCore, tiny32k: Path, tmp_path: Path
+    make_core: MakeCore, case: tuple[Path, Any, int], tmp_path: Path
 ) -> None:
+    model, settings, words = case
     home = tmp_path / "home"
-    settings = _settings(tiny32k)
     first = make_core(settings, home=home, policy_factory=policy_factory)
     first.start(wait_ready=True, timeout=300)
-    messages = _converse(first, "conv-1", SYSTEM, 3)
+    messages = _converse(first, "conv-1", SYSTEM, 3, words)
     learned = _events(first, "prefix_learned")
     assert [e["details"]["source"] for e in learned] == ["system"], learned  # item 0b
     prefix_n = learned[0]["tokens"]
@@ -196,7 +215,8 @@ def test_conversation_survives_a_restart(
     restored = [e for e in _events(second, "restore_ok") if e["tokens"] == save["tokens"]]
     assert restored, _events(second, "restore_ok")
     second.stop()
-    assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny32k, body)
+    cold = _cold_answer(make_core, model, settings, body)
+    assert data["choices"][0]["message"]["content"] == cold
     print(f"reuse after restart: {share:.4f}", save["tokens"], save["bytes"], save["details"])
     print("restore:", [(e["tokens"], e["details"]) for e in restored])
 
@@ -234,6 +254,7 @@ def test_conversation_survives_an_idle_release(
     restored = [e for e in _events(core, "restore_ok") if e["tokens"] == saves[0]["tokens"]]
     assert restored, _events(core, "restore_ok")
     core.stop()
-    assert data["choices"][0]["message"]["content"] == _cold_answer(make_core, tiny32k, body)
+    cold = _cold_answer(make_core, tiny32k, core.settings, body)
+    assert data["choices"][0]["message"]["content"] == cold
     print(f"reuse after idle release: {share:.4f}", saves[0]["bytes"], saves[0]["details"])
     print("restore:", [(e["tokens"], e["details"]) for e in restored])
