@@ -10,6 +10,7 @@ reuse (one token always re-evaluated), `/slots`, save/restore/erase of files.
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -86,6 +87,9 @@ class FakeLlama:
     contents: dict[int, list[int]] = field(default_factory=dict)
     calls: list[tuple[str, Any]] = field(default_factory=list)
     fail_save: bool = False
+    # Write slot files as llama-server does (sequence-state header and its packed token
+    # list, core.cache.conversations.read_tokens); off: the bare token list.
+    llama_format: bool = False
 
     def held(self, slot: int) -> list[int]:
         return self.contents.setdefault(slot, [])
@@ -127,6 +131,10 @@ class FakeLlama:
             path = self.slot_dir / filename
             path.parent.mkdir(parents=True, exist_ok=True)
             data = b"".join(t.to_bytes(4, "little") for t in self.held(slot))
+            if self.llama_format:
+                n = len(self.held(slot))
+                words = [-1, 1, n, *self.held(slot), 0]
+                data = struct.pack(f"<III{len(words)}i", 0x67677371, 4, len(words), *words)
             if self.fail_save:  # the server dies half-way through writing
                 path.write_bytes(data[: len(data) // 2])
                 raise UpstreamError("POST /slots/0?action=save failed: connection reset")
@@ -135,6 +143,8 @@ class FakeLlama:
         if action == "restore":
             assert filename is not None
             data = (self.slot_dir / filename).read_bytes()
+            if self.llama_format:
+                data = data[12 + 12 : -4]  # the tokens of the packed list
             tokens = [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
             self.contents[slot] = tokens
             return {"n_restored": len(tokens), "timings": {"restore_ms": 1.0}}

@@ -16,7 +16,7 @@ import pytest
 
 from core.cache.conversations import KIND, MIN_GAIN_TOKENS, SEQ_MAGIC, choose, read_tokens
 from core.cache.store import StateRecord
-from tests.core.bg_support import IDENT, OTHER, make_manager, prefix
+from tests.core.bg_support import IDENT, OTHER, FakeManager, make_manager, prefix
 
 SYSTEM = list(range(1000, 1300))  # a 300-token stable prefix
 
@@ -243,3 +243,41 @@ async def test_a_failed_save_backs_off_and_leaves_no_indexed_file(tmp_path: Path
     assert "next try waits" in said
     assert len(core.cache_events("save_failed")) == 1
     assert mgr.fake.calls.count(("save", 0)) == 1
+
+
+def _live(mgr: FakeManager, slot: int, session: str, extra: int, last_used: float) -> None:
+    """Slot `slot` holds session's conversation: the prefix and `extra` tokens."""
+    assert mgr.fake is not None
+    info = prefix(SYSTEM)
+    mgr.by_fp[info.fingerprint] = info
+    st = mgr.slots.slots[slot]
+    st.prefix_fp, st.session_of_last, st.last_kind = info.fingerprint, session, "agent"
+    st.tokens_hint, st.last_used = len(SYSTEM) + extra, last_used
+    mgr.fake.contents[slot] = SYSTEM + [slot * 10_000 + i for i in range(extra)]
+
+
+async def test_shutdown_saves_longest_unsaved_then_most_recent_within_its_time(
+    tmp_path: Path,
+) -> None:
+    core, mgr = make_manager(tmp_path, slots=4)  # three primary slots and the side slot
+    assert mgr.fake is not None
+    mgr.fake.llama_format = True
+    _live(mgr, 0, "short-recent", 200, last_used=9)
+    _live(mgr, 1, "long-old", 2000, last_used=1)
+    _live(mgr, 2, "short-old", 200, last_used=2)
+    assert (await mgr.conversations.save_all(timeout=0))["saved"] == []  # no time: nothing
+    out = await mgr.conversations.save_all()
+    assert len(out["saved"]) == 3 and out["not_saved_slots"] == []
+    saves = core.cache_events("save")
+    assert [e.details["session"] for e in saves] == ["long-old", "short-recent", "short-old"]
+    assert all(e.details["why"] == "shutdown" and e.details["state"] == KIND for e in saves)
+    recs = {r.session: r for r in mgr.store.all()}
+    assert recs["long-old"].n_tokens == len(SYSTEM) + 2000
+    assert recs["long-old"].probe["prefix"] == mgr.fake.contents[1][: len(SYSTEM) + 2000]
+    assert all(r.kind == KIND and r.ttl_class == "long" for r in recs.values())
+    assert mgr.retention.journal.pending() == []  # every save finished and was indexed
+    # Saved: nothing is left to save, so a second stop saves nothing again.
+    assert (await mgr.conversations.save_all())["saved"] == []
+    # A saved state restores and verifies against its own reference.
+    await mgr.restore(recs["long-old"], 0)
+    assert [e.details.get("state") for e in core.cache_events("restore_ok")] == [None]
