@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from app.qt import Qt, QtWidgets
 
 COPY = "Copy"
@@ -27,3 +29,27 @@ def text_box(
     box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
     box.open()
     return box
+
+
+class RestartOffer(QtWidgets.QFrame):
+    """"Saved. … take effect when llama-server restarts" with Restart now / Later
+    (hidden until shown): the settings dialog and the model chooser offer the same."""
+
+    def __init__(self, restart: Callable[[], None], later: Callable[[], None]) -> None:
+        super().__init__()
+        self.setObjectName("restart_box")
+        self.setStyleSheet(
+            "#restart_box { background: #e7f5ff; border: 1px solid #74c0fc; border-radius: 3px; }"
+        )
+        row = QtWidgets.QHBoxLayout(self)
+        self.text = QtWidgets.QLabel()
+        self.text.setWordWrap(True)
+        self.now = QtWidgets.QPushButton("Restart llama-server now")
+        self.now.setObjectName("restart_now")
+        self.later = QtWidgets.QPushButton("Later")
+        row.addWidget(self.text, 1)
+        row.addWidget(self.now)
+        row.addWidget(self.later)
+        self.now.clicked.connect(restart)
+        self.later.clicked.connect(later)
+        self.hide()

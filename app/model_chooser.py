@@ -17,6 +17,7 @@ from pathlib import Path
 
 from app.backend import Backend
 from app.controller import error_text
+from app.dialogs import RestartOffer
 from app.qt import Qt, QtGui, QtWidgets, Signal
 from app.tasks import Tasks
 from core.cli_models import format_size
@@ -116,23 +117,9 @@ class ModelChooser(QtWidgets.QDialog):
         self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.detail.setStyleSheet("color: #555;")
 
-        self.restart_box = QtWidgets.QFrame()
-        self.restart_box.setObjectName("restart_box")
-        self.restart_box.setStyleSheet(
-            "#restart_box { background: #e7f5ff; border: 1px solid #74c0fc; border-radius: 3px; }"
-        )
-        rb = QtWidgets.QHBoxLayout(self.restart_box)
-        self.restart_text = QtWidgets.QLabel()
-        self.restart_text.setWordWrap(True)
-        self.restart_now = QtWidgets.QPushButton("Restart llama-server now")
-        self.restart_now.setObjectName("restart_now")
-        self.restart_later = QtWidgets.QPushButton("Later")
-        rb.addWidget(self.restart_text, 1)
-        rb.addWidget(self.restart_now)
-        rb.addWidget(self.restart_later)
-        self.restart_now.clicked.connect(self._do_restart)
-        self.restart_later.clicked.connect(self.accept)
-        self.restart_box.hide()
+        self.restart_box = RestartOffer(self._do_restart, self.accept)
+        self.restart_text = self.restart_box.text
+        self.restart_now = self.restart_box.now
 
         self.browse_button = QtWidgets.QPushButton("Browse…")
         self.browse_button.setToolTip("Choose any .gguf file")

@@ -18,6 +18,7 @@ from typing import Any
 from app import fmt
 from app.backend import Backend
 from app.controller import error_text
+from app.dialogs import RestartOffer
 from app.qt import QObject, Qt, QtWidgets, Signal
 from app.tasks import Tasks
 from core import autostart
@@ -292,23 +293,9 @@ class SettingsDialog(QtWidgets.QDialog):
         self.status = QtWidgets.QLabel("↻ = takes effect after llama-server restarts")
         self.status.setObjectName("status")
         self.status.setWordWrap(True)
-        self.restart_box = QtWidgets.QFrame()
-        self.restart_box.setObjectName("restart_box")
-        self.restart_box.setStyleSheet(
-            "#restart_box { background: #e7f5ff; border: 1px solid #74c0fc; border-radius: 3px; }"
-        )
-        rb = QtWidgets.QHBoxLayout(self.restart_box)
-        self.restart_text = QtWidgets.QLabel()
-        self.restart_text.setWordWrap(True)
-        self.restart_now = QtWidgets.QPushButton("Restart llama-server now")
-        self.restart_now.setObjectName("restart_now")
-        self.restart_later = QtWidgets.QPushButton("Later")
-        rb.addWidget(self.restart_text, 1)
-        rb.addWidget(self.restart_now)
-        rb.addWidget(self.restart_later)
-        self.restart_now.clicked.connect(self._do_restart)
-        self.restart_later.clicked.connect(self.accept)
-        self.restart_box.hide()
+        self.restart_box = RestartOffer(self._do_restart, self.accept)
+        self.restart_text = self.restart_box.text
+        self.restart_now = self.restart_box.now
 
         self.buttons = QtWidgets.QDialogButtonBox(
             QtWidgets.QDialogButtonBox.StandardButton.Save

@@ -287,3 +287,29 @@ def start_app(qtbot: Any) -> Iterator[Launch]:
             app.quit()
             qtbot.waitUntil(lambda a=app: a.finished, timeout=60_000)
         app.dispose()
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[Any]:
+    """A running core without llama-server: settings go through it to the file."""
+    from core.config import Settings
+    from core.engine import Core
+    from core.paths import Paths
+
+    s = Settings()
+    s.proxy.port = 0
+    c = Core(Paths.under(tmp_path / "home"), s)
+    c.start(start_server=False)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def tasks() -> Iterator[Any]:
+    """The GUI's worker pool, shut down after the test."""
+    from app.tasks import Tasks
+
+    t = Tasks()
+    yield t
+    t.shutdown()
+    t.deleteLater()

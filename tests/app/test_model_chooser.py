@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from core import config as config_mod
 from core.config import Settings
 from core.engine import Core
 from core.models.catalog import Catalog, find_models
-from core.paths import Paths
 from core.server.tinymodel import make_tiny_model
 from tests.app.conftest import Launch, prepare
 from tests.core.test_model_catalog import BIG_HOST, Tree, build_tree
@@ -32,25 +30,6 @@ TOOL_VARS = ("LLAMA_CACHE", "HF_HOME", "HF_HUB_CACHE", "OLLAMA_MODELS", "XDG_CAC
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
     return build_tree(tmp_path_factory.mktemp("chooser"))
-
-
-@pytest.fixture
-def core(tmp_path: Path) -> Iterator[Core]:
-    """A running core without llama-server: settings go through it to the file."""
-    s = Settings()
-    s.proxy.port = 0
-    c = Core(Paths.under(tmp_path / "home"), s)
-    c.start(start_server=False)
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def tasks() -> Iterator[Tasks]:
-    t = Tasks()
-    yield t
-    t.shutdown()
-    t.deleteLater()
 
 
 def tree_scan(tree: Tree) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +15,6 @@ from core import config as config_mod
 from core.config import Settings
 from core.engine import Core
 from core.paths import Paths
-
-
-@pytest.fixture
-def core(tmp_path: Path) -> Iterator[Core]:
-    """A running core without llama-server (settings go through it to the file)."""
-    s = Settings()
-    s.proxy.port = 0
-    c = Core(Paths.under(tmp_path / "home"), s)
-    c.start(start_server=False)
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def tasks() -> Iterator[Tasks]:
-    t = Tasks()
-    yield t
-    t.shutdown()
-    t.deleteLater()
 
 
 def test_every_setting_has_an_editor_with_its_description(
