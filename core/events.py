@@ -123,6 +123,7 @@ class CacheEventKind(StrEnum):
     PERSIST_SKIPPED = "persist_skipped"  # a save was not attempted (pressure, no scratch slot)
     RESTORE_OK = "restore_ok"  # a saved state was restored and verified
     RESTORE_REJECTED = "restore_rejected"  # a restored state failed checks and was deleted
+    RESTORE_UNPAID = "restore_unpaid"  # the request after a restore reused less than it held
     EVICTED = "evicted"  # a saved state was deleted (retention rule, disk cap or the user)
     UNDELETABLE = "undeletable"  # a file that had to go could not be deleted: quarantined
     PINNED = "pinned"  # the user pinned a saved state

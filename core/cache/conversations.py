@@ -558,6 +558,7 @@ class Conversations:
         st.tokens_hint = choice.rec.n_tokens
         st.session_of_last = session
         st.prompt_n_last = choice.match  # what the request should reuse
+        st.promised = (choice.match, f"restored conversation of session {session[:24]}")
         st.last_body = None
         self._saved[slot] = _Saved(session, choice.rec.n_tokens)
         req.response_headers["X-Warmslot-Conversation"] = (

@@ -55,6 +55,9 @@ class DiskTier:
     # cell order sums in another order (measured up to ~0.15, greedy tokens equal —
     # docs/llama-server-facts.md#swa-log-prob-noise), so only the tokens are held exact there.
     logprob_tolerance: float = LOGPROB_TOLERANCE
+    # Sliding-window or recurrent layers: llama-server reaches a position through its
+    # checkpoints, so a request that differs late may still go back further than that.
+    rewinds: bool = False
 
 
 class ServerHandle(Protocol):

@@ -43,6 +43,8 @@ def format_inventory(st: dict[str, Any]) -> str:
                 f"    at token {w.get('token_index')}: …{w['before'][-40:]!r} "
                 f"then {w['old'][:40]!r} → {w['new'][:40]!r}"
             )
+    if st.get("restore_shortfalls"):
+        lines.append(f"  last restore that did not pay: {st['restore_shortfalls'][0]['text']}")
     return "\n".join(lines)
 
 

@@ -72,6 +72,12 @@ IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
 
 
+# Tokens a request after a restore may reuse less than the restored state held before
+# that is called a shortfall: the server re-evaluates the last token, and a client may
+# rewrite its last message (a tool result) — a few tokens, not hundreds.
+UNPAID_SLACK = 16
+
+
 class CacheManager:
     """Implements `core.proxy.CachePolicy` for one llama-server, built from `CacheDeps`.
 
@@ -94,6 +100,7 @@ class CacheManager:
         self.identity: ServerIdentity | None = None
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
+        self.restore_shortfalls: deque[dict[str, Any]] = deque(maxlen=10)
         # Finds each request's stable prefix (rendering, boundaries, template check).
         self.learner = PrefixLearner(
             self.emit, self.publish, self.remember, lambda: self.identity, lambda: self.by_fp
@@ -361,6 +368,39 @@ class CacheManager:
             with contextlib.suppress(VerificationFailed):
                 await self.restore(rec, slot)
 
+    def _check_promise(
+        self, req: ProxyRequest, promised: tuple[int, str], timings: Timings
+    ) -> None:
+        """The first request after a restore should reuse what was restored; when it
+        reused less, say so (event and status) with the likely cause. The response's
+        headers left before llama-server reported its reuse, so they cannot carry it."""
+        tokens, what = promised
+        if timings.cache_n >= tokens - UNPAID_SLACK:
+            return
+        if timings.cache_n == 0:
+            cause = "llama-server reused nothing of the slot (another slot or its RAM cache)"
+        elif self.disk.rewinds:
+            cause = (
+                "sliding-window model: llama-server went back to its nearest checkpoint "
+                "before the point where the request differs"
+            )
+        else:
+            cause = f"the request differs from the restored tokens from token {timings.cache_n}"
+        text = f"{what}: {tokens} tokens, but the next request reused {timings.cache_n} — {cause}"
+        self.restore_shortfalls.appendleft(
+            {"ts": time.time(), "request_id": req.request_id, "text": text}
+        )
+        assert req.plan is not None
+        self.emit(
+            CacheEventKind.RESTORE_UNPAID,
+            text,
+            fp=req.plan.prefix_fp,
+            slot=req.plan.slot,
+            tokens=timings.cache_n,
+            request_id=req.request_id,
+            promised=tokens,
+        )
+
     def _extends(self, held_fp: str, info: pfx.PrefixInfo) -> bool:
         """Whether the prefix `held_fp` starts with all of `info`'s tokens."""
         held = self.by_fp.get(held_fp) if held_fp else None
@@ -375,8 +415,11 @@ class CacheManager:
         self.slots.end(slot)
         st = self.slots.slots[slot]
         fp = plan.prefix_fp
+        promised, st.promised = st.promised, (0, "")
         if status != 200 or timings is None:
             return
+        if promised[0]:
+            self._check_promise(req, promised, timings)
         previous_body, previous_fp = st.last_body, st.prefix_fp
         previous_session, previous_prompt = st.session_of_last, st.prompt_n_last
         st.tokens_hint = timings.cache_n + timings.prompt_n + timings.predicted_n
@@ -494,6 +537,7 @@ class CacheManager:
             total = Timings(first.cache_n, prompt_n, round(prompt_ms, 3), 0, 0.0)
         st.prefix_fp = info.fingerprint
         st.tokens_hint = info.n_tokens
+        st.promised = (info.n_tokens, "re-warmed prefix")
         hit = total is not None and total.cache_n >= info.n_tokens - REUSE_SLACK - 4
         self.emit(
             CacheEventKind.PREWARM_HIT if hit else CacheEventKind.PREWARM_COLD,
@@ -653,6 +697,7 @@ class CacheManager:
             st = self.slots.slots[slot]
             st.prefix_fp = rec.fingerprint
             st.tokens_hint = rec.n_tokens
+            st.promised = (rec.n_tokens, f"restored {rec.kind} state")
             self.store.mark_verified(rec.filename, "ok")
             self.store.touch(rec.filename)
             self.emit(
@@ -806,6 +851,7 @@ class CacheManager:
                 for r in states
             ],
             "divergences": list(self.divergences)[:5],
+            "restore_shortfalls": list(self.restore_shortfalls)[:5],
             "template_warning": self.learner.template_warning,
             # True while the restore / prewarm after a (re)start still runs.
             "warming": self._ready_task is not None and not self._ready_task.done(),

@@ -25,6 +25,9 @@ class SlotState:
     tokens_hint: int = 0  # tokens we believe the slot holds
     session_of_last: str = ""  # session of the last request that ran here
     prompt_n_last: int = 0  # its prompt length
+    # What the next request here should reuse because Warmslot just restored (or
+    # re-warmed) it, and what was done: checked once in `completed` (issue 16, 0c).
+    promised: tuple[int, str] = (0, "")
 
 
 @dataclass

@@ -54,6 +54,7 @@ def disk_tier_for(
             f"Warmslot's {PATCH_SWA_FULL} patch: a restore would silently change "
             "the output (docs/llama-server-facts.md#swa-full-restores-wrong-state); "
             "using RAM cache and re-warming",
+            rewinds=True,
         )
     if (swa or recurrent) and PATCH_CHECKPOINTS not in patches:
         kind = "sliding-window" if swa else "recurrent/hybrid"
@@ -63,6 +64,7 @@ def disk_tier_for(
             "patch: slot files restore no reuse or wrong state "
             "(docs/llama-server-facts.md#swa-slot-files-reuse-nothing); "
             "using RAM cache and re-warming",
+            rewinds=True,
         )
     if swa or recurrent:
         if swa and not swa_full:
@@ -71,8 +73,9 @@ def disk_tier_for(
                 "patched server persists checkpoints (the sliding-window ring restores "
                 "bit-exact: docs/cache.md#verification)",
                 SWA_LOGPROB_TOLERANCE,
+                rewinds=True,
             )
-        return DiskTier(True, "patched server persists checkpoints")
+        return DiskTier(True, "patched server persists checkpoints", rewinds=True)
     return DiskTier(True, "dense model")
 
 

@@ -285,3 +285,50 @@ async def test_a_restore_whose_probe_cannot_run_is_cleared_not_served(tmp_path: 
     fake.completion = answer  # type: ignore[method-assign]
     await mgr.restore(rec, 1)  # the next try verifies and serves it
     assert fake.contents[1][: len(PREFIX)] == PREFIX
+
+
+async def test_a_restore_that_did_not_pay_is_said(tmp_path: Path) -> None:
+    """Issue 16 (0c): the request after a restore should reuse what was restored; when it
+    reused far less, an event and the status say so, with the likely cause."""
+    from core.cache.plan import SlotPlan
+    from core.proxy import ProxyRequest
+    from core.router import Decision, Kind, Router
+    from core.server.client import Timings
+
+    core, mgr = make_manager(tmp_path, slots=3)
+    fake = mgr.fake
+    assert fake is not None
+    info = prefix(PREFIX)
+    mgr.by_fp[info.fingerprint] = info
+    mgr._persisting.add(info.fingerprint)
+    await mgr._persist(info)
+    rec = mgr.store.get(state_filename(info.fingerprint))
+    assert rec is not None
+
+    def request(rid: str) -> ProxyRequest:
+        headers = {"x-session-id": "s"}
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        decision = Router.single(None).decide("chat", headers, body)
+        assert isinstance(decision, Decision)
+        req = ProxyRequest(
+            request_id=rid, path="/v1/chat/completions", endpoint="chat", client="opencode",
+            user_agent="", session="s", headers=headers, body=body, stream=False,
+            has_tools=False, decision=decision,
+        )  # fmt: skip
+        req.plan = SlotPlan(1, "test", "s", Kind.AGENT, info)
+        mgr.slots.begin(1)
+        return req
+
+    await mgr.restore(rec, 1)
+    assert mgr.slots.slots[1].promised == (len(PREFIX), "restored prefix state")
+    await mgr.completed(request("r1"), Timings(len(PREFIX) - 1, 30, 3.0, 1, 1.0), 200)
+    assert not core.cache_events("restore_unpaid")  # it paid (the last token is re-read)
+    assert mgr.slots.slots[1].promised == (0, "")  # checked once
+    await mgr.restore(rec, 1)
+    await mgr.completed(request("r2"), Timings(0, 230, 30.0, 1, 1.0), 200)
+    (ev,) = core.cache_events("restore_unpaid")
+    assert "reused 0" in ev.reason and "reused nothing of the slot" in ev.reason
+    assert ev.details["request_id"] == "r2" and ev.details["promised"] == len(PREFIX)
+    status = await mgr.status()
+    assert status["restore_shortfalls"][0]["request_id"] == "r2"
+    assert "last restore that did not pay: restored prefix state" in status["text"]
