@@ -361,6 +361,17 @@ class Conversations:
         answer = await client.completion(probe_request(tokens, suffix, slot))
         verify_ms = (time.perf_counter() - t3) * 1000
         self._verify.append(verify_ms)
+        # The reference must be taken alone: a probe that shared a batch with another
+        # slot's work moves log-probs by ~1e-4, and every later check of this correct
+        # state would fail (seen in 2 of 4 idle releases beside a keep-alive re-warm).
+        # So a second probe of the same restore must agree bit for bit; if not, one
+        # more, once the other slots are quiet, is the reference.
+        await client.slot_action(slot, "restore", name)
+        again = await client.completion(probe_request(tokens, suffix, slot))
+        if probe_reference(again) != probe_reference(answer):
+            await self._others_quiet(slot, OTHERS_WAIT_S)
+            await client.slot_action(slot, "restore", name)
+            answer = await client.completion(probe_request(tokens, suffix, slot))
         # What a probe costs when it has the CPU: the quickest one measured so far.
         verify_est = min(self._verify)
         # Leave the slot as the conversation left it, not with the probe's suffix.
