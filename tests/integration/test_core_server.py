@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -154,27 +155,46 @@ def test_chat_streamed_with_the_openai_sdk(sdk: Sdk, running_core: Core) -> None
 
 
 def test_stream_is_passed_through_without_buffering(running_core: Core) -> None:
-    """Chunks reach the client while llama-server is still generating; [DONE] ends it."""
+    """Chunks reach the client while llama-server is still generating; [DONE] ends it.
+
+    A thread samples llama-server's /slots the whole time: some sample taken after the
+    first chunk arrived must still show the slot generating. (One /slots call made from
+    the reading loop at the first chunk was fooled by a loaded machine: the tiny model
+    can finish 3,000 tokens in the time one call waits for the CPU.)
+    """
     assert running_core.supervisor is not None
     upstream = running_core.supervisor.base_url
     auth = running_core.supervisor.auth_headers()
-    # Long enough that generation is still running when /slots answers, even on a loaded
-    # machine (600 tokens were sometimes done first: a false failure under load).
     body = chat_body("write a long answer", max_tokens=3000, stream=True, ignore_eos=True)
+    samples: list[tuple[float, bool]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        with httpx.Client(timeout=10) as c:
+            while not stop.is_set():
+                slots = c.get(f"{upstream}/slots", headers=auth).json()
+                samples.append((time.monotonic(), any(s["is_processing"] for s in slots)))
+                stop.wait(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     lines: list[str] = []
-    busy_at_first_chunk: list[bool] = []
-    with httpx.stream(
-        "POST", proxy_url(running_core) + "/v1/chat/completions", json=body, timeout=120
-    ) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line and not busy_at_first_chunk:
-                slots = httpx.get(f"{upstream}/slots", headers=auth, timeout=10).json()
-                busy_at_first_chunk.append(any(s["is_processing"] for s in slots))
-            if line:
-                lines.append(line)
-    assert busy_at_first_chunk == [True]
+    first_at: float | None = None
+    try:
+        with httpx.stream(
+            "POST", proxy_url(running_core) + "/v1/chat/completions", json=body, timeout=120
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line:
+                    first_at = first_at or time.monotonic()
+                    lines.append(line)
+    finally:
+        stop.set()
+        sampler.join(10)
+    assert first_at is not None
+    assert any(busy and t > first_at for t, busy in samples), "whole stream came at the end"
     assert lines[-1] == "data: [DONE]"
     assert sum(1 for line in lines if line.startswith("data: {")) >= 600
     assert any('"timings"' in line for line in lines)
