@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from core.cache import prefix as pfx
 from core.cache.deps import CacheHost
 from core.cache.fingerprint import fingerprint
-from core.cache.learner import LEARN_MAX_BYTES, render_body
+from core.cache.learner import render_body, renderable
 from core.cache.probe import probe_reference, probe_request
 from core.cache.retention import save_problem
 from core.cache.store import StateRecord, file_sha256
@@ -536,7 +536,7 @@ class Conversations:
     ) -> bool:
         m = self.mgr
         st = m.slots.slots[slot]
-        if self._usable() or st.inflight or req.body_bytes > LEARN_MAX_BYTES:
+        if self._usable() or st.inflight or not renderable(req):
             return False
         if st.tokens_hint and st.session_of_last == session:
             return False  # its own conversation is in the slot: the server reuses it

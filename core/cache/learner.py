@@ -30,6 +30,12 @@ from core.server.client import LlamaClient
 LEARN_MAX_BYTES = 2 * 1024 * 1024
 
 
+def renderable(req: ProxyRequest) -> bool:
+    """Whether the cache may render `req` through the server (learning its prefix,
+    diagnosing a divergence, matching a saved conversation): not above LEARN_MAX_BYTES."""
+    return req.body_bytes <= LEARN_MAX_BYTES
+
+
 def render_body(body: dict[str, Any]) -> dict[str, Any]:
     """The fields `/apply-template` needs to render a chat request as the server will."""
     keep = ("messages", "tools", "tool_choice", "chat_template_kwargs")
@@ -97,7 +103,7 @@ class PrefixLearner:
         prefix, e.g. when the <env> block is the same all day). The longer one wins.
         Rendering happens once per new session and request shape, not per turn.
         """
-        if req.body_bytes > LEARN_MAX_BYTES:
+        if not renderable(req):
             return None
         body = req.body
         key = pfx.shape_key(req.client, body)

@@ -38,7 +38,7 @@ from core.cache.deps import DiskTier as DiskTier
 from core.cache.fingerprint import ServerIdentity, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
-from core.cache.learner import LEARN_MAX_BYTES, PrefixLearner, render_body
+from core.cache.learner import PrefixLearner, render_body, renderable
 from core.cache.plan import SlotPlan
 from core.cache.probe import (
     REUSE_SLACK,
@@ -443,8 +443,8 @@ class CacheManager:
         elif info is not None and previous_fp == fp:
             head = int(info.meta.get("head_n") or info.n_tokens)
             expected, what = head - REUSE_SLACK, "the stable prefix"
-        big = req.body_bytes > LEARN_MAX_BYTES  # rendering it twice costs more than it tells
-        if expected > 0 and timings.cache_n < expected and previous_body is not None and not big:
+        short = expected > 0 and timings.cache_n < expected
+        if short and previous_body is not None and renderable(req):
             reason = f"reused {timings.cache_n} tokens; expected ≥ {expected} ({what})"
             self._spawn(self._diagnose(req, previous_body, reason, timings))
         if plan.session:

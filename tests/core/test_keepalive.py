@@ -205,15 +205,23 @@ async def test_rewarm_command(tmp_path: Path) -> None:
     assert ev.reason == "re-warm requested by the user" and ev.details["cost_tokens"] == 1
 
 
-async def test_rewarm_restores_a_saved_prefix_into_a_free_slot(tmp_path: Path) -> None:
+async def saved_prefix(tmp_path: Path) -> tuple[Any, Any, Any, Any, Any]:
+    """A 3-slot manager on the fake server with PREFIX saved to disk (a real fake-server
+    save with its probe answer): (core, manager, fake server, prefix, its record)."""
     core, mgr = make_manager(tmp_path, slots=3)
     fake = mgr.fake
     assert fake is not None
     info = prefix(PREFIX)
     mgr.by_fp[info.fingerprint] = info
     mgr._persisting.add(info.fingerprint)
-    await mgr._persist(info)  # a real (fake-server) save with its probe answer
-    assert mgr.store.get(state_filename(info.fingerprint)) is not None
+    await mgr._persist(info)
+    rec = mgr.store.get(state_filename(info.fingerprint))
+    assert rec is not None
+    return core, mgr, fake, info, rec
+
+
+async def test_rewarm_restores_a_saved_prefix_into_a_free_slot(tmp_path: Path) -> None:
+    core, mgr, fake, info, _ = await saved_prefix(tmp_path)
     for st in mgr.slots.slots:
         st.prefix_fp, st.tokens_hint = "", 0
     fake.contents.clear()
@@ -259,15 +267,7 @@ async def test_a_restore_whose_probe_cannot_run_is_cleared_not_served(tmp_path: 
     from core.cache.manager import VerificationFailed
     from core.server.client import UpstreamError
 
-    core, mgr = make_manager(tmp_path, slots=3)
-    fake = mgr.fake
-    assert fake is not None
-    info = prefix(PREFIX)
-    mgr.by_fp[info.fingerprint] = info
-    mgr._persisting.add(info.fingerprint)
-    await mgr._persist(info)
-    rec = mgr.store.get(state_filename(info.fingerprint))
-    assert rec is not None
+    core, mgr, fake, _, rec = await saved_prefix(tmp_path)
     fake.contents.clear()
     answer = fake.completion
 
@@ -295,15 +295,7 @@ async def test_a_restore_that_did_not_pay_is_said(tmp_path: Path) -> None:
     from core.router import Decision, Kind, Router
     from core.server.client import Timings
 
-    core, mgr = make_manager(tmp_path, slots=3)
-    fake = mgr.fake
-    assert fake is not None
-    info = prefix(PREFIX)
-    mgr.by_fp[info.fingerprint] = info
-    mgr._persisting.add(info.fingerprint)
-    await mgr._persist(info)
-    rec = mgr.store.get(state_filename(info.fingerprint))
-    assert rec is not None
+    core, mgr, _, info, rec = await saved_prefix(tmp_path)
 
     def request(rid: str) -> ProxyRequest:
         headers = {"x-session-id": "s"}
