@@ -50,6 +50,15 @@ def _range(lo: float | None = None, hi: float | None = None) -> Check:
     return check
 
 
+def _zero_or_range(lo: float, hi: float) -> Check:
+    inner = _range(lo, hi)
+
+    def check(v: Any) -> str | None:
+        return None if v == 0 else (f"0 or {inner(v)}" if inner(v) else None)
+
+    return check
+
+
 def _port(v: Any) -> str | None:
     return None if 0 <= v <= 65535 else "a port 0-65535 (0 = pick a free one)"
 
@@ -141,18 +150,22 @@ class ServerSettings:
         default=0, metadata=_meta("Port of llama-server; 0 picks a free one.", _port, restart=True)
     )
     slots: int = field(
-        default=2,
+        default=0,
         metadata=_meta(
-            "Number of slots (-np). Warmslot always passes it explicitly: the server's auto mode "
-            "unifies the KV cache and clears idle slots.",
-            _range(1, 64),
+            "Number of slots (-np); 0: the fit plan chooses from memory (up to 3 agent slots "
+            "and one for side calls; `warmslot fit`). Warmslot always passes it explicitly: "
+            "the server's auto mode unifies the KV cache and clears idle slots.",
+            _range(0, 64),
             restart=True,
         ),
     )
     ctx_per_slot: int = field(
-        default=8192,
+        default=0,
         metadata=_meta(
-            "Context tokens per slot (-c is this × slots).", _range(256, 1 << 21), restart=True
+            "Context tokens per slot (-c is this × slots); 0: the fit plan chooses from "
+            "memory, up to the model's trained context.",
+            _zero_or_range(256, 1 << 21),
+            restart=True,
         ),
     )
     threads: int = field(
@@ -162,10 +175,11 @@ class ServerSettings:
         ),
     )
     cache_ram_mib: int = field(
-        default=2048,
+        default=-1,
         metadata=_meta(
-            "Host-RAM prompt cache of llama-server in MiB (--cache-ram); 0 disables it.",
-            _range(0, 1 << 20),
+            "Host-RAM prompt cache of llama-server in MiB (--cache-ram); 0 disables it; "
+            "-1: the fit plan chooses (half the host RAM left, at most 8 GiB).",
+            _range(-1, 1 << 20),
             restart=True,
         ),
     )
@@ -215,6 +229,24 @@ class ServerSettings:
             "Longest wait between restarts (the wait doubles from 0.5 s).", _range(0.5, 3600)
         ),
     )
+
+    # What a launch uses where the settings leave a value to the fit plan but no plan
+    # could be made (a model whose metadata the planner cannot read): the fit plan's
+    # flags replace these otherwise (core.server.argv).
+    @property
+    def launch_slots(self) -> int:
+        """`slots`, or 2 (one agent slot, one for side calls) when the plan chooses."""
+        return self.slots or 2
+
+    @property
+    def launch_ctx_per_slot(self) -> int:
+        """`ctx_per_slot`, or 8,192 when the plan chooses."""
+        return self.ctx_per_slot or 8192
+
+    @property
+    def launch_cache_ram_mib(self) -> int:
+        """`cache_ram_mib`, or 2,048 when the plan chooses."""
+        return self.cache_ram_mib if self.cache_ram_mib >= 0 else 2048
 
 
 @dataclass

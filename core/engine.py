@@ -279,7 +279,10 @@ class Core:
         self.proxy = Proxy(
             upstream=self.upstream,
             server_state=self._server_state_words,
-            n_slots=lambda: self.settings.server.slots,
+            # The slots llama-server was launched with: the fit plan's when it chose them.
+            n_slots=lambda: (
+                self.fit_plan.slots if self.fit_plan else self.settings.server.launch_slots
+            ),
             emit=self.emit,
             api_key=lambda: self.settings.proxy.api_key,
             max_body_mb=s.proxy.max_body_mb,

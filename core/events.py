@@ -124,6 +124,7 @@ class CacheEventKind(StrEnum):
     RESTORE_OK = "restore_ok"  # a saved state was restored and verified
     RESTORE_REJECTED = "restore_rejected"  # a restored state failed checks and was deleted
     RESTORE_UNPAID = "restore_unpaid"  # the request after a restore reused less than it held
+    CONTEXT_LIMIT = "context_limit"  # a request hit its slot's context (refused or cut short)
     EVICTED = "evicted"  # a saved state was deleted (retention rule, disk cap or the user)
     UNDELETABLE = "undeletable"  # a file that had to go could not be deleted: quarantined
     PINNED = "pinned"  # the user pinned a saved state

@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from core.cache import context_limit
 from core.cache.plan import SlotPlan
 from core.errors import PortInUse
 from core.events import CacheEvent, CacheEventKind, Event, RequestCompleted
@@ -734,6 +735,9 @@ class Proxy:
                         req.slot = slot
                 else:
                     error = _error_text(data)
+                # A prompt or answer that hit the slot's context is named (issue 16, 0e).
+                if (hit := context_limit.warning_for(up.status, data, req.body)) is not None:
+                    context_limit.note(req.response_headers, hit)
                 response = web.Response(
                     body=data,
                     status=up.status,

@@ -45,6 +45,12 @@ def format_inventory(st: dict[str, Any]) -> str:
             )
     if st.get("restore_shortfalls"):
         lines.append(f"  last restore that did not pay: {st['restore_shortfalls'][0]['text']}")
+    limits = st.get("context_limits") or {}
+    if limits.get("recent"):
+        lines.append(
+            f"  requests that hit the slot's context: {limits['total']}; last: "
+            f"{limits['recent'][0]['text']}"
+        )
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ from core.cache import background as bg
 from core.cache import prefix as pfx
 from core.cache import warmup
 from core.cache.boot import BootRewarm
+from core.cache.context_limit import ContextLimits
 from core.cache.conversations import Conversations
 from core.cache.definitions import DefinitionStore
 from core.cache.deps import CacheDeps, EngineParts, ServerHandle, deps_from
@@ -94,13 +95,14 @@ class CacheManager:
         s = deps.settings()
         self.clock: Clock = deps.clock
         self.slots = SlotMap(
-            s.server.slots, reserve_aux=s.cache.aux_slot, clock=self.clock.monotonic
+            s.server.launch_slots, reserve_aux=s.cache.aux_slot, clock=self.clock.monotonic
         )
         self.by_fp: dict[str, pfx.PrefixInfo] = {}
         self.identity: ServerIdentity | None = None
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
         self.restore_shortfalls: deque[dict[str, Any]] = deque(maxlen=10)
+        self.context_limits = ContextLimits()  # requests that hit their slot's context
         # Finds each request's stable prefix (rendering, boundaries, template check).
         self.learner = PrefixLearner(
             self.emit, self.publish, self.remember, lambda: self.identity, lambda: self.by_fp
@@ -408,6 +410,8 @@ class CacheManager:
         return held is not None and held.n_tokens >= n and held.tokens[:n] == info.tokens
 
     async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
+        # A request that hit its slot's context is never silent (issue 16, 0e).
+        await self.context_limits.observe(req, timings, self.client, self.identity, self.emit)
         plan = req.plan
         if plan is None:
             return
@@ -852,6 +856,7 @@ class CacheManager:
             ],
             "divergences": list(self.divergences)[:5],
             "restore_shortfalls": list(self.restore_shortfalls)[:5],
+            "context_limits": self.context_limits.status(),
             "template_warning": self.learner.template_warning,
             # True while the restore / prewarm after a (re)start still runs.
             "warming": self._ready_task is not None and not self._ready_task.done(),

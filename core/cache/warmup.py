@@ -93,7 +93,7 @@ async def learn_identity(mgr: CacheHost) -> None:
         chat_template=template_hash(str(props.get("chat_template", ""))),
         patches=patches,
     )
-    n = int(props.get("total_slots", mgr.settings.server.slots))
+    n = int(props.get("total_slots", mgr.settings.server.launch_slots))
     if n != mgr.slots.n_slots:
         mgr.slots = SlotMap(n, reserve_aux=mgr.settings.cache.aux_slot, clock=mgr.clock.monotonic)
     mgr.disk = disk_tier(mgr, sup.resolved.model.path, patches)

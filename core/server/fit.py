@@ -23,9 +23,15 @@ and docs/llama-server-facts.md#slot-file-contents):
   full-attention bytes × N + SWA bytes × min(N, n_swa) + recurrent state + 16 B
   per token.
 
-When the preferred configuration does not fit, the planner steps down a
-ladder — q8_0 KV cache, a shorter context, a partial GPU offload, fewer slots —
-and says in `gave_up` what it reduced; values the user pinned are never changed.
+Unless pinned, the planner aims for every slot holding the model's trained
+context (at most `MAX_AUTO_CTX`): an agent that declares 32k and gets 8k has its
+third turn truncated (issue 16). It aims for `FitRequest.agent_slots` agent slots
+plus one for side calls, so agents that alternate each keep their own slot instead
+of re-reading their conversation every turn. When that does not fit, it steps
+down a ladder — fewer slots at the trained context, a q8_0 KV cache, a shorter
+context (never below 32k before fewer agent slots and q8_0 were tried), a
+partial GPU offload — and says in `gave_up` what it reduced; values the user
+pinned are never changed.
 """
 
 from __future__ import annotations
@@ -66,6 +72,12 @@ SERVER_DEFAULT_CHECKPOINTS = 32
 SERVER_DEFAULT_MIN_STEP = 8192
 SERVER_DEFAULT_CACHE_RAM_MIB = 8192
 SERVER_DEFAULT_UBATCH = 512
+# The most context per slot the planner chooses by itself: beyond it a slot costs more
+# memory than CPU prefill can use (128k tokens take hours to read on a CPU).
+MAX_AUTO_CTX = 131072
+# Below this an agent's conversation is truncated after a few turns: the ladder keeps
+# it as long as fewer agent slots or a q8_0 cache can pay for it.
+AGENT_CTX = 32768
 
 
 def _pad(n: int, to: int = 256) -> int:
@@ -79,7 +91,11 @@ def _row(cache_type: str, n: int) -> int:
 
 @dataclass(frozen=True)
 class FitRequest:
-    """What the user pinned (None = let the planner choose) and the safety margins."""
+    """What the user pinned (None = let the planner choose) and the safety margins.
+
+    As in the settings, ``slots = 0``, ``ctx_per_slot = 0`` and a negative
+    ``cache_ram_mib`` mean "let the planner choose" too.
+    """
 
     slots: int | None = None
     ctx_per_slot: int | None = None
@@ -95,8 +111,21 @@ class FitRequest:
     flash_attn: bool = True
     vram_margin_mib: int = 1024  # per GPU, like llama-server's --fit-target
     ram_floor_mib: int = 2048  # host RAM left for the OS and everything else
-    preferred_ctx: int = 32768  # the context per slot the planner aims for
-    preferred_slots: int = 2  # one for the agent, one for side calls
+    preferred_ctx: int = 0  # the context per slot aimed for; 0: trained (≤ MAX_AUTO_CTX)
+    agent_slots: int = 3  # slots aimed for besides the side-call slot
+    side_slot: bool = True  # one more slot, reserved for side calls (cache.aux_slot)
+
+    def __post_init__(self) -> None:
+        for key in ("slots", "ctx_per_slot"):
+            if getattr(self, key) == 0:
+                object.__setattr__(self, key, None)
+        if self.cache_ram_mib is not None and self.cache_ram_mib < 0:
+            object.__setattr__(self, "cache_ram_mib", None)
+
+    @property
+    def preferred_slots(self) -> int:
+        """The slot count aimed for: the agent slots and the side-call slot."""
+        return max(1, self.agent_slots) + (1 if self.side_slot else 0)
 
     def validate(self) -> None:
         """Raise `ConfigError` for values llama-server would reject."""
@@ -401,16 +430,30 @@ class _Planner:
 
 
 _LADDER: tuple[tuple[int | None, bool, bool, int | None], ...] = (
-    # (context cap, quantize the KV cache, allow a partial offload, slots cap).
-    # A shorter context is worth it to keep every layer on the GPU; once layers
-    # must run on the CPU anyway, the preferred context comes back first.
+    # (context cap, quantize the KV cache, allow a partial offload, slots cap; a slots
+    # cap of -1 means two agent slots and the side slot, 0 one agent slot and the side
+    # slot). The trained context is tried with every slot count before the KV cache is
+    # quantized; a context below AGENT_CTX (a truncated agent, a hard failure) comes
+    # only after one agent slot (slower turns when agents alternate: the RAM cache
+    # and saved conversations bring them back) was tried. A shorter context is worth
+    # it to keep every layer on the GPU; once layers must run on the CPU anyway, the
+    # agent context comes back first.
     (None, False, False, None),
-    (None, True, False, None),
-    (16384, True, False, None),
-    (None, True, True, None),
-    (16384, True, True, None),
-    (8192, True, True, None),
-    (4096, True, True, None),
+    (None, False, False, -1),
+    (MAX_AUTO_CTX // 2, False, False, None),
+    (MAX_AUTO_CTX // 2, False, False, -1),
+    (AGENT_CTX, False, False, None),
+    (AGENT_CTX, False, False, -1),
+    (AGENT_CTX, True, False, None),
+    (AGENT_CTX, True, False, -1),
+    (AGENT_CTX, True, False, 0),
+    (16384, True, False, -1),
+    (16384, True, False, 0),
+    (AGENT_CTX, True, True, -1),
+    (AGENT_CTX, True, True, 0),
+    (16384, True, True, 0),
+    (8192, True, True, 0),
+    (4096, True, True, 0),
     (4096, True, True, 1),
 )
 
@@ -422,6 +465,22 @@ _PIN_KEYS = {  # reason key → the request fields that pin it
     "cache_types": ("cache_type_k", "cache_type_v"), "cache_ram_mib": ("cache_ram_mib",),
     "ctx_checkpoints": ("ctx_checkpoints",), "checkpoint_min_step": ("checkpoint_min_step",),
 }  # fmt: skip
+
+
+def _ctx_reason(ctx: int, pref: int, trained: int, slots: int) -> str:
+    """Why each slot gets `ctx` tokens (`pref`: what was aimed for)."""
+    head = f"{ctx} tokens per slot (-c {ctx * slots})"
+    if ctx < pref:
+        return (
+            f"{head}: {pref} per slot (the model's trained context, or the most chosen "
+            f"automatically) does not fit with {slots} slots in the memory there is"
+        )
+    if pref >= trained:
+        return f"{head}: the model's trained context — a conversation can grow to it"
+    return (
+        f"{head}: the most chosen automatically (the model was trained for {trained}; "
+        "server.ctx_per_slot sets more)"
+    )
 
 
 def _mib(n: int) -> str:
@@ -443,9 +502,11 @@ def plan(
     f = facts
     n_units = f.n_layer + 1
     notes = list(f.notes)
-    trained = f.n_ctx_train or req.preferred_ctx
-    pref_ctx = req.ctx_per_slot or max(256, min(req.preferred_ctx, trained) // 256 * 256)
+    aim = req.preferred_ctx or MAX_AUTO_CTX
+    trained = f.n_ctx_train or min(aim, AGENT_CTX)
+    pref_ctx = req.ctx_per_slot or max(256, min(aim, trained) // 256 * 256)
     pref_slots = req.slots or req.preferred_slots
+    side = 1 if req.side_slot else 0
     swa_full = bool(req.swa_full) and f.is_swa
     has_ckpt = f.is_recurrent or (f.is_swa and not swa_full)
     min_ckpt = req.ctx_checkpoints if req.ctx_checkpoints is not None else (4 if has_ckpt else 0)
@@ -454,7 +515,11 @@ def plan(
     def config(step: tuple[int | None, bool, bool, int | None]) -> tuple[_Config, int]:
         ctx_cap, quant, partial, slots_cap = step
         ctx = pref_ctx if req.ctx_per_slot or ctx_cap is None else min(ctx_cap, pref_ctx)
-        slots = pref_slots if req.slots or slots_cap is None else min(slots_cap, pref_slots)
+        if req.slots or slots_cap is None:
+            slots = pref_slots
+        else:
+            cap = {-1: 2 + side, 0: 1 + side}.get(slots_cap, slots_cap)
+            slots = min(cap, pref_slots)
         tk = req.cache_type_k or ("q8_0" if quant else "f16")
         # A quantized V cache needs flash attention in llama.cpp.
         tv = req.cache_type_v or ("q8_0" if quant and req.flash_attn else "f16")
@@ -524,10 +589,16 @@ def plan(
             f"{ngl} of {n_units} layers fit in VRAM with the "
             f"{req.vram_margin_mib} MiB margin; the rest run on the CPU"
         )
-    r["slots"] = "one slot for the agent, one reserved for side calls"
+    agents = cfg.slots - side if cfg.slots > side else cfg.slots
+    r["slots"] = (
+        f"{agents} agent slot{'s' if agents != 1 else ''} (each agent session keeps its "
+        "conversation in its own)" + (" and one reserved for side calls" if side else "")
+    )
     if cfg.slots < 2:
         r["slots"] = "a single slot: side calls share it with the conversation"
-    r["ctx_per_slot"] = f"-c {cfg.ctx * cfg.slots} in all; the model was trained for {trained}"
+    if cfg.slots < pref_slots:
+        r["slots"] += f"; {pref_slots} slots do not fit with this context"
+    r["ctx_per_slot"] = _ctx_reason(cfg.ctx, pref_ctx, trained, cfg.slots)
     if req.ctx_per_slot and f.n_ctx_train and cfg.ctx > f.n_ctx_train:
         notes.append(f"context {cfg.ctx} exceeds the trained {f.n_ctx_train}: quality drops")
     r["cache_types"] = "full precision, as the server's default"
@@ -566,6 +637,18 @@ def plan(
     for key, fields in _PIN_KEYS.items():
         if any(getattr(req, k) is not None for k in fields):
             r[key] = "pinned in the settings"
+    if req.ctx_per_slot:
+        r["ctx_per_slot"] = (
+            f"pinned in the settings: {cfg.ctx} tokens per slot (-c {cfg.ctx * cfg.slots}); "
+            f"the model was trained for {trained}"
+        )
+    if cfg.ctx < min(AGENT_CTX, trained):
+        notes.append(
+            f"{cfg.ctx} tokens per slot: a coding agent's conversation outgrows it within "
+            "a few turns; llama-server then refuses the request (\"exceeds the available "
+            "context size\") or cuts the answer short — Warmslot says so in the "
+            "X-Warmslot-Warning header, an event and `warmslot status`"
+        )
     if split:
         r["tensor_split"] = "layers per GPU: " + ",".join(map(str, split))
 
@@ -580,7 +663,13 @@ def plan(
             f"GPU offload {ngl} of {n_units} layers: {n_units - ngl} run on the CPU, much slower"
         )
     if cfg.slots < pref_slots:
-        gave.append(f"slots {pref_slots} → {cfg.slots}: no reserved slot for side calls")
+        if cfg.slots > side:
+            gave.append(
+                f"agent slots {pref_slots - side} → {cfg.slots - side}: more agent sessions "
+                "than that take turns (the RAM cache and saved conversations bring them back)"
+            )
+        else:
+            gave.append(f"slots {pref_slots} → {cfg.slots}: no reserved slot for side calls")
     if has_ckpt and req.ctx_checkpoints is None and n_ckpt < SERVER_DEFAULT_CHECKPOINTS:
         gave.append(
             f"context checkpoints {SERVER_DEFAULT_CHECKPOINTS} → {n_ckpt} per slot (host RAM)"

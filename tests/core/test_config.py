@@ -32,7 +32,7 @@ def test_schema_declares_every_field_once_with_description() -> None:
 
 def test_known_defaults() -> None:
     s = Settings()
-    assert s.server.slots == 2
+    assert (s.server.slots, s.server.ctx_per_slot, s.server.cache_ram_mib) == (0, 0, -1)  # fit plan
     assert s.server.host == "127.0.0.1"
     assert s.server.no_repack == "auto"
     assert s.proxy.port == 8089
@@ -117,7 +117,7 @@ def test_invalid_set_leaves_file_untouched(tmp_path: Path) -> None:
     [
         ('[proxy]\nport = "abc"\n', "proxy.port", "an integer", "abc"),
         ("[proxy]\nport = 70000\n", "proxy.port", "a port 0-65535 (0 = pick a free one)", 70000),
-        ("[server]\nslots = 0\n", "server.slots", "a number ≥ 1", 0),
+        ("[server]\nslots = -1\n", "server.slots", "a number ≥ 0", -1),
         ("[server]\nslots = true\n", "server.slots", "an integer", True),
         (
             '[server]\nno_repack = "maybe"\n',

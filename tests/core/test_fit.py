@@ -185,7 +185,7 @@ def test_dense_70b_cannot_fit_small_host_and_says_why() -> None:
     # Everything the ladder can reduce was reduced before giving up.
     assert (p.ctx_per_slot, p.slots, p.cache_type_k) == (4096, 1, "q8_0")
     gave = "\n".join(p.gave_up)
-    assert "context per slot 32768 → 4096" in gave and "slots 2 → 1" in gave
+    assert "context per slot 131072 → 4096" in gave and "slots 4 → 1" in gave
     assert re.search(
         r"does not fit: host RAM needs [\d.]+ GiB but has 22.0 GiB after keeping 2048 MiB free",
         gave,
@@ -202,8 +202,9 @@ def test_small_gpu_prefers_q8_and_shorter_context_before_partial_offload() -> No
     )
     p = plan(dense_8b, DEVICES["24GB"], HOST)
     check_invariants(p)
-    assert p.fits and p.n_gpu_layers == 33 and p.ctx_per_slot == 32768
-    assert (p.cache_type_k, p.gave_up) == ("f16", ())
+    # The trained 128k per slot does not fit; 32k, 3 agent slots and f16 do.
+    assert p.fits and p.n_gpu_layers == 33 and p.ctx_per_slot == 32768 and p.slots == 4
+    assert (p.cache_type_k, p.gave_up) == ("f16", ("context per slot 131072 → 32768 tokens",))
     p = plan(dense_8b, DEVICES["8GB"], HOST)
     check_invariants(p)
     assert p.fits and p.cache_type_k == "q8_0"
@@ -284,7 +285,9 @@ def test_request_validation() -> None:
     with pytest.raises(ConfigError, match="cache_type_k"):
         plan(DENSE_70B, [], HOST, FitRequest(cache_type_k="q3_k"))
     with pytest.raises(ConfigError, match="slots"):
-        plan(DENSE_70B, [], HOST, FitRequest(slots=0))
+        plan(DENSE_70B, [], HOST, FitRequest(slots=-1))
+    # 0 (and a negative RAM cache) mean "choose", as in the settings.
+    assert FitRequest(slots=0, ctx_per_slot=0, cache_ram_mib=-1) == FitRequest()
 
 
 # --- against real llama-server logs ----------------------------------------------------
@@ -341,7 +344,8 @@ def test_kv_estimate_matches_real_server(log: str, real_models: dict[str, ModelF
 def test_real_gemma_plan_on_this_kind_of_machine(real_models: dict[str, ModelFacts]) -> None:
     p = plan(real_models["gemma3"], [], HostInfo(24 * GIB, 22 * GIB, 0, 0, 60 * GIB))
     check_invariants(p)
-    assert p.fits and p.ctx_per_slot == 32768 and p.slots == 2  # trained context, 2 slots
+    # The trained context, 3 agent slots and the side slot.
+    assert p.fits and p.ctx_per_slot == 32768 and p.slots == 4
     assert p.breakdown.kv_cells_swa == 1024 and p.breakdown.checkpoint_bytes == 512 * (
         15 * 1024 + 16
     )
@@ -429,8 +433,10 @@ def test_fit_command(
     assert args.func(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["plan"]["fits"] and doc["model"]["architecture"] == "llama"
-    assert doc["plan"]["argv"][:4] == ["-ngl", "0", "-np", "2"]
-    assert doc["plan"]["ctx_per_slot"] == 8192  # the settings' default, pinned
+    # The settings' defaults leave slots and context to the plan: 3 agent slots and the
+    # side slot, each with the model's trained context.
+    assert doc["plan"]["argv"][:4] == ["-ngl", "0", "-np", "4"]
+    assert doc["plan"]["ctx_per_slot"] == 4096
     args = parser.parse_args(
         ["--dev-dir", str(tmp_path / "home"), "fit", "--model", str(model), "--auto"]
     )
@@ -438,3 +444,66 @@ def test_fit_command(
     out = capsys.readouterr().out
     assert "Fit plan for warmslot-tiny: fits" in out and "llama-server -ngl 0" in out
     assert "4096/slot" in out  # --auto: the model's trained context
+
+
+# --- slots and context from memory (issue 16, 0e and 3) --------------------------------
+
+DENSE_8B_32K = facts(
+    "dense-8b-32k",
+    32,
+    n_ctx_train=32768,
+    layer_bytes=(140_000_000,) * 32,
+    input_bytes=280_000_000,
+    output_bytes=280_000_000,
+)
+
+
+def host_for(f: ModelFacts, **pins: Any) -> HostInfo:
+    """A CPU host with just enough RAM (above the 2 GiB floor) for these pinned values."""
+    need = plan(f, [], HOST, FitRequest(cache_ram_mib=0, **pins)).devices[-1].total_bytes
+    return HostInfo(64 * GIB, need + 2048 * MIB, 0, 0, 500 * GIB)
+
+
+def test_default_settings_leave_slots_context_and_ram_cache_to_the_plan() -> None:
+    r = request_from_settings(ServerSettings())
+    assert (r.slots, r.ctx_per_slot, r.cache_ram_mib) == (None, None, None)
+    p = plan(DENSE_8B_32K, [], HOST, r)
+    check_invariants(p)
+    # Room for everything: 3 agent slots and the side slot, each the trained context.
+    assert (p.slots, p.ctx_per_slot, p.cache_type_k) == (4, 32768, "f16")
+    assert p.reasons["slots"].startswith("3 agent slots") and "side calls" in p.reasons["slots"]
+    assert "32768 tokens per slot (-c 131072): the model's trained context" in (
+        p.reasons["ctx_per_slot"]
+    )
+    assert not any("context" in g or "slots" in g for g in p.gave_up)
+
+
+def test_memory_takes_agent_slots_before_the_agent_context() -> None:
+    f = DENSE_8B_32K
+    # One slot less than the aim fits: 2 agent slots, still f16 and the full context.
+    p = plan(f, [], host_for(f, slots=3, ctx_per_slot=32768))
+    check_invariants(p)
+    assert (p.slots, p.ctx_per_slot, p.cache_type_k) == (3, 32768, "f16")
+    assert any(g.startswith("agent slots 3 → 2") for g in p.gave_up)
+    assert "4 slots do not fit" in p.reasons["slots"]
+    # Room for two q8_0 slots at 32k only: one agent slot keeps the agent's context.
+    q8 = {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}
+    p = plan(f, [], host_for(f, slots=2, ctx_per_slot=32768, **q8))
+    check_invariants(p)
+    assert (p.slots, p.ctx_per_slot, p.cache_type_k) == (2, 32768, "q8_0")
+    assert not any("outgrows" in n for n in p.notes)
+    # Less still: 16k per slot, and the plan says that agents will hit it, and why.
+    p = plan(f, [], host_for(f, slots=2, ctx_per_slot=16384, **q8))
+    check_invariants(p)
+    assert (p.slots, p.ctx_per_slot) == (2, 16384)
+    assert "does not fit with 2 slots" in p.reasons["ctx_per_slot"]
+    assert any("outgrows it within a few turns" in n for n in p.notes)
+    assert "context per slot 32768 → 16384 tokens" in p.gave_up
+
+
+def test_pinned_context_is_explained_with_its_numbers() -> None:
+    p = plan(DENSE_8B_32K, [], HOST, FitRequest(ctx_per_slot=8192))
+    assert p.reasons["ctx_per_slot"] == (
+        "pinned in the settings: 8192 tokens per slot (-c 32768); the model was trained for 32768"
+    )
+    assert any("8192 tokens per slot: a coding agent" in n for n in p.notes)

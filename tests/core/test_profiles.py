@@ -110,5 +110,5 @@ def test_footprint_from_the_fit_planner(tiny_model: Path) -> None:
     assert f.vram == () and f.source == "fit planner"
     assert 64 * profiles.MIB < f.ram < 2048 * profiles.MIB  # weights + KV + 64 MiB RAM cache
     bigger = profiles.server_settings(s, prof)
-    bigger.ctx_per_slot *= 4
+    bigger.ctx_per_slot = 4 * 4096  # 0 (the default) lets the plan choose 4,096 here
     assert profiles.footprint(prof, bigger, tiny_model, [], host).ram > f.ram
