@@ -28,7 +28,13 @@ from core.paths import Paths
 
 __version__ = "0.1.0"
 # Subcommands that live in their own modules; each has `register(subparsers)`.
-_COMMAND_MODULES = ("core.cli_fit", "core.cli_build", "core.cli_models", "core.bench.cli")
+_COMMAND_MODULES = (
+    "core.cli_fit",
+    "core.cli_build",
+    "core.cli_models",
+    "core.cli_worker",
+    "core.bench.cli",
+)
 
 
 def setup_logging(paths: Paths, verbose: bool = False) -> None:
@@ -193,6 +199,10 @@ def format_status(st: dict[str, Any]) -> str:
             f"  port    {srv['port']}  pid {srv['pid']}  restarts {srv['restarts']}"
             + ("  --no-repack" if srv.get("no_repack") else "")
         )
+    if isinstance(st.get("workers"), dict):
+        from core.server.rpc import worker_lines
+
+        lines += worker_lines(st["workers"])
     for label, key in (("all time", "totals"), ("last hour", "last_hour")):
         t = st.get(key) or {}
         if t:
@@ -303,6 +313,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"model:       ✘ {e.user_message()}")
     from core.syslibs import check_tray_libraries
 
+    if settings.workers:
+        problems += _doctor_workers(settings, found.found.path if found.found else None)
     libs = check_tray_libraries()
     if libs.checked:  # informational: `serve` runs without them, only the tray needs them
         print(f"tray (X11):  {'✔' if libs.ok else '✘'} {libs.message()}")
@@ -313,6 +325,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for line in doctor_lines(paths, settings, st):
         print(line)
     return 1 if problems else 0
+
+
+def _doctor_workers(settings: config_mod.Settings, binary: Any) -> int:
+    """Check each `[[workers]]` entry as a launch would; the number of problems."""
+    from core.server.rpc import check_workers
+
+    print("workers (llama.cpp RPC; no authentication: trusted networks only):")
+    if binary is None:
+        print("  ✘ not checked: no llama-server to run the RPC handshake with")
+        return 1
+    checks = check_workers(binary, settings.workers)
+    for c in checks:
+        print(f"  {c.summary()}")
+    return sum(1 for c in checks if not c.ok)
 
 
 # ------------------------------------------------------------------ config

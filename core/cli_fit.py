@@ -93,13 +93,27 @@ def cmd_fit(args: argparse.Namespace) -> int:
     facts = read_facts(model_path)
     gpus = read_gpus()
     host = read_host(paths.state_dir)
-    result = plan(facts, gpus, host, request_from_settings(settings.server, auto=args.auto))
+    request = request_from_settings(settings.server, auto=args.auto)
+    result = plan(facts, gpus, host, request)
+    workers_text, workers_doc = "", None
+    if settings.workers:  # RPC workers: checked as a launch checks them (docs/scale.md)
+        from core.server import discover
+        from core.server.rpc import check_workers
+        from core.server.rpc_fit import format_workers, plan_with_workers
+
+        found = discover.discover(paths, settings.server.binary).found
+        checks = check_workers(found.path, settings.workers) if found else []
+        wp = plan_with_workers(facts, gpus, host, request, checks)
+        result = wp.plan
+        workers_text = format_workers(wp, checks) or "workers: not checked (no llama-server)"
+        workers_doc = {"checks": [c.to_dict() for c in checks], "rpc": list(wp.endpoints)}
     if args.json:
         doc = {
             "model": facts.to_dict(),
             "gpus": [g.to_dict() for g in gpus],
             "host": host.to_dict(),
             "plan": result.to_dict(),
+            "workers": workers_doc,
         }
         print(json.dumps(doc, indent=2))
     else:
@@ -119,6 +133,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
             f"available of {host.ram_total / (1 << 30):.1f} GiB\n"
         )
         print(format_plan(result))
+        if workers_text:
+            print("\n" + workers_text)
     return 0 if result.fits else 1
 
 

@@ -534,6 +534,81 @@ class PoolSettings:
     )
 
 
+def _worker_address(v: Any) -> str | None:
+    # llama.cpp splits an --rpc endpoint at its first ':' and the list at ',', so an
+    # IPv6 literal cannot be written there at all.
+    if ":" in v:
+        return "an IPv4 address or a host name (llama.cpp's --rpc cannot take IPv6)"
+    try:
+        ipaddress.IPv4Address(v)
+        return None
+    except ValueError:
+        pass
+    labels = v.split(".")
+    ok = bool(v) and len(v) <= 253 and all(
+        0 < len(label) <= 63
+        and label[0] != "-"
+        and label[-1] != "-"
+        and all(c.isascii() and (c.isalnum() or c == "-") for c in label)
+        for label in labels
+    )
+    return None if ok else "an IPv4 address or a host name such as gpu-box.lan"
+
+
+def _worker_name(v: Any) -> str | None:
+    ok = len(v) <= 64 and all(c.isalnum() or c in "._-" for c in v)
+    return None if ok else "empty, or up to 64 letters, digits and . _ -"
+
+
+@dataclass
+class WorkerSettings:
+    """One llama.cpp RPC worker (a ``[[workers]]`` table): a machine running
+    ``ggml-rpc-server`` (`warmslot worker`) whose devices the primary model may use."""
+
+    address: str = field(
+        default="",
+        metadata=_meta(
+            "Host name or IPv4 address of the worker. llama.cpp's RPC protocol has no "
+            "authentication: only on a network you trust (docs/scale.md).",
+            _worker_address,
+            restart=True,
+        ),
+    )
+    port: int = field(
+        default=50052,
+        metadata=_meta(
+            "Port its ggml-rpc-server listens on (`warmslot worker --port`).",
+            _range(1, 65535),
+            restart=True,
+        ),
+    )
+    name: str = field(
+        default="",
+        metadata=_meta(
+            "Name shown in status and errors; empty: address:port.", _worker_name, restart=True
+        ),
+    )
+    layers: int = field(
+        default=0,
+        metadata=_meta(
+            "Model layers this worker holds; 0: the fit plan decides from its free memory "
+            "(a model that fits on the main host then stays there).",
+            _range(0, 1 << 16),
+            restart=True,
+        ),
+    )
+
+    @property
+    def endpoint(self) -> str:
+        """``address:port``, as llama-server's ``--rpc`` takes it."""
+        return f"{self.address}:{self.port}"
+
+    @property
+    def label(self) -> str:
+        """How status and errors name it."""
+        return f"{self.name} ({self.endpoint})" if self.name else self.endpoint
+
+
 @dataclass
 class Settings:
     """All of Warmslot's settings. Access as ``settings.server.port``.
@@ -549,6 +624,7 @@ class Settings:
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
     pool: PoolSettings = field(default_factory=PoolSettings)
     models: list[ModelProfile] = field(default_factory=list)
+    workers: list[WorkerSettings] = field(default_factory=list)
 
     def get(self, name: str) -> Any:
         """Value of a dotted name such as ``proxy.port``."""
@@ -659,7 +735,7 @@ def _split(name: str) -> tuple[str, str]:
     return section, key
 
 
-LIST_SECTIONS = ("models",)  # lists of tables, validated by their own schema
+LIST_SECTIONS = ("models", "workers")  # lists of tables, validated by their own schema
 
 
 def _section_specs(prefix: str, sect_type: type) -> dict[str, SettingSpec]:
@@ -693,6 +769,8 @@ def _build_schema() -> dict[str, SettingSpec]:
 SCHEMA: dict[str, SettingSpec] = _build_schema()
 # The fields of one ``[[models]]`` table, named ``models.<field>``.
 PROFILE_SCHEMA: dict[str, SettingSpec] = _section_specs("models", ModelProfile)
+# The fields of one ``[[workers]]`` table, named ``workers.<field>``.
+WORKER_SCHEMA: dict[str, SettingSpec] = _section_specs("workers", WorkerSettings)
 
 
 def profiles_from_list(values: Any, *, path: str = "<settings>") -> list[ModelProfile]:
@@ -738,6 +816,65 @@ def profiles_from_list(values: Any, *, path: str = "<settings>") -> list[ModelPr
             expected="at least one profile with role 'text' (the first is the primary)",
         )
     return out
+
+
+def workers_from_list(values: Any, *, path: str = "<settings>") -> list[WorkerSettings]:
+    """Validate the ``[[workers]]`` tables: known keys, types, an address each, no
+    worker named or listed twice."""
+    if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
+        raise ConfigError(
+            "wrong type", file=path, key="workers", expected="a list of tables ([[workers]])"
+        )
+    out: list[WorkerSettings] = []
+    for i, table in enumerate(values):
+        worker = WorkerSettings()
+        for key, value in table.items():
+            spec = WORKER_SCHEMA.get(f"workers.{key}")
+            if spec is None:
+                raise ConfigError(
+                    "unknown setting",
+                    file=path,
+                    key=f"workers[{i}].{key}",
+                    expected="one of " + ", ".join(k.split(".", 1)[1] for k in WORKER_SCHEMA),
+                )
+            # Errors name the table too: `workers[1].port`, not just `workers.port`.
+            named = dataclasses.replace(spec, name=f"workers[{i}].{key}")
+            setattr(worker, key, named.coerce(value, file=path))
+        if not worker.address:
+            raise ConfigError(
+                "missing value",
+                file=path,
+                key=f"workers[{i}].address",
+                expected="the worker's host name or IPv4 address",
+            )
+        if worker.endpoint in {w.endpoint for w in out}:
+            raise ConfigError(
+                "worker listed twice",
+                file=path,
+                key=f"workers[{i}]",
+                expected="each address:port once",
+                got=worker.endpoint,
+            )
+        if worker.name and worker.name in {w.name for w in out}:
+            raise ConfigError(
+                "duplicate worker name",
+                file=path,
+                key=f"workers[{i}].name",
+                expected="a name no other worker has",
+                got=worker.name,
+            )
+        out.append(worker)
+    return out
+
+
+def _worker_table(worker: WorkerSettings) -> Any:
+    table = tomlkit.table()
+    for spec in WORKER_SCHEMA.values():
+        key = spec.name.split(".", 1)[1]
+        value = getattr(worker, key)
+        if key in ("address", "port") or value != spec.default:
+            table.add(key, value)
+    return table
 
 
 def _profile_table(prof: ModelProfile) -> Any:
@@ -831,6 +968,9 @@ def settings_from_dict(doc: dict[str, Any], *, path: str = "<settings>") -> Sett
     settings = Settings()
     for section, values in doc.items():
         if section == "version":
+            continue
+        if section == "workers":
+            settings.workers = workers_from_list(values, path=path)
             continue
         if section in LIST_SECTIONS:
             settings.models = profiles_from_list(values, path=path)
@@ -969,5 +1109,13 @@ def save(path: Path, settings: Settings) -> None:
             for prof in settings.models:
                 aot.append(_profile_table(prof))
             doc.add("models", aot)
+    if workers_from_list(doc.unwrap().get("workers", []), path=str(path)) != settings.workers:
+        if "workers" in doc:
+            del doc["workers"]
+        if settings.workers:
+            workers = tomlkit.aot()
+            for worker in settings.workers:
+                workers.append(_worker_table(worker))
+            doc.add("workers", workers)
     settings_from_dict(_migrate(doc.unwrap(), str(path)), path=str(path))
     _atomic_write(path, tomlkit.dumps(doc))

@@ -49,6 +49,8 @@ from core.server.fit import FitPlan, format_plan, plan_argv
 from core.server.fit import plan as plan_fit
 from core.server.gguf_facts import read_facts
 from core.server.provision import PATCHED_PURPOSE, Provisioner
+from core.server.rpc import WorkerSet
+from core.server.rpc_fit import launch_plan
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
 from core.sweeps import Outcome, Sweeps
@@ -153,6 +155,11 @@ class Core:
         self.pressure: PressureMonitor | None = None
         self.background: Background | None = None
         self.fit_plan: FitPlan | None = None  # the primary's memory plan, launched with
+        # llama.cpp RPC workers ([[workers]], docs/scale.md): checked before each launch.
+        self.workers = WorkerSet(
+            lambda: self.settings.workers,
+            notify=self._warn_threadsafe,
+        )
         # `binary_check` smoke-starts each llama-server candidate (None: trust --version,
         # for tests whose fake servers stage launch faults on purpose).
         # `build_request`: what automatic builds build (default: the pinned llama.cpp with
@@ -167,6 +174,11 @@ class Core:
         self.started_at = 0.0
 
     # ------------------------------------------------------------- events
+    def _warn_threadsafe(self, text: str) -> None:
+        """A warning Notice from any thread (worker checks run off the loop)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.emit, Notice(level="warning", text=text))
+
     def subscribe(
         self, callback: Subscriber, types: tuple[type[Event], ...] | None = None
     ) -> Callable[[], None]:
@@ -351,6 +363,22 @@ class Core:
         template = chat_template_for(s, mdl)
         plan: list[str] = []
         fit_plan, gpus_seen = await loop.run_in_executor(None, self._plan_fit, s, mdl)
+        if self.workers.configured and s == self._primary_settings():
+            # Raises WorkerUnavailable when a needed worker is gone: the supervisor waits.
+            wp = await loop.run_in_executor(
+                None,
+                lambda: launch_plan(
+                    self.workers,
+                    binary.path,
+                    mdl.path,
+                    self.paths.state_dir,
+                    request_from_settings(s),
+                    env=binary.launch_env(),
+                ),
+            )
+            if wp.endpoints:  # -ngl/-ts place layers on the workers even without a GPU here
+                fit_plan, gpus_seen = wp.plan, True
+                plan += wp.argv
         if fit_plan is not None:
             flags = plan_argv(fit_plan)
             plan += flags if gpus_seen else _drop_flag(flags, "-ngl")
@@ -717,6 +745,7 @@ class Core:
                 if self.fit_plan is None
                 else {"plan": self.fit_plan.to_dict(), "text": format_plan(self.fit_plan)},
             },
+            "workers": self.workers.snapshot() if self.workers.configured else None,
             "totals": tel.totals() if tel else {},
             "last_hour": tel.totals(hour_ago) if tel else {},
             "clients": tel.per_client() if tel else [],

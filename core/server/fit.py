@@ -114,6 +114,9 @@ class FitRequest:
     preferred_ctx: int = 0  # the context per slot aimed for; 0: trained (≤ MAX_AUTO_CTX)
     agent_slots: int = 3  # slots aimed for besides the side-call slot
     side_slot: bool = True  # one more slot, reserved for side calls (cache.aux_slot)
+    # Layers per device, pinned (RPC workers with `layers` set, core.server.rpc_fit): the
+    # devices get exactly these, in order, instead of filling each in turn.
+    layer_split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for key in ("slots", "ctx_per_slot"):
@@ -345,9 +348,13 @@ class _Planner:
         for d, gpu in enumerate(self.gpus):
             budget = gpu.free_bytes - self.margin
             end, cost = pos, comp
+            pinned = req.layer_split[d] if req.layer_split and d < len(req.layer_split) else None
             while end < len(units):
                 w, kv = units[end]
-                if d < len(self.gpus) - 1 and cost + w + kv > budget:
+                if pinned is not None and d < len(self.gpus) - 1:
+                    if end - pos >= pinned:
+                        break
+                elif d < len(self.gpus) - 1 and cost + w + kv > budget:
                     break  # the rest goes to the next GPU
                 cost += w + kv
                 end += 1

@@ -43,7 +43,7 @@ from core.config import ServerSettings
 from core.errors import PortInUse, ServerStartFailed, WarmslotError
 from core.events import Event, LogLine, ServerExited, ServerLaunched, ServerStateChanged
 from core.paths import Paths
-from core.server import logparse, process
+from core.server import logparse, process, rpc
 from core.server.argv import LaunchInputs, build_argv
 from core.server.discover import ServerBinary
 from core.server.model import ModelFile
@@ -189,6 +189,7 @@ class Supervisor:
         self._started_at = 0.0
         self._http: aiohttp.ClientSession | None = None
         self._api_key: str | None = None
+        self._worker_waits = 0  # checks in a row that found a needed RPC worker gone
 
     # ----------------------------------------------------------------- public API
     @property
@@ -364,7 +365,14 @@ class Supervisor:
                 await self._launch(resolved, no_repack, attempt)
             except ServerStartFailed as e:
                 crashed = getattr(e, "crash_signal", None)
-                if crashed is not None and not no_repack and self._settings().no_repack == "auto":
+                # An RPC worker that went away aborts the server too: not the AMX bug.
+                rpc_lost = rpc.rpc_failure(list(self.log_tail)[-40:])
+                if (
+                    crashed is not None
+                    and not no_repack
+                    and not rpc_lost
+                    and self._settings().no_repack == "auto"
+                ):
                     reason = (
                         f"llama-server crashed during warm-up (signal {crashed}); "
                         "retrying with --no-repack (AMX weight repacking bug)"
@@ -374,12 +382,20 @@ class Supervisor:
                     await self._launch(resolved, True, "no-repack-retry")
                 else:
                     raise
+        except rpc.WorkerUnavailable as e:
+            # Not a failure of the server: wait for the worker, for as long as it takes.
+            delay = min(0.5 * (2**self._worker_waits), self._settings().backoff_max_s)
+            self._worker_waits += 1
+            self._set_state(ServerState.STARTING, f"{e}; checking again in {delay:.0f} s")
+            self._restart_task = asyncio.create_task(self._restart_after(delay))
+            return
         except WarmslotError as e:
             self._set_state(ServerState.FAILED, str(e))
             raise
         except Exception as e:
             self._set_state(ServerState.FAILED, f"unexpected error: {e!r}")
             raise
+        self._worker_waits = 0
 
     async def _launch(self, resolved: Resolved, no_repack: bool, attempt: str) -> None:
         settings = self._settings()
@@ -581,6 +597,9 @@ class Supervisor:
             self.restarts = 0
         settings = self._settings()
         what = f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}"
+        if lost := rpc.rpc_failure(list(self.log_tail)[-40:]):
+            # llama-server does not say which worker: the restart checks them and names it.
+            what += f", an RPC worker stopped answering: {lost}"
         if self.restarts >= settings.max_restarts:
             self._set_state(
                 ServerState.FAILED, f"crashed ({what}); gave up after {self.restarts} restarts"

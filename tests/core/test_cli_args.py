@@ -22,6 +22,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("models",): ("--json", "--no-fit"),
     ("models", "use"): ("3",),
     ("clients",): ("--json",),
+    ("worker",): ("--port", "50100"),
     ("bench",): (),  # only through its subcommands below
     ("bench", "overhead"): ("--json",),
     ("bench", "trace"): (),
