@@ -68,6 +68,8 @@ log = logging.getLogger("warmslot.build")
 
 _TMP_PREFIX = ".tmp-"
 _EXE = "llama-server.exe" if os.name == "nt" else "llama-server"
+# The RPC worker built beside the server (cmake target; the binary lands next to llama-server).
+RPC_SERVER = "ggml-rpc-server"
 _VERSION_TIMEOUT_S = 60.0
 
 ProgressCallback = Callable[[BuildProgress], None]
@@ -279,6 +281,7 @@ async def _compile(
                 str(bdir),
                 "--target",
                 "llama-server",
+                RPC_SERVER,
                 "--config",
                 "Release",
                 "-j",

@@ -159,6 +159,9 @@ def cmake_args(
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_OPENSSL=OFF",
         f"-DGGML_NATIVE={'ON' if native else 'OFF'}",
+        # llama.cpp's RPC backend: `llama-server --rpc` and the ggml-rpc-server worker that
+        # spread one model over several machines (docs/scale.md). Small: one backend file.
+        "-DGGML_RPC=ON",
     ]
     if backend == "cuda":
         args.append("-DGGML_CUDA=ON")

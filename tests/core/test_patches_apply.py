@@ -22,7 +22,13 @@ PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
 
 # What the patched llama-server lists in GET /props → "warmslot_patches" (docs/patches.md):
 # Warmslot's cache manager keys features on these exact strings.
-EXPECTED_PATCH_LEVEL = ["slot-api-v2", "slot-checkpoints-v1", "swa-full-state-v1"]
+EXPECTED_PATCH_LEVEL = [
+    "slot-api-v2",
+    "slot-checkpoints-v1",
+    "swa-full-state-v1",
+    "api-parity-v1",
+    "prefix-save-v1",
+]
 
 
 def _patches() -> list[Path]:
