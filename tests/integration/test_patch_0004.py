@@ -31,24 +31,8 @@ from tests.helpers import free_port, wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 LEVELS = ("api-parity-v1", "prefix-save-v1")
-_WORDS = [
-    "the",
-    "tool",
-    "reads",
-    "a",
-    "file",
-    "and",
-    "writes",
-    "the",
-    "answer",
-    "to",
-    "the",
-    "user",
-    "in",
-    "a",
-    "short",
-    "reply",
-]
+_TEXT = "the tool reads a file and writes the answer to the user in a short reply"
+_WORDS = _TEXT.split()
 
 
 @dataclass
