@@ -1,11 +1,11 @@
 """Setup snippets for coding agents: where to point each client at Warmslot.
 
 Pure functions of the proxy's URL and a model name, shared by ``warmslot clients``
-and the tray's "Client setup…" dialog. Whether a client works today follows from
-the routes the proxy forwards (`core.proxy.JSON_ROUTES`): opencode and aider speak
-OpenAI chat completions, which it forwards; Claude Code speaks Anthropic's Messages
-API (``POST /v1/messages``) and Codex CLI OpenAI's Responses API (``POST
-/v1/responses``), which it does not forward yet — their snippets say so.
+and the tray's "Client setup…" dialog. Whether a client works follows from the
+routes the proxy forwards (`core.proxy.JSON_ROUTES`): opencode and aider speak OpenAI
+chat completions, Claude Code Anthropic's Messages API (``POST /v1/messages``) and
+Codex CLI OpenAI's Responses API (``POST /v1/responses``); the proxy manages all three
+alike (`core.apis`), /v1/messages with slot pinning only on a server with patch 0004.
 """
 
 from __future__ import annotations
@@ -142,7 +142,11 @@ def _claude_code(url: str, model: str, key: bool) -> ClientSetup:
         "claude",
     ]
     status = (
-        "Works: the proxy forwards Anthropic's Messages API."
+        "Works (Anthropic Messages API, managed like chat completions: Claude Code's "
+        "session from metadata.user_id pins a slot, its tool-less quick calls go to the "
+        "side slot). Pinning needs a llama-server with patch 0004 (`warmslot build`); on "
+        "a stock server requests are forwarded and accounted, unmanaged (`warmslot "
+        "status` says so). Use a model with a tool-capable chat template."
         if works
         else "Does not work yet: Claude Code speaks Anthropic's Messages API "
         f"(POST {ANTHROPIC_ROUTE}), and Warmslot's proxy forwards only OpenAI-style "
@@ -174,7 +178,9 @@ def _codex(url: str, model: str, key: bool) -> ClientSetup:
     if key:
         lines.append(f'env_key = "{API_KEY_ENV}"')
     status = (
-        "Works: the proxy forwards OpenAI's Responses API."
+        "Works (OpenAI Responses API, managed like chat completions: the stable prefix "
+        "of instructions and function tools stays in its slot, tool-less calls go to the "
+        "side slot). Codex's built-in non-function tools are dropped by llama-server."
         if works
         else "Does not work yet: current Codex CLI releases speak only OpenAI's Responses "
         f'API (POST {RESPONSES_ROUTE}; wire_api = "chat" is no longer accepted), and '

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -28,6 +29,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from core import apis
+from core.apis import ChatView
 from core.cache import context_limit
 from core.cache.plan import SlotPlan
 from core.errors import PortInUse
@@ -42,7 +45,7 @@ from core.proxy_checks import (
     parse_json,
     validate,
 )
-from core.router import Decision, Refused, Router, session_key
+from core.router import Decision, Refused, Router, metadata_session, session_key
 from core.server.client import STALE_RETRIES, Timings, stale_connection
 from core.server.upstream import Upstream
 from core.telemetry import safe_text
@@ -67,19 +70,8 @@ _DROP_HEADERS = {
     "accept-encoding",
 }
 
-# path → (endpoint kind, generation?)
-JSON_ROUTES: dict[str, tuple[str, bool]] = {
-    "/v1/chat/completions": ("chat", True),
-    "/chat/completions": ("chat", True),
-    "/v1/completions": ("completions", True),
-    "/completions": ("completions", True),
-    "/completion": ("completion", True),
-    "/v1/embeddings": ("embeddings", False),
-    "/embeddings": ("embeddings", False),
-    "/tokenize": ("tokenize", False),
-    "/detokenize": ("detokenize", False),
-    "/apply-template": ("apply-template", False),
-}
+# path → (endpoint kind, generation?): the wire APIs are `core.apis`'s to know.
+JSON_ROUTES: dict[str, tuple[str, bool]] = apis.ROUTES
 GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/props", "/slots")
 
 
@@ -109,6 +101,14 @@ class ProxyRequest:
     # The client's own bytes, kept only until the cache policy has prepared the request
     # (failing open parses them again); then dropped, so a large body is not held twice.
     raw_body: bytes | bytearray | None = field(default=None, repr=False)
+    # The request as chat completions (`core.apis.ChatView`): what everything that reads
+    # messages or tools reads. None for other endpoints, or when the body could not be
+    # converted (the cache then leaves the request alone).
+    chat: ChatView | None = None
+
+    def __post_init__(self) -> None:
+        if self.chat is None and self.endpoint == "chat":
+            self.chat = apis.chat_view("chat", self.body)
 
     @property
     def kind(self) -> str:
@@ -157,6 +157,15 @@ def error_response(
     return web.json_response(body, status=status, headers=headers)
 
 
+def invalid_response(endpoint: str, e: Invalid) -> web.Response:
+    """A refused body's 4xx in its API's own error shape: Anthropic's
+    ``{"type": "error", "error": {"type", "message"}}`` for /v1/messages, else OpenAI's."""
+    if endpoint in ("messages", "messages-count"):
+        body = {"type": "error", "error": {"type": e.code, "message": str(e)}}
+        return web.json_response(body, status=e.status)
+    return error_response(e.status, str(e), param=e.param)
+
+
 _T = TypeVar("_T")
 
 
@@ -172,6 +181,10 @@ async def _off_loop(fn: Callable[..., _T], arg: Any, *, big: bool | None = None)
 
 def _encode(body: Any) -> bytes:
     return json.dumps(body).encode()
+
+
+# Endpoints whose completed requests the cache policy hears about.
+_MANAGED = (*apis.CHAT_ENDPOINTS, "completions", "completion")
 
 
 class _ClientGone(Exception):
@@ -208,19 +221,37 @@ async def _client_gone(request: web.Request) -> None:
 
 
 class SSEScanner:
-    """Finds `timings` (and `id_slot`) in an SSE stream without buffering it."""
+    """Finds `timings` (and `id_slot`) in an SSE stream without buffering it; without
+    `timings` (stock llama-server's Anthropic stream), the reuse numbers of its `usage`."""
 
     def __init__(self) -> None:
         self._tail = b""
-        self.timings: dict[str, Any] | None = None
+        self._timings: dict[str, Any] | None = None
         self.id_slot: int | None = None
         self.upstream_error: str | None = None
+        # For a stream without `timings` (stock llama-server's Anthropic stream): the last
+        # event lines with input and with output token `usage`, unparsed.
+        self._usage_in = b""
+        self._usage_out = b""
+
+    @property
+    def timings(self) -> dict[str, Any] | None:
+        """The `timings` of the last event that had them; without any, the reuse numbers
+        of the stream's `usage` (`core.apis.usage_timings`)."""
+        if self._timings is not None:
+            return self._timings
+        return stream_usage(self._usage_in, self._usage_out) if self._usage_in else None
 
     def feed(self, chunk: bytes) -> None:
         data = self._tail + chunk
         lines = data.split(b"\n")
         self._tail = lines.pop()
         for line in lines:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                if b'"input_tokens"' in line:
+                    self._usage_in = line
+                if b'"output_tokens"' in line:
+                    self._usage_out = line
             if not line.startswith(b"data: {") or (
                 b'"timings"' not in line and b'"error"' not in line
             ):
@@ -230,7 +261,7 @@ class SSEScanner:
             except ValueError:
                 continue
             if isinstance(obj.get("timings"), dict):
-                self.timings = obj["timings"]
+                self._timings = obj["timings"]
             if isinstance(obj.get("id_slot"), int) and obj["id_slot"] >= 0:
                 self.id_slot = obj["id_slot"]
             if isinstance(obj.get("error"), dict):
@@ -541,7 +572,7 @@ class Proxy:
             body = await _off_loop(parse_json, raw)
             validate(endpoint, body, self._n_slots())
         except Invalid as e:
-            return error_response(e.status, str(e), param=e.param)
+            return invalid_response(endpoint, e)
         load_ms: float | None = None
         if self.admit is None:
             err, load_ms = await self._ready_or_start()
@@ -551,7 +582,8 @@ class Proxy:
         # lone surrogates) become U+FFFD here, before any of them reaches the router's
         # Decision, a session key, an event or the telemetry database (issue 19).
         headers = {safe_text(k.lower()): safe_text(v) for k, v in request.headers.items()}
-        decision = self.router.decide(endpoint, headers, body)
+        chat = await self._chat_view(endpoint, body, len(raw))
+        decision = self.router.decide(endpoint, headers, body, chat)
         if isinstance(decision, Refused):
             return error_response(
                 decision.status, decision.error, type_="not_found_error", param="model"
@@ -562,17 +594,20 @@ class Proxy:
             endpoint=endpoint,
             client=decision.client,
             user_agent=headers.get("user-agent", ""),
-            session=session_key(headers),
+            # The session the client names: a header, or Claude Code's metadata.user_id.
+            session=session_key(headers) or metadata_session(chat.user_id if chat else ""),
             headers=headers,
             body=body,
             stream=bool(body.get("stream", False)),
-            has_tools=bool(body.get("tools")),
+            has_tools=bool(chat.tools) if chat is not None else bool(body.get("tools")),
             decision=decision,
             upstream=decision.upstream or self._upstream,
             policy=self.policy,
             body_bytes=len(raw),
             raw_body=raw if generation else None,
+            chat=chat,
         )
+        req.chat = chat  # None also for a chat body that failed to convert (fail-open)
         del raw  # req.raw_body holds it while it is needed
         if load_ms is not None:  # this request started llama-server and waited for it
             req.response_headers["X-Warmslot-Load-Ms"] = f"{load_ms:.0f}"
@@ -595,6 +630,32 @@ class Proxy:
         finally:
             if route.release is not None:
                 route.release()
+
+    async def _chat_view(self, endpoint: str, body: Any, nbytes: int) -> ChatView | None:
+        """The request's chat view (`core.apis.chat_view`), off the loop for a large body.
+        A conversion that fails leaves the request to the server as it is (fail-open):
+        logged and recorded as a bypass; llama-server answers whatever it makes of it."""
+        if endpoint not in apis.CHAT_ENDPOINTS:
+            return None
+        try:
+            return await _off_loop(
+                functools.partial(apis.chat_view, endpoint), body, big=nbytes > THREAD_BYTES
+            )
+        except apis.ConversionError as e:
+            # Not a cache failure: llama-server refuses the body too, in its own words.
+            log.info("%s request not read as chat (%s); forwarded as it is", endpoint, e)
+            return None
+        except Exception as e:
+            log.exception("could not read a %s request as chat; forwarding it untouched", endpoint)
+            self.counters.bypasses += 1
+            self._emit(
+                CacheEvent(
+                    kind=CacheEventKind.BYPASS,
+                    reason=f"{endpoint} request not read as chat: {e!r}"[:300],
+                    details={"endpoint": endpoint},
+                )
+            )
+            return None
 
     async def _read_body(self, request: web.Request) -> bytearray:
         """The (decoded) body, at most `max_body_mb`; raises Invalid (413, 400).
@@ -673,7 +734,7 @@ class Proxy:
         total_ms = (time.perf_counter() - t0) * 1000
         parsed = Timings.parse(out.timings)
         self._account(req, out.status, parsed, out.ttfb, total_ms, out.error)
-        if req.policy is not None and req.endpoint in ("chat", "completions", "completion"):
+        if req.policy is not None and req.endpoint in _MANAGED:
             task = asyncio.ensure_future(self._completed(req, parsed, out.status))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
@@ -731,6 +792,8 @@ class Proxy:
                 error = ""
                 if up.status == 200:
                     timings, slot = timings_from_json(data)
+                    if timings is None and req.endpoint in apis.CHAT_ENDPOINTS:
+                        timings = await _off_loop(usage_in_body, data)
                     if slot is not None:
                         req.slot = slot
                 else:
@@ -895,6 +958,31 @@ def timings_from_json(data: bytes) -> tuple[dict[str, Any] | None, int | None]:
             timings = parsed if isinstance(parsed, dict) else None
     m = _ID_SLOT_RE.search(data)
     return timings, int(m.group(1)) if m else None
+
+
+def usage_in_body(data: bytes) -> dict[str, Any] | None:
+    """Reuse numbers from the `usage` of a whole Anthropic or Responses answer."""
+    try:
+        return apis.usage_timings(json.loads(data))
+    except ValueError:
+        return None
+
+
+def stream_usage(input_line: bytes, output_line: bytes) -> dict[str, Any] | None:
+    """Reuse numbers from a stream's `usage` event lines (``data: {…}``): Anthropic sends
+    the input counts in ``message_start`` and the output count in ``message_delta``."""
+    try:
+        usage = apis.usage_timings(json.loads(input_line[6:]))
+        out = json.loads(output_line[6:]) if output_line else {}
+    except ValueError:
+        return None
+    if usage is None:
+        return None
+    inner = out.get("usage") if isinstance(out, dict) else None
+    n = inner.get("output_tokens") if isinstance(inner, dict) else None
+    if isinstance(n, int) and not isinstance(n, bool) and n > usage["predicted_n"]:
+        usage["predicted_n"] = n
+    return usage
 
 
 def _error_text(data: bytes) -> str:

@@ -234,6 +234,80 @@ def _check_tools(tools: Any) -> None:
         _check_function(f"tools[{i}]", tool.get("function"), "tools", call=False)
 
 
+def _check_blocks(where: str, blocks: Any, param: str) -> None:
+    if not isinstance(blocks, list):
+        raise Invalid(400, f"{where} must be a string or an array of content blocks", param)
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise Invalid(400, f"{where}[{j}] must be an object with a string 'type'", param)
+        if block["type"] == "text" and not isinstance(block.get("text"), str):
+            raise Invalid(400, f"{where}[{j}].text must be a string", param)
+
+
+def _check_anthropic(body: dict[str, Any]) -> None:
+    """Anthropic Messages: ``messages`` (user/assistant turns of text or content
+    blocks), an optional ``system`` (text or text blocks) and ``tools`` (named)."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise Invalid(400, "'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise Invalid(
+                400, f"messages[{i}] must be an object with role 'user' or 'assistant'", "messages"
+            )
+        if not isinstance(m.get("content"), str):
+            _check_blocks(f"messages[{i}].content", m.get("content"), "messages")
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        _check_blocks("'system'", system, "system")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise Invalid(400, "'tools' must be an array", "tools")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+                raise Invalid(400, f"tools[{i}] must be an object with a string 'name'", "tools")
+            schema = tool.get("input_schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise Invalid(400, f"tools[{i}].input_schema must be an object", "tools")
+    for key in ("metadata", "thinking"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise Invalid(400, f"'{key}' must be an object", key)
+    stops = body.get("stop_sequences")
+    if stops is not None and not (
+        isinstance(stops, list) and all(isinstance(x, str) for x in stops)
+    ):
+        raise Invalid(400, "'stop_sequences' must be an array of strings", "stop_sequences")
+
+
+def _check_responses(body: dict[str, Any]) -> None:
+    """OpenAI Responses: ``input`` (text or an array of items), optional ``instructions``
+    (text) and ``tools`` (objects with a ``type``)."""
+    given = body.get("input")
+    if isinstance(given, list):
+        for i, item in enumerate(given):
+            if not isinstance(item, dict):
+                raise Invalid(400, f"input[{i}] must be an object", "input")
+    elif not isinstance(given, str):
+        raise Invalid(400, "'input' must be a string or an array of items", "input")
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        raise Invalid(400, "'instructions' must be a string", "instructions")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise Invalid(400, "'tools' must be an array", "tools")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+                raise Invalid(400, f"tools[{i}] must be an object with a string 'type'", "tools")
+            if tool["type"] == "function" and not isinstance(tool.get("name"), str):
+                raise Invalid(400, f"tools[{i}] (a function) needs a string 'name'", "tools")
+    for key in ("max_output_tokens",):
+        if body.get(key) is not None and not _is_int(body[key]):
+            raise Invalid(400, f"'{key}' must be an integer", key)
+    if body.get("reasoning") is not None and not isinstance(body["reasoning"], dict):
+        raise Invalid(400, "'reasoning' must be an object", "reasoning")
+
+
 def validate(endpoint: str, body: Any, n_slots: int) -> None:
     """Raise Invalid for malformed bodies; nothing invalid is forwarded.
 
@@ -242,9 +316,13 @@ def validate(endpoint: str, body: Any, n_slots: int) -> None:
     """
     if not isinstance(body, dict):
         raise Invalid(400, "request body must be a JSON object")
-    if endpoint in ("chat", "apply-template"):
+    if endpoint in ("chat", "apply-template", "chat-count"):
         _check_messages(body.get("messages"))
         _check_tools(body.get("tools"))
+    elif endpoint in ("messages", "messages-count"):
+        _check_anthropic(body)
+    elif endpoint in ("responses", "responses-count"):
+        _check_responses(body)
     elif endpoint in ("completions", "completion"):
         if "prompt" not in body or not isinstance(body["prompt"], str | list):
             raise Invalid(400, "'prompt' must be a string or an array", "prompt")

@@ -16,10 +16,14 @@ the primary goes to the pool's ``side`` profile when ``pool.side_calls`` is on.
 from __future__ import annotations
 
 import enum
+import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from core import apis
+from core.apis import ChatView
 from core.cache import prefix as pfx
 from core.server.upstream import Upstream
 
@@ -32,6 +36,7 @@ __all__ = [
     "Router",
     "Target",
     "client_name",
+    "metadata_session",
     "session_key",
 ]
 
@@ -44,6 +49,14 @@ SESSION_HEADERS = (
 )
 AUX_HEADER = "x-warmslot-aux"
 _YES = ("1", "true", "yes")
+
+
+class _Auto:
+    """`Router.decide`'s default for `chat`: compute the chat view from the body."""
+
+
+_AUTO = _Auto()
+_WHAT = {"chat": "chat request", "messages": "Messages request", "responses": "Responses request"}
 
 
 class Kind(enum.Enum):
@@ -101,6 +114,29 @@ def client_name(user_agent: str) -> str:
     return name[:64] or "unknown"
 
 
+# Claude Code's metadata.user_id: "user_<hash>_account_<uuid>_session_<uuid>" (older
+# releases), or a JSON object with a "session_id" (newer ones).
+_SESSION_IN_USER_ID = re.compile(r"session_([0-9A-Za-z-]{8,})")
+
+
+def metadata_session(user_id: str) -> str:
+    """The session named in an Anthropic ``metadata.user_id`` ("" when none)."""
+    if not user_id:
+        return ""
+    if user_id.lstrip().startswith("{"):
+        try:
+            obj = json.loads(user_id)
+        except ValueError:
+            obj = None
+        sid = obj.get("session_id") if isinstance(obj, dict) else None
+        if isinstance(sid, str) and sid:
+            return "session-" + sid[:120]
+    m = _SESSION_IN_USER_ID.search(user_id)
+    if m:
+        return "session-" + m.group(1)[:120]
+    return "user-" + user_id[:120]
+
+
 def session_key(headers: Mapping[str, str]) -> str:
     """The session the client names in a header ("" when it names none)."""
     for h in SESSION_HEADERS:
@@ -134,9 +170,22 @@ class Router:
         return cls(lambda: only)
 
     def decide(
-        self, endpoint: str, headers: Mapping[str, str], body: dict[str, Any]
+        self,
+        endpoint: str,
+        headers: Mapping[str, str],
+        body: dict[str, Any],
+        chat: ChatView | _Auto | None = _AUTO,
     ) -> Decision | Refused:
-        """The decision for one request (`headers` with lower-case names)."""
+        """The decision for one request (`headers` with lower-case names).
+
+        `chat` is the request's chat view (`core.apis.chat_view`); the proxy passes the
+        one it computed (None: the body could not be read as chat, so the request is
+        plain). Left out, it is computed here."""
+        if isinstance(chat, _Auto):
+            try:
+                chat = apis.chat_view(endpoint, body)
+            except apis.ConversionError:
+                chat = None
         targets = self._targets()
         asked = body.get("model")
         target = next((t for t in targets if t.name == asked), None)
@@ -148,15 +197,15 @@ class Router:
                 )
             target = next(t for t in targets if t.primary)
         client = client_name(headers.get("user-agent", ""))
-        kind, why = self._classify(target.name, client, endpoint, headers, body)
+        kind, why = self._classify(target.name, client, endpoint, headers, chat)
         session = session_key(headers)
-        if endpoint == "chat" and not session:
-            session = pfx.derived_session(client, body)
+        if chat is not None and not session:
+            session = metadata_session(chat.user_id) or pfx.derived_session(client, chat.body)
         routed = False
         side = next((t for t in targets if t.side), None)
         if (
             kind is Kind.SIDE
-            and endpoint == "chat"
+            and chat is not None
             and target.primary
             and side is not None
             and self._side_calls()
@@ -171,19 +220,24 @@ class Router:
         client: str,
         endpoint: str,
         headers: Mapping[str, str],
-        body: dict[str, Any],
+        chat: ChatView | None,
     ) -> tuple[Kind, str]:
-        has_tools = bool(body.get("tools"))
+        # Chat completions, Anthropic Messages and OpenAI Responses alike: by their chat
+        # view (a client's tool-less call is a side call whichever API it used).
+        has_tools = chat is not None and bool(chat.tools)
         seen = (model, client) in self._uses_tools
-        if endpoint == "chat" and has_tools:
+        if has_tools:
             self._uses_tools.add((model, client))
         if headers.get(AUX_HEADER, "") in _YES:
             return Kind.SIDE, f"marked as side call ({AUX_HEADER} header)"
-        if endpoint != "chat":
+        if chat is None:
+            if endpoint in apis.CHAT_ENDPOINTS:
+                return Kind.PLAIN, f"{endpoint} request not readable as chat: left to the server"
             return Kind.PLAIN, f"{endpoint} request: the server's own prefix reuse applies"
-        why = pfx.classify_aux(body, has_tools, seen)
+        what = _WHAT[chat.api]
+        why = pfx.classify_aux(chat.body, has_tools, seen)
         if why:
             return Kind.SIDE, why
         if has_tools:
-            return Kind.AGENT, "agent turn: chat request with tools"
-        return Kind.AGENT, "agent turn: chat request"
+            return Kind.AGENT, f"agent turn: {what} with tools"
+        return Kind.AGENT, f"agent turn: {what}"

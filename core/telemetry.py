@@ -642,7 +642,8 @@ class Telemetry:
                       COALESCE(SUM(cache_n), 0) AS cached, COALESCE(SUM(prompt_n), 0) AS new,
                       COALESCE(SUM(prompt_ms), 0) AS prefill_ms, MIN(ts) AS first_seen,
                       MAX(ts) AS last_seen, slot, GROUP_CONCAT(DISTINCT kind) AS kinds
-               FROM requests WHERE ts >= ? AND endpoint IN ('chat', 'completions', 'completion')
+               FROM requests WHERE ts >= ?
+                    AND endpoint IN ('chat', 'messages', 'responses', 'completions', 'completion')
                GROUP BY client, COALESCE(session, '') ORDER BY last_seen DESC LIMIT ?""",
             [since, limit],
         )

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from core.cache import prefix as pfx
 from core.cache.deps import CacheHost
 from core.cache.fingerprint import fingerprint
-from core.cache.learner import render_body, renderable
+from core.cache.learner import chat_of, render_body, renderable
 from core.cache.probe import probe_reference, probe_request
 from core.cache.retention import save_problem
 from core.cache.store import StateRecord, file_sha256
@@ -545,7 +545,7 @@ class Conversations:
             return False
         client = m.client
         assert client is not None
-        rendered = await client.apply_template(render_body(req.body))
+        rendered = await client.apply_template(render_body(chat_of(req)))
         prompt = await client.tokenize(rendered, add_special=True)
         quickest = min(self._verify) if self._verify else None
         choice, skipped = choose(cands, prompt, session, info.n_tokens, self._prefill, quickest)

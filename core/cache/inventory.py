@@ -14,6 +14,8 @@ def format_inventory(st: dict[str, Any]) -> str:
         f"cache: identity {st['identity']}; disk tier "
         f"{'on' if st['disk_tier']['usable'] else 'off'} — {st['disk_tier']['reason']}"
     ]
+    for route, why in (st.get("unmanaged_apis") or {}).items():
+        lines.append(f"  {route}: forwarded unmanaged (accounting only) — {why}")
     boot = boot_rewarm_text(st.get("boot_rewarm"))
     if boot:
         lines.append(f"  {boot}")
@@ -86,15 +88,17 @@ def doctor_lines(paths: Any, settings: Any, status: dict[str, Any] | None) -> li
     """Lines for `warmslot doctor`: the chat template check of the running server."""
     cache = (status or {}).get("cache") or {}
     warning = cache.get("template_warning")
+    apis = [f"apis:        ✘ {r}: {why}" for r, why in (cache.get("unmanaged_apis") or {}).items()]
     if warning:
         return [
+            *apis,
             f"template:    ✘ {warning}",
             "             → set server.chat_template_file (for Gemma 3: "
             "resources/templates/gemma3-tools.jinja)",
         ]
     if status is None:
         return ["template:    (checked once a request with tools runs through a running server)"]
-    return ["template:    ✔ no dropped tools seen"]
+    return [*apis, "template:    ✔ no dropped tools seen"]
 
 
 def _share(share: float | None) -> str:

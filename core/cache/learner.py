@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from core import apis
 from core.cache import prefix as pfx
 from core.cache.boot import Emit
 from core.cache.fingerprint import ServerIdentity, fingerprint
@@ -37,9 +38,15 @@ def renderable(req: ProxyRequest) -> bool:
 
 
 def render_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The fields `/apply-template` needs to render a chat request as the server will."""
-    keep = ("messages", "tools", "tool_choice", "chat_template_kwargs")
-    return {k: v for k, v in body.items() if k in keep}
+    """The fields `/apply-template` needs to render a chat request (in chat-completions
+    form: a request's chat view, `chat_of`) as the server will."""
+    return {k: v for k, v in body.items() if k in apis.RENDER_FIELDS}
+
+
+def chat_of(req: ProxyRequest) -> dict[str, Any]:
+    """The request as chat completions (`core.apis.ChatView`): what the cache reads for
+    messages and tools whichever API the client spoke; {} when it has no chat view."""
+    return req.chat.body if req.chat is not None else {}
 
 
 def system_end(body: dict[str, Any], rendered: str) -> int | None:
@@ -103,9 +110,9 @@ class PrefixLearner:
         prefix, e.g. when the <env> block is the same all day). The longer one wins.
         Rendering happens once per new session and request shape, not per turn.
         """
-        if not renderable(req):
+        if not renderable(req) or req.chat is None:
             return None
-        body = req.body
+        body = req.chat.body
         key = pfx.shape_key(req.client, body)
         tkey = pfx.tools_key(req.client, body)
         known = self.prefixes.get(key)
@@ -194,7 +201,7 @@ class PrefixLearner:
 
     def check_template(self, req: ProxyRequest, rendered: str) -> None:
         """Say loudly when the server's chat template drops tools or system text."""
-        lost = pfx.dropped_parts(req.body, rendered)
+        lost = pfx.dropped_parts(chat_of(req), rendered)
         if not lost:
             return
         text = (

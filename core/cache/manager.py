@@ -27,6 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from core import apis
 from core.cache import background as bg
 from core.cache import prefix as pfx
 from core.cache import warmup
@@ -39,7 +40,7 @@ from core.cache.deps import DiskTier as DiskTier
 from core.cache.fingerprint import ServerIdentity, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
-from core.cache.learner import PrefixLearner, render_body, renderable
+from core.cache.learner import PrefixLearner, chat_of, render_body, renderable
 from core.cache.plan import SlotPlan
 from core.cache.probe import (
     REUSE_SLACK,
@@ -57,7 +58,7 @@ from core.cache.warmup import disk_tier_for as disk_tier_for
 from core.clock import Clock
 from core.config import Settings
 from core.errors import UpstreamError, VerificationFailed
-from core.events import CacheEvent, CacheEventKind, Event, ServerStateChanged
+from core.events import CacheEvent, CacheEventKind, Event, Notice, ServerStateChanged
 from core.pressure import PressureMonitor
 from core.proxy import ProxyRequest
 from core.router import Kind
@@ -102,6 +103,9 @@ class CacheManager:
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
         self.restore_shortfalls: deque[dict[str, Any]] = deque(maxlen=10)
+        # APIs whose requests the running server does not let the cache manage, once
+        # told about (core.apis.unmanaged_reason).
+        self._told_unmanaged: set[str] = set()
         self.context_limits = ContextLimits()  # requests that hit their slot's context
         # Finds each request's stable prefix (rendering, boundaries, template check).
         self.learner = PrefixLearner(
@@ -273,6 +277,7 @@ class CacheManager:
             self.slots.reset()
             self.identity = None
             self.learner.server_gone()
+            self._told_unmanaged.clear()  # the next server may carry the patch
             self.conversations.server_gone()
             self.boot.forget()  # the last start's re-warm says nothing about the next
 
@@ -311,8 +316,12 @@ class CacheManager:
         client = self.client
         if not settings.enabled or client is None or self.identity is None:
             return None
-        if req.endpoint != "chat":
-            return None  # raw completions: the server's own LCP reuse applies
+        if req.chat is None:
+            # Raw completions (the server's own LCP reuse applies), or a body not read
+            # as chat (core.apis): left to the server as it is.
+            return None
+        if not self._api_managed(req):
+            return None
         body = req.body
         decision = req.decision
         side = decision.side
@@ -347,6 +356,20 @@ class CacheManager:
         if info is not None:
             req.response_headers["X-Warmslot-Prefix"] = f"{info.fingerprint[:16]}:{info.n_tokens}"
         return plan
+
+    def _api_managed(self, req: ProxyRequest) -> bool:
+        """Whether the running server lets the cache pin `req`'s API to a slot; when it
+        does not (stock llama-server drops id_slot on /v1/messages), say so once per
+        server start — in `status` and as a notice — and leave the request alone."""
+        assert self.identity is not None
+        why = apis.unmanaged_reason(req.endpoint, self.identity.patches)
+        if not why:
+            return True
+        if req.endpoint not in self._told_unmanaged:
+            self._told_unmanaged.add(req.endpoint)
+            log.warning("%s requests are forwarded unmanaged: %s", req.endpoint, why)
+            self.publish(Notice(level="warning", text=f"{req.path}: {why}"))
+        return False
 
     async def _ensure_slot(self, info: pfx.PrefixInfo, slot: int, session: str = "") -> None:
         """Make the slot hold the prefix before the request runs, if that can be done cheaply."""
@@ -427,7 +450,7 @@ class CacheManager:
         previous_body, previous_fp = st.last_body, st.prefix_fp
         previous_session, previous_prompt = st.session_of_last, st.prompt_n_last
         st.tokens_hint = timings.cache_n + timings.prompt_n + timings.predicted_n
-        st.last_body, st.last_kind, st.prefix_fp = req.body, req.kind, fp
+        st.last_body, st.last_kind, st.prefix_fp = chat_of(req), req.kind, fp
         st.session_of_last = plan.session
         st.prompt_n_last = timings.cache_n + timings.prompt_n
         if plan.kind is Kind.SIDE:
@@ -467,7 +490,7 @@ class CacheManager:
         if client is None:
             return
         old = await client.apply_template(render_body(previous))
-        new = await client.apply_template(render_body(req.body))
+        new = await client.apply_template(render_body(chat_of(req)))
         where = pfx.divergence(old, new)
         if where is not None:
             where["token_index"] = len(
@@ -858,6 +881,13 @@ class CacheManager:
             "restore_shortfalls": list(self.restore_shortfalls)[:5],
             "context_limits": self.context_limits.status(),
             "template_warning": self.learner.template_warning,
+            # API → why the running server's requests of it are not managed (core.apis)
+            "unmanaged_apis": {
+                f"/v1/{e}": why
+                for e in apis.CHAT_ENDPOINTS
+                if self.identity is not None
+                and (why := apis.unmanaged_reason(e, self.identity.patches))
+            },
             # True while the restore / prewarm after a (re)start still runs.
             "warming": self._ready_task is not None and not self._ready_task.done(),
             "boot_rewarm": self.boot.snapshot(),

@@ -36,7 +36,14 @@ _VERSION_RE = re.compile(
     r"(?P<commit>\w+)\))?"
 )
 # Patch levels our patches compile into the server (docs/patches.md), found in its bytes.
-PATCH_LEVELS = (b"slot-api-v1", b"slot-api-v2", b"slot-checkpoints-v1", b"swa-full-state-v1")
+PATCH_LEVELS = (
+    b"slot-api-v1",
+    b"slot-api-v2",
+    b"slot-checkpoints-v1",
+    b"swa-full-state-v1",
+    b"api-parity-v1",  # 0004: /v1/messages keeps id_slot; timings on every chat API
+    b"prefix-save-v1",  # 0004: POST /slots/{id}?action=save with n_tokens
+)
 CHECKPOINT_PATCH = "slot-checkpoints-v1"
 # slot-api-v2 also answers a truncated slot file with a 400 where v1 aborted the server.
 SLOT_API_LEVELS = ("slot-api-v1", "slot-api-v2")

@@ -47,13 +47,13 @@ def test_what_works_today_follows_the_proxy_routes(monkeypatch: pytest.MonkeyPat
     assert "/v1/chat/completions" in JSON_ROUTES
     s = by_id()
     assert s["opencode"].works and s["aider"].works
-    # The proxy forwards neither Anthropic's Messages nor OpenAI's Responses API yet.
-    assert "/v1/messages" not in JSON_ROUTES and "/v1/responses" not in JSON_ROUTES
-    assert not s["claude-code"].works and "Does not work yet" in s["claude-code"].status
-    assert not s["codex"].works and "/v1/responses" in s["codex"].status
-    assert [x.works for x in client_setups(URL, "m")] == [True, True, False, False]
-    monkeypatch.setitem(JSON_ROUTES, "/v1/messages", ("messages", True))
-    assert by_id()["claude-code"].works
+    # The proxy forwards Anthropic's Messages and OpenAI's Responses API (issue 15).
+    assert "/v1/messages" in JSON_ROUTES and "/v1/responses" in JSON_ROUTES
+    assert s["claude-code"].works and "patch 0004" in s["claude-code"].status
+    assert s["codex"].works and "Responses API" in s["codex"].status
+    assert [x.works for x in client_setups(URL, "m")] == [True, True, True, True]
+    monkeypatch.delitem(JSON_ROUTES, "/v1/messages")
+    assert not by_id()["claude-code"].works
 
 
 def test_a_required_key_is_read_from_the_environment_not_written() -> None:
@@ -69,7 +69,7 @@ def test_a_required_key_is_read_from_the_environment_not_written() -> None:
     )
     text = format_setups(client_setups(URL, "m", api_key=True), URL, api_key=True)
     assert "export WARMSLOT_API_KEY=<proxy.api_key>" in text
-    assert text.count(URL) >= 4 and "[not yet]" in text
+    assert text.count(URL) >= 4 and "[not yet]" not in text
 
 
 def test_model_name_for_clients() -> None:
