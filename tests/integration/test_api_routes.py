@@ -340,6 +340,10 @@ def test_messages_on_a_stock_server_go_through_unmanaged_and_accounted(
     why = _status(core)["unmanaged_apis"]["/v1/messages"]
     assert "drops id_slot on /v1/messages" in why and "warmslot build" in why
     assert "forwarded unmanaged" in _status(core)["text"]
+    from core.cache.inventory import doctor_lines
+
+    doctor = doctor_lines(core.paths, core.settings, core.status().result(30))
+    assert any("drops id_slot on /v1/messages" in line for line in doctor), doctor
 
 
 def test_count_tokens_routes_are_forwarded_unmanaged(api_core: tuple[Core, EventLog]) -> None:
