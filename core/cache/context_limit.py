@@ -66,7 +66,8 @@ class ContextHit:
 
 
 def _limit_of(body: Mapping[str, Any]) -> int | None:
-    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+    # max_output_tokens: OpenAI Responses (core.apis); Anthropic Messages use max_tokens.
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens", "n_predict"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value

@@ -354,3 +354,12 @@ def test_valid_new_bodies_pass() -> None:
     validate(
         "responses", {"input": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, 2
     )
+
+
+def test_a_responses_answer_stopped_by_its_own_limit_is_no_context_hit() -> None:
+    from core.cache.context_limit import ContextLimits
+
+    limits = ContextLimits(n_ctx_slot=100)
+    # The slot is full, but the answer stopped at the request's max_output_tokens.
+    assert limits.check({}, 99, 4, {"max_output_tokens": 4}) is None
+    assert limits.check({}, 99, 4, {"max_output_tokens": 9}) is not None
