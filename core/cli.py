@@ -1,7 +1,7 @@
 """`warmslot`: the headless command line.
 
 serve · status · doctor · config path|show|set — plus `fit`, `build`, `models`,
-`clients` and `bench` registered by their own modules.
+`explain`, `clients` and `bench` registered by their own modules.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ _COMMAND_MODULES = (
     "core.cli_build",
     "core.cli_models",
     "core.cli_worker",
+    "core.cli_explain",
     "core.bench.cli",
 )
 

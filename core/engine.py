@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -30,6 +31,7 @@ from typing import Any, TypeVar
 
 from core import config as config_mod
 from core.build import BuildRequest
+from core.cache import explain
 from core.cache.background import Background
 from core.cache.manager import CacheManager
 from core.cli_fit import request_from_settings
@@ -304,6 +306,9 @@ class Core:
             allowed_origins=lambda: self.settings.proxy.allowed_origins,
         )
         self.proxy.on_demand = self._start_for_request
+        self.proxy.explain = functools.partial(
+            explain.lookup, self.cache_managers, lambda: self.telemetry
+        )
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
             self.proxy.policy = self.policy

@@ -95,6 +95,29 @@ class RequestCompleted(Event):
     error: str = ""
 
 
+@dataclass(frozen=True)
+class RequestExplained(Event):
+    """Why a request reused what it did (core.cache.explain): its prompt's sections and the
+    first token where it left its slot's previous prompt (`div_token`, None when none)."""
+
+    request_id: str
+    client: str
+    session: str
+    slot: int | None
+    n_tokens: int
+    cache_n: int
+    prompt_n: int
+    previous_tokens: int | None = None
+    div_token: int | None = None
+    div_section: str = ""
+    lost_tokens: int = 0
+    cost_s: float | None = None
+    summary: str = ""
+    sections: str = "[]"  # JSON: [{"name", "start", "n_tokens"}, …]
+    divergence: str = "null"  # JSON: {"token", "section", "offset", "before", "old", "new"}
+    compute_ms: float = 0.0
+
+
 class CacheEventKind(StrEnum):
     """What a `CacheEvent` says happened. A `StrEnum`: each member equals its string, so
     telemetry rows, JSON and the kinds read back from the database stay plain strings."""

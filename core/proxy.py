@@ -45,6 +45,15 @@ from core.proxy_checks import (
     parse_json,
     validate,
 )
+from core.proxy_headers import (
+    PrefillRate,
+    Reuse,
+    StreamNumbers,
+    cache_headers,
+    reuse_from,
+    reuse_in_body,
+    stream_body,
+)
 from core.router import Decision, Refused, Router, metadata_session, session_key
 from core.server.client import STALE_RETRIES, Timings, stale_connection
 from core.server.upstream import Upstream
@@ -221,51 +230,66 @@ async def _client_gone(request: web.Request) -> None:
 
 
 class SSEScanner:
-    """Finds `timings` (and `id_slot`) in an SSE stream without buffering it; without
-    `timings` (stock llama-server's Anthropic stream), the reuse numbers of its `usage`."""
+    """Finds `timings` (and `id_slot`) in an SSE stream without buffering it.
+
+    With ``timings_per_token`` every event carries `timings`: only the last such line is
+    kept, and parsed when asked for (`timings`, `id_slot`)."""
 
     def __init__(self) -> None:
         self._tail = b""
-        self._timings: dict[str, Any] | None = None
-        self.id_slot: int | None = None
+        self._last = b""  # the last event line with `timings`, unparsed
+        self._parsed: tuple[bytes, dict[str, Any]] | None = None
         self.upstream_error: str | None = None
         # For a stream without `timings` (stock llama-server's Anthropic stream): the last
         # event lines with input and with output token `usage`, unparsed.
         self._usage_in = b""
         self._usage_out = b""
 
-    @property
-    def timings(self) -> dict[str, Any] | None:
-        """The `timings` of the last event that had them; without any, the reuse numbers
-        of the stream's `usage` (`core.apis.usage_timings`)."""
-        if self._timings is not None:
-            return self._timings
-        return stream_usage(self._usage_in, self._usage_out) if self._usage_in else None
-
     def feed(self, chunk: bytes) -> None:
         data = self._tail + chunk
         lines = data.split(b"\n")
         self._tail = lines.pop()
         for line in lines:
-            if line.startswith(b"data: {") and b'"usage"' in line:
+            if not line.startswith(b"data: {"):
+                continue
+            if b'"error"' in line:
+                try:
+                    obj = json.loads(line[6:])
+                except ValueError:
+                    continue
+                if isinstance(obj.get("error"), dict):
+                    self.upstream_error = str(obj["error"].get("message", ""))
+            if b'"timings"' in line:
+                self._last = line
+            if b'"usage"' in line:
                 if b'"input_tokens"' in line:
                     self._usage_in = line
                 if b'"output_tokens"' in line:
                     self._usage_out = line
-            if not line.startswith(b"data: {") or (
-                b'"timings"' not in line and b'"error"' not in line
-            ):
-                continue
+
+    def _last_event(self) -> dict[str, Any]:
+        if self._parsed is None or self._parsed[0] is not self._last:
             try:
-                obj = json.loads(line[6:])
+                obj = json.loads(self._last[6:]) if self._last else {}
             except ValueError:
-                continue
-            if isinstance(obj.get("timings"), dict):
-                self._timings = obj["timings"]
-            if isinstance(obj.get("id_slot"), int) and obj["id_slot"] >= 0:
-                self.id_slot = obj["id_slot"]
-            if isinstance(obj.get("error"), dict):
-                self.upstream_error = str(obj["error"].get("message", ""))
+                obj = {}
+            self._parsed = (self._last, obj if isinstance(obj, dict) else {})
+        return self._parsed[1]
+
+    @property
+    def timings(self) -> dict[str, Any] | None:
+        """The `timings` of the last event that had them; without any, the reuse numbers
+        of the stream's `usage` (`core.apis.usage_timings`)."""
+        t = self._last_event().get("timings")
+        if isinstance(t, dict):
+            return t
+        return stream_usage(self._usage_in, self._usage_out) if self._usage_in else None
+
+    @property
+    def id_slot(self) -> int | None:
+        """The slot llama-server named in that event (raw completions name it)."""
+        slot = self._last_event().get("id_slot")
+        return slot if isinstance(slot, int) and slot >= 0 else None
 
 
 @dataclass
@@ -314,7 +338,12 @@ class Proxy:
         # (single-model mode; the model pool loads on demand itself).
         self.on_demand: Callable[[], Awaitable[None]] | None = None
         self.models: Callable[[], dict[str, Any]] | None = None
+        # A request's explanation by id (None: the latest), for `warmslot explain`.
+        self.explain: Callable[[str | None], Awaitable[dict[str, Any] | None]] | None = None
         self.counters = ProxyCounters()
+        # Per model profile ("" for the primary): the cold prefill rate seen so far, which
+        # prices the cached tokens in X-Warmslot-Est-Saved-Ms.
+        self.prefill_rates: dict[str, PrefillRate] = {}
         # Per request: the session is the upstream's, shared with Warmslot's own calls.
         self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=10)
         self._runner: web.AppRunner | None = None
@@ -332,6 +361,7 @@ class Proxy:
         for path in GET_ROUTES:
             self.app.router.add_get(path, self._handle_get)
         self.app.router.add_get("/warmslot/status", self._handle_status)
+        self.app.router.add_get("/warmslot/explain", self._handle_explain)
         self.app.router.add_get("/metrics", self._handle_metrics)
         self.host = ""
         self.port = 0
@@ -517,6 +547,19 @@ class Proxy:
         if err := self._auth_error(request):
             return err
         return web.json_response(await self._status(), dumps=lambda o: json.dumps(o, default=str))
+
+    async def _handle_explain(self, request: web.Request) -> web.StreamResponse:
+        """GET /warmslot/explain[?id=REQUEST_ID]: why a request reused what it did."""
+        if err := self._auth_error(request):
+            return err
+        rid = safe_text(request.query.get("id", "")) or None
+        found = await self.explain(rid) if self.explain is not None else None
+        if found is None:
+            what = f"request {rid!r}" if rid else "any request yet"
+            return error_response(
+                404, f"Warmslot: no explanation for {what}", type_="not_found_error"
+            )
+        return web.json_response(found, dumps=lambda o: json.dumps(o, default=str))
 
     async def _handle_metrics(self, request: web.Request) -> web.StreamResponse:
         if err := self._auth_error(request):
@@ -709,6 +752,8 @@ class Proxy:
                         )
                     )
         req.raw_body = None
+        if generation:
+            stream_body(req.body)  # the first streamed event carries the reuse numbers
         return await self._forward(request, req, t0)
 
     async def _forward(
@@ -796,6 +841,7 @@ class Proxy:
                         timings = await _off_loop(usage_in_body, data)
                     if slot is not None:
                         req.slot = slot
+                    self._add_cache_headers(req, reuse_in_body(data, timings))
                 else:
                     error = _error_text(data)
                 # A prompt or answer that hit the slot's context is named (issue 16, 0e).
@@ -843,16 +889,16 @@ class Proxy:
     async def _stream(
         self, request: web.Request, req: ProxyRequest, up: aiohttp.ClientResponse, t0: float
     ) -> _Outcome:
-        """Pass an SSE response through chunk by chunk as it arrives, noting `timings`."""
+        """Pass an SSE response through chunk by chunk as it arrives, noting `timings`.
+
+        The client's headers wait for the stream's first reuse numbers (`_open_stream`):
+        llama-server sends its first event only once the prompt is read."""
         response = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **req.response_headers,
-            },
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        await response.prepare(request)
+        opening: StreamNumbers | None = StreamNumbers()
+        reuse: Reuse | None = None
+        held: list[bytes] = []
         scanner = SSEScanner()
         ttfb: float | None = None
         status = 200
@@ -862,7 +908,15 @@ class Proxy:
                 if ttfb is None:
                     ttfb = (time.perf_counter() - t0) * 1000
                 scanner.feed(chunk)
+                if opening is not None:
+                    held.append(chunk)
+                    if not opening.feed(chunk):
+                        continue
+                    chunk, held = b"".join(held), []
+                    reuse, opening = opening.reuse, None
                 try:
+                    if not response.prepared:
+                        await self._open_stream(request, req, response, reuse)
                     await response.write(chunk)
                 except (ConnectionError, RuntimeError) as e:
                     up.close()  # the client went away, not llama-server
@@ -875,9 +929,14 @@ class Proxy:
             event = {
                 "error": {"message": f"Warmslot: {error}", "type": "server_error", "code": 502}
             }
+            held.append(f"data: {json.dumps(event)}\n\n".encode())
+        if opening is not None:  # the stream ended (or broke) before its first numbers
+            reuse = opening.reuse or reuse_from({"timings": scanner.timings})
             with contextlib.suppress(ConnectionError, RuntimeError):
-                await response.write(f"data: {json.dumps(event)}\n\n".encode())
+                await self._open_stream(request, req, response, reuse)
         with contextlib.suppress(ConnectionError, RuntimeError):
+            for chunk in held:
+                await response.write(chunk)
             await response.write_eof()
         up.close()  # llama-server closes it after a stream anyway: never pool it
         if scanner.id_slot is not None:
@@ -885,6 +944,35 @@ class Proxy:
         if scanner.upstream_error and not error:
             error = scanner.upstream_error
         return _Outcome(response, status, scanner.timings, ttfb, error)
+
+    async def _open_stream(
+        self,
+        request: web.Request,
+        req: ProxyRequest,
+        response: web.StreamResponse,
+        reuse: Reuse | None,
+    ) -> None:
+        """Send a stream's headers: the request's own and its cache headers."""
+        self._add_cache_headers(req, reuse)
+        response.headers.update(req.response_headers)
+        await response.prepare(request)
+
+    def _add_cache_headers(self, req: ProxyRequest, reuse: Reuse | None) -> None:
+        """The X-Warmslot-* cache headers from the server's reuse numbers (core.proxy_headers);
+        a bypassed request keeps its ``X-Warmslot-Cache: bypass``."""
+        rate = self.prefill_rates.get(req.model)
+        restored = req.response_headers.get("X-Warmslot-Restored", "0")
+        headers = cache_headers(
+            reuse,
+            slot=req.slot,
+            session=req.decision.session,
+            restored=int(restored) if restored.isdigit() else 0,
+            ms_per_token=rate.ms_per_token if rate is not None else None,
+        )
+        if req.response_headers.get("X-Warmslot-Cache") == "bypass":
+            del headers["X-Warmslot-Cache"]
+        headers["X-Warmslot-Request-Id"] = req.request_id  # for `warmslot explain ID`
+        req.response_headers.update(headers)
 
     async def _completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
         assert req.policy is not None
@@ -909,6 +997,8 @@ class Proxy:
         if t is not None:
             c.prompt_tokens += t.prompt_n
             c.cached_tokens += t.cache_n
+            rate = self.prefill_rates.setdefault(req.model, PrefillRate())
+            rate.feed(t.cache_n, t.prompt_n, t.prompt_ms)
         self._emit(
             RequestCompleted(
                 request_id=req.request_id,

@@ -32,6 +32,7 @@ from core.events import (
     PressureChanged,
     PressureSample,
     RequestCompleted,
+    RequestExplained,
     ServerExited,
     ServerLaunched,
     ServerStateChanged,
@@ -62,6 +63,8 @@ QUERIES = frozenset(
         "sweep_runs",
         "pressure_series",
         "ttfb",
+        "explanations",
+        "explanation",
     }
 )
 
@@ -179,6 +182,37 @@ def m002_sweeps(db: sqlite_utils.Database) -> None:
         pk="id",
     )
     _table(db, "sweeps").create_index(["name", "ts"])
+
+
+@migrations()
+def m003_explanations(db: sqlite_utils.Database) -> None:
+    """Why each managed request reused what it did (core.cache.explain): its prompt's
+    sections and the first token where it left its slot's previous prompt."""
+    _table(db, "explanations").create(
+        {
+            "id": int,
+            "ts": float,
+            "request_id": str,
+            "client": str,
+            "session": str,
+            "slot": int,
+            "n_tokens": int,
+            "cache_n": int,
+            "prompt_n": int,
+            "previous_tokens": int,
+            "div_token": int,
+            "div_section": str,
+            "lost_tokens": int,
+            "cost_s": float,
+            "summary": str,
+            "sections": str,
+            "divergence": str,
+            "compute_ms": float,
+        },
+        pk="id",
+    )
+    _table(db, "explanations").create_index(["ts"])
+    _table(db, "explanations").create_index(["request_id"])
 
 
 # What writing one row can raise because of that row: a value sqlite3 cannot bind or
@@ -374,6 +408,8 @@ class Telemetry:
         if isinstance(event, RequestCompleted):
             row = asdict(event)
             self.add("requests", row)
+        elif isinstance(event, RequestExplained):
+            self.add("explanations", asdict(event))
         elif isinstance(event, ServerLaunched):
             self.upsert(
                 "server_runs",
@@ -527,6 +563,7 @@ class Telemetry:
                 ("events", "ts"),
                 ("pressure", "ts"),
                 ("sweeps", "ts"),
+                ("explanations", "ts"),
                 ("server_runs", "started"),
             ):
                 cur = self._conn.execute(f"DELETE FROM {table} WHERE {col} < ?", [cutoff])
@@ -725,3 +762,20 @@ class Telemetry:
                 out[key] = vals[len(vals) // 2] if vals else None
                 out[f"{key}_n"] = len(vals)
         return out
+
+    def explanations(self, limit: int = 50, diverged: bool = False) -> list[dict[str, Any]]:
+        """The latest explanations (core.cache.explain), newest first; `diverged`: only
+        those that left their slot's previous prompt. Sections and divergence as JSON text."""
+        where = "WHERE div_token IS NOT NULL" if diverged else ""
+        return self._rows(f"SELECT * FROM explanations {where} ORDER BY id DESC LIMIT ?", [limit])
+
+    def explanation(self, request_id: str | None = None) -> dict[str, Any] | None:
+        """One request's explanation (the latest when `request_id` is None)."""
+        if request_id is None:
+            rows = self._rows("SELECT * FROM explanations ORDER BY id DESC LIMIT 1")
+        else:
+            rows = self._rows(
+                "SELECT * FROM explanations WHERE request_id = ? ORDER BY id DESC LIMIT 1",
+                [request_id],
+            )
+        return rows[0] if rows else None

@@ -37,6 +37,7 @@ from core.cache.conversations import Conversations
 from core.cache.definitions import DefinitionStore
 from core.cache.deps import CacheDeps, EngineParts, ServerHandle, deps_from
 from core.cache.deps import DiskTier as DiskTier
+from core.cache.explain import Explainer, format_recent
 from core.cache.fingerprint import ServerIdentity, state_filename
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
@@ -103,6 +104,7 @@ class CacheManager:
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
         self.restore_shortfalls: deque[dict[str, Any]] = deque(maxlen=10)
+        self.explainer = Explainer(self.publish)  # why each request reused what it did
         # APIs whose requests the running server does not let the cache manage, once
         # told about (core.apis.unmanaged_reason).
         self._told_unmanaged: set[str] = set()
@@ -280,6 +282,7 @@ class CacheManager:
             self._told_unmanaged.clear()  # the next server may carry the patch
             self.conversations.server_gone()
             self.boot.forget()  # the last start's re-warm says nothing about the next
+            self.explainer.forget()
 
     # ------------------------------------------------------------ server start
     async def _after_ready(self) -> None:
@@ -347,6 +350,11 @@ class CacheManager:
         plan = SlotPlan(slot, why_slot, session, decision.kind, info)
         req.response_headers["X-Warmslot-Slot"] = str(slot)
         req.response_headers["X-Warmslot-Kind"] = req.kind
+        restored, what = self.slots.slots[slot].promised
+        if restored:  # Warmslot filled the slot: it no longer holds the last request's prompt
+            self.explainer.slot_changed(slot)
+            if what.startswith("restored"):  # from disk and verified (`restore`)
+                req.response_headers["X-Warmslot-Restored"] = str(restored)
         warning = self.learner.template_warning
         if warning and (req.has_tools or not side):
             header = warning.replace("…", "...")
@@ -434,17 +442,19 @@ class CacheManager:
 
     async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
         # A request that hit its slot's context is never silent (issue 16, 0e).
-        await self.context_limits.observe(req, timings, self.client, self.identity, self.emit)
         plan = req.plan
+        if plan is not None:  # before anything that waits: the slot is free now
+            self.slots.end(plan.slot)
+        await self.context_limits.observe(req, timings, self.client, self.identity, self.emit)
         if plan is None:
             return
         slot = plan.slot
-        self.slots.end(slot)
         st = self.slots.slots[slot]
         fp = plan.prefix_fp
         promised, st.promised = st.promised, (0, "")
         if status != 200 or timings is None:
             return
+        self._explain_soon(req, timings)
         if promised[0]:
             self._check_promise(req, promised, timings)
         previous_body, previous_fp = st.last_body, st.prefix_fp
@@ -482,6 +492,25 @@ class CacheManager:
                 self.persist_soon(info)
             else:
                 self.store.touch(rec.filename)
+
+    def _explain_soon(self, req: ProxyRequest, timings: Timings) -> None:
+        """Why the request reused what it did (core.cache.explain), after its response."""
+        client = self.client
+        if client is None or req.plan is None:
+            return
+        request = {
+            "request_id": req.request_id,
+            "client": req.client,
+            "session": req.plan.session,
+            "slot": req.slot,
+            "kind": req.kind,
+            "endpoint": req.endpoint,
+        }
+        render = render_body(chat_of(req)) if renderable(req) else None
+        t = timings
+        self._spawn(
+            self.explainer.explain(client, request, render, t.cache_n, t.prompt_n, t.prompt_ms)
+        )
 
     async def _diagnose(
         self, req: ProxyRequest, previous: dict[str, Any], reason: str, t: Timings
@@ -879,6 +908,7 @@ class CacheManager:
             ],
             "divergences": list(self.divergences)[:5],
             "restore_shortfalls": list(self.restore_shortfalls)[:5],
+            "explained": self.explainer.status(),
             "context_limits": self.context_limits.status(),
             "template_warning": self.learner.template_warning,
             # API → why the running server's requests of it are not managed (core.apis)
@@ -894,6 +924,8 @@ class CacheManager:
         }
         bg.extend_status(self, out)
         out["text"] = format_inventory(out) + "\n" + bg.format_background(out)
+        if recent := format_recent(out["explained"]):
+            out["text"] += "\n" + recent
         return out
 
     # ------------------------------------------------------------ commands

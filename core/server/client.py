@@ -173,6 +173,23 @@ class LlamaClient:
         )
         return [int(t) for t in data["tokens"]]
 
+    async def tokenize_pieces(
+        self, content: str, *, add_special: bool = False
+    ) -> list[tuple[int, bytes]]:
+        """Tokens with the bytes each one stands for (``with_pieces``): a piece that is
+        not whole UTF-8 comes back from llama-server as a list of byte values."""
+        data = await self._call(
+            "POST",
+            "/tokenize",
+            {"content": content, "add_special": add_special, "with_pieces": True},
+        )
+        out: list[tuple[int, bytes]] = []
+        for t in data["tokens"]:
+            piece = t["piece"]
+            raw = piece.encode("utf-8") if isinstance(piece, str) else bytes(piece)
+            out.append((int(t["id"]), raw))
+        return out
+
     async def detokenize(self, tokens: list[int]) -> str:
         data = await self._call("POST", "/detokenize", {"tokens": tokens})
         return str(data["content"])

@@ -1,0 +1,458 @@
+"""Why a request reused what it did: its prompt in sections, and where it left the slot's.
+
+For each managed request, after its response is complete (never on its path): the
+prompt as the server renders it (`/apply-template`), tokenized with each token's bytes,
+is split into sections — the system text, each tool definition, each message — with
+their token counts; compared with the previous prompt the same slot processed, the
+first token that differs is named by section and index, and the cached tokens that
+were thrown away from there on are priced at the measured cold prefill rate
+(docs/cache.md#why-a-request-missed).
+
+The last `KEEP` explanations stay in memory (`Explainer.recent`); each one's summary is
+published as a `RequestExplained` event, which telemetry stores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from core.cache import prefix as pfx
+from core.events import Event, RequestExplained
+from core.proxy_headers import PrefillRate
+
+log = logging.getLogger("warmslot.cache.explain")
+
+KEEP = 200  # explanations kept in memory
+MAX_WAITING = 8  # explanations queued behind the running one; more are skipped
+MAX_SECTIONS = 400  # sections stored per explanation (a long conversation's last ones)
+CONTEXT_TOKENS = 8  # tokens of text shown on each side of a divergence
+# A server that reused this many tokens less than the prompts share says its slot did
+# not hold the previous prompt any more (another request, a restore, a checkpoint).
+REUSE_GAP = 16
+
+
+class Tokenizer(Protocol):
+    """What the explainer asks of llama-server (`core.server.client.LlamaClient`)."""
+
+    async def apply_template(self, body: dict[str, Any]) -> str: ...
+
+    async def tokenize_pieces(
+        self, content: str, *, add_special: bool = False
+    ) -> list[tuple[int, bytes]]: ...
+
+
+@dataclass(frozen=True)
+class Span:
+    """One section of a rendered prompt, in characters: [start, end)."""
+
+    name: str
+    start: int
+    end: int
+
+
+@dataclass
+class _Part:
+    name: str
+    anchor: int
+    end: int | None  # where its own text ends, when all of it was found
+
+
+def _tool_name(tool: Any) -> str:
+    fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+    return str(fn.get("name", "?")) if isinstance(fn, dict) else "?"
+
+
+def _tool_probes(tool: Any) -> list[str]:
+    fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+    if not isinstance(fn, dict):
+        return []
+    probes = []
+    desc = str(fn.get("description") or "").strip()
+    if len(desc) >= 12:
+        probes.append(desc[:48])
+    if fn.get("name"):
+        probes += [f'"{fn["name"]}"', str(fn["name"])]
+    return probes
+
+
+def _message_text(msg: Any) -> str:
+    if not isinstance(msg, dict):
+        return ""
+    text = pfx.content_text(msg.get("content")).strip()
+    if text:
+        return text
+    for call in msg.get("tool_calls") or []:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        if isinstance(fn, dict) and fn.get("name"):
+            return str(fn["name"])
+    return ""
+
+
+def _find(rendered: str, text: str, start: int) -> tuple[int, int | None] | None:
+    """Where `text` (or, failing that, its first line's head) is in `rendered` from
+    `start`: (anchor, end of the whole text or None)."""
+    if not text:
+        return None
+    pos = rendered.find(text, start)
+    if pos >= 0:
+        return pos, pos + len(text)
+    head = text.splitlines()[0][:64] if text.splitlines() else ""
+    if len(head) >= 4 and (pos := rendered.find(head, start)) >= 0:
+        return pos, None
+    return None
+
+
+def spans(body: dict[str, Any], rendered: str) -> list[Span]:
+    """The sections of `rendered` (the server's rendering of the chat request `body`), in
+    prompt order: ``system``, ``tool NAME`` for each tool the template rendered, and
+    ``message N (role)`` for each message (N from 1). The template's own text between two
+    parts goes with the part after it (a turn's header with its message); what follows
+    the last part's text is ``end`` (the generation prompt). Parts the template left
+    out are absent; a rendering where nothing is found is one section, ``prompt``."""
+    parts: list[_Part] = []
+    cursor = 0
+    system_seen = 0
+    for i, msg in enumerate(body.get("messages") or [], start=1):
+        role = str(msg.get("role", "?")) if isinstance(msg, dict) else "?"
+        found = _find(rendered, _message_text(msg), cursor)
+        if found is None:
+            continue
+        if role in ("system", "developer"):
+            system_seen += 1
+            name = "system" if system_seen == 1 else f"system {system_seen}"
+        else:
+            name = f"message {i} ({role})"
+        parts.append(_Part(name, found[0], found[1]))
+        cursor = found[1] if found[1] is not None else found[0] + 1
+    taken = [(p.anchor, p.end if p.end is not None else p.anchor + 1) for p in parts]
+    for tool in body.get("tools") or []:
+        for probe in _tool_probes(tool):
+            pos = rendered.find(probe)
+            # A tool's text inside a message's own text is that message's, not the tool's.
+            if pos >= 0 and not any(a <= pos < e for a, e in taken):
+                parts.append(_Part(f"tool {_tool_name(tool)}", pos, None))
+                break
+    if not parts:
+        return [Span("prompt", 0, len(rendered))]
+    parts.sort(key=lambda p: p.anchor)
+    out: list[Span] = []
+    start = 0
+    for k, p in enumerate(parts):
+        nxt = parts[k + 1].anchor if k + 1 < len(parts) else len(rendered)
+        end = min(p.end, nxt) if p.end is not None else nxt
+        if end > start:
+            out.append(Span(p.name, start, end))
+            start = end
+    if start < len(rendered):
+        out.append(Span("end", start, len(rendered)))
+    return out
+
+
+class TokenMap:
+    """Character positions of a rendered prompt → indices of its tokens."""
+
+    def __init__(self, rendered: str, pieces: list[bytes]) -> None:
+        self.ends: list[int] = []
+        total = 0
+        for piece in pieces:
+            total += len(piece)
+            self.ends.append(total)
+        joined_len = total
+        text_len = len(rendered.encode("utf-8"))
+        # Tokens the server adds before the text (BOS) have pieces of their own.
+        self.shift = max(0, joined_len - text_len)
+        self._rendered = rendered
+
+    def tokens_at(self, chars: Iterable[int]) -> list[int]:
+        """The index of the token holding each character position (ascending input)."""
+        out: list[int] = []
+        prev_c, prev_b = 0, 0
+        for c in chars:
+            prev_b += len(self._rendered[prev_c:c].encode("utf-8"))
+            prev_c = c
+            out.append(min(bisect.bisect_right(self.ends, prev_b + self.shift), len(self.ends)))
+        return out
+
+
+@dataclass
+class SlotPrompt:
+    """The last prompt a slot processed, as the explainer saw it."""
+
+    ids: list[int]
+    pieces: list[bytes]
+    sections: list[dict[str, Any]]
+
+
+def section_at(sections: list[dict[str, Any]], token: int) -> dict[str, Any] | None:
+    """The section holding token index `token`."""
+    starts = [s["start"] for s in sections]
+    k = bisect.bisect_right(starts, token) - 1
+    return sections[k] if k >= 0 else None
+
+
+def _text(pieces: list[bytes]) -> str:
+    return b"".join(pieces).decode("utf-8", errors="replace")
+
+
+def summary(rec: dict[str, Any]) -> str:
+    """One line: where the request left the slot's previous prompt, and what it cost."""
+    div = rec.get("divergence")
+    if div is None:
+        head = rec.get("note") or "no divergence"
+    else:
+        head = (
+            f"diverged at token {div['token']:,} in {div['section']} ({div['offset']:,} "
+            f"tokens into it): …{div['before'][-30:]!r} then {div['old'][:30]!r} → "
+            f"{div['new'][:30]!r}"
+        )
+    tail = f"; {rec['lost_tokens']:,} cached tokens thrown away" if rec.get("lost_tokens") else ""
+    if rec.get("cost_s") is not None and rec.get("lost_tokens"):
+        tail += f", ~{rec['cost_s']:.1f} s of prefill at {rec['ms_per_token']:.2f} ms/token"
+    return head + tail
+
+
+class Explainer:
+    """Explains each completed request of one cache manager, one at a time, off the
+    request path; keeps the last `KEEP` and each slot's previous prompt."""
+
+    def __init__(self, publish: Callable[[Event], None]) -> None:
+        self._publish = publish
+        self.recent: deque[dict[str, Any]] = deque(maxlen=KEEP)
+        self.rate = PrefillRate()
+        self.previous: dict[int, SlotPrompt] = {}  # by slot
+        self._lock = asyncio.Lock()
+        self._waiting = 0
+        self.skipped = 0
+
+    def forget(self) -> None:
+        """The server restarted: no slot holds what it held."""
+        self.previous.clear()
+
+    def slot_changed(self, slot: int) -> None:
+        """Something other than a request filled `slot` (a restore, a prewarm)."""
+        self.previous.pop(slot, None)
+
+    async def explain(
+        self,
+        client: Tokenizer,
+        request: dict[str, Any],
+        render: dict[str, Any] | None,
+        cache_n: int,
+        prompt_n: int,
+        prompt_ms: float | None,
+    ) -> dict[str, Any] | None:
+        """Explain one completed request (`request`: request_id, client, session, slot,
+        kind, endpoint). `render` is its chat body for `/apply-template` (None: it cannot
+        be rendered, and the slot's previous prompt is forgotten). Never raises."""
+        self.rate.feed(cache_n, prompt_n, prompt_ms)
+        slot = request.get("slot")
+        if render is None or self._waiting >= MAX_WAITING:
+            self.skipped += render is not None
+            if isinstance(slot, int):
+                self.previous.pop(slot, None)
+            return None
+        self._waiting += 1
+        try:
+            async with self._lock:
+                return await self._explain(client, request, render, cache_n, prompt_n)
+        except Exception as e:  # explaining never breaks anything; the slot is forgotten
+            log.warning("could not explain request %s: %r", request.get("request_id"), e)
+            if isinstance(slot, int):
+                self.previous.pop(slot, None)
+            return None
+        finally:
+            self._waiting -= 1
+
+    async def _explain(
+        self,
+        client: Tokenizer,
+        request: dict[str, Any],
+        render: dict[str, Any],
+        cache_n: int,
+        prompt_n: int,
+    ) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        rendered = await client.apply_template(render)
+        toks = await client.tokenize_pieces(rendered, add_special=True)
+        ids = [t for t, _ in toks]
+        pieces = [p for _, p in toks]
+        parts = spans(render, rendered)
+        starts = TokenMap(rendered, pieces).tokens_at(s.start for s in parts)
+        sections = []
+        for k, (span, first) in enumerate(zip(parts, starts, strict=True)):
+            last = starts[k + 1] if k + 1 < len(starts) else len(ids)
+            if span.start == 0:
+                first = 0  # the tokens before the text (BOS) are the first section's
+            sections.append({"name": span.name, "start": first, "n_tokens": max(0, last - first)})
+        slot = request.get("slot")
+        before = self.previous.get(slot) if isinstance(slot, int) else None
+        rec: dict[str, Any] = {
+            **request,
+            "ts": time.time(),
+            "n_tokens": len(ids),
+            "cache_n": cache_n,
+            "prompt_n": prompt_n,
+            "previous_tokens": len(before.ids) if before else None,
+            "divergence": None,
+            "lost_tokens": 0,
+            "ms_per_token": self.rate.ms_per_token,
+            "cost_s": None,
+            "note": "",
+        }
+        if before is None:
+            rec["note"] = "no earlier prompt of this slot to compare with"
+        else:
+            i = pfx.common_prefix_len(before.ids, ids)
+            if i < len(before.ids) and i < len(ids):
+                new_sec = section_at(sections, i) or {"name": "?", "start": 0}
+                old_sec = section_at(before.sections, i) or {"name": "?", "start": 0}
+                rec["divergence"] = {
+                    "token": i,
+                    "section": new_sec["name"],
+                    "offset": i - new_sec["start"],
+                    "old_section": old_sec["name"],
+                    "before": _text(pieces[max(0, i - CONTEXT_TOKENS) : i]),
+                    "old": _text(before.pieces[i : i + CONTEXT_TOKENS]),
+                    "new": _text(pieces[i : i + CONTEXT_TOKENS]),
+                }
+                rec["lost_tokens"] = len(before.ids) - i
+            elif i < len(before.ids):
+                rec["note"] = "the prompt is a shorter part of the slot's previous prompt"
+            else:
+                rec["note"] = "the prompt extends the slot's previous prompt: no divergence"
+            if cache_n + REUSE_GAP < i:
+                rec["note"] = (
+                    f"the prompts share {i:,} tokens but the server reused {cache_n:,}: the "
+                    "slot no longer held the previous prompt (another request, a restore, "
+                    "or a sliding-window checkpoint before that point)"
+                )
+        if rec["lost_tokens"] and rec["ms_per_token"] is not None:
+            rec["cost_s"] = round(rec["lost_tokens"] * rec["ms_per_token"] / 1000, 3)
+        if isinstance(slot, int):
+            self.previous[slot] = SlotPrompt(ids, pieces, sections)
+        if len(sections) > MAX_SECTIONS:
+            sections = sections[:1] + sections[-(MAX_SECTIONS - 1) :]
+        rec["sections"] = sections
+        rec["compute_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        rec["summary"] = summary(rec)
+        self.recent.appendleft(rec)
+        self._publish(event_of(rec))
+        return rec
+
+    def find(self, request_id: str | None) -> dict[str, Any] | None:
+        """A kept explanation by request id (the latest when None)."""
+        if request_id is None:
+            return self.recent[0] if self.recent else None
+        return next((r for r in self.recent if r["request_id"] == request_id), None)
+
+    def status(self, n: int = 5) -> list[dict[str, Any]]:
+        """The last `n` explanations that found a divergence, without their sections."""
+        out = []
+        for r in self.recent:
+            if r.get("divergence") is not None:
+                out.append({k: v for k, v in r.items() if k != "sections"})
+                if len(out) >= n:
+                    break
+        return out
+
+
+def event_of(rec: dict[str, Any]) -> RequestExplained:
+    """The telemetry event of an explanation."""
+    div = rec.get("divergence") or {}
+    return RequestExplained(
+        request_id=str(rec["request_id"]),
+        client=str(rec.get("client") or ""),
+        session=str(rec.get("session") or ""),
+        slot=rec.get("slot"),
+        n_tokens=int(rec["n_tokens"]),
+        cache_n=int(rec["cache_n"]),
+        prompt_n=int(rec["prompt_n"]),
+        previous_tokens=rec.get("previous_tokens"),
+        div_token=div.get("token"),
+        div_section=str(div.get("section") or ""),
+        lost_tokens=int(rec.get("lost_tokens") or 0),
+        cost_s=rec.get("cost_s"),
+        summary=str(rec.get("summary") or ""),
+        sections=json.dumps(rec.get("sections") or []),
+        divergence=json.dumps(rec.get("divergence")),
+        compute_ms=float(rec.get("compute_ms") or 0.0),
+    )
+
+
+def format_explanation(rec: dict[str, Any]) -> str:
+    """`warmslot explain`'s text: the request, its sections with token counts, and the
+    divergence."""
+    lines = [
+        f"request {rec['request_id']}  client {rec.get('client') or '?'}  slot "
+        f"{rec.get('slot')}  session {(rec.get('session') or '—')[:32]}",
+        f"prompt: {rec['n_tokens']:,} tokens; the server reused {rec['cache_n']:,} and read "
+        f"{rec['prompt_n']:,}"
+        + (
+            f"; the slot's previous prompt had {rec['previous_tokens']:,}"
+            if rec.get("previous_tokens") is not None
+            else ""
+        ),
+        f"why: {rec.get('summary') or summary(rec)}",
+    ]
+    div = rec.get("divergence") or None
+    if div and rec.get("note"):
+        lines.append(f"note: {rec['note']}")
+    lines.append("sections:")
+    for s in rec.get("sections") or []:
+        mark = ""
+        if div and s["start"] <= div["token"] < s["start"] + max(1, s["n_tokens"]):
+            mark = f"   ← diverged here: token {div['token']:,}, {div['offset']:,} tokens in"
+        lines.append(f"  {s['start']:>8,}  {s['n_tokens']:>7,} tokens  {s['name']}{mark}")
+    return "\n".join(lines)
+
+
+def from_row(row: dict[str, Any]) -> dict[str, Any]:
+    """An explanation as telemetry stored it, in the in-memory shape."""
+    out = dict(row)
+    out["sections"] = json.loads(row.get("sections") or "[]")
+    out["divergence"] = json.loads(row.get("divergence") or "null")
+    return out
+
+
+def format_recent(explained: list[dict[str, Any]], n: int = 3) -> str:
+    """`warmslot status`'s lines: the last few requests that left their slot's prompt."""
+    if not explained:
+        return ""
+    lines = ["  last divergences (warmslot explain ID for the sections):"]
+    for r in explained[:n]:
+        lines.append(
+            f"    {r['request_id']} {r.get('client') or '?'} slot {r.get('slot')}: "
+            f"{r.get('summary') or summary(r)}"
+        )
+    return "\n".join(lines)
+
+
+class _HasExplainer(Protocol):
+    explainer: Explainer
+
+
+class _Queries(Protocol):
+    def explanation(self, request_id: str | None = None) -> dict[str, Any] | None: ...
+
+
+async def lookup(
+    managers: Callable[[], Iterable[_HasExplainer]],
+    telemetry: Callable[[], _Queries | None],
+    request_id: str | None,
+) -> dict[str, Any] | None:
+    """A request's explanation (the latest when `request_id` is None): from the cache
+    managers' memory, else from the telemetry database; None when there is none."""
+    kept = [r for m in managers() if (r := m.explainer.find(request_id)) is not None]
+    if kept:
+        return max(kept, key=lambda r: float(r["ts"]))
+    tel = telemetry()
+    row = tel.explanation(request_id) if tel is not None else None
+    return from_row(row) if row is not None else None

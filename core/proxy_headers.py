@@ -1,0 +1,173 @@
+"""The ``X-Warmslot-*`` cache headers of a managed response, from the server's own numbers.
+
+llama-server decides how much of a prompt it reuses only when the request runs, so the
+numbers exist only in its answer: a non-streamed answer's `timings` (or `usage`), and in a
+stream the first event, which llama-server sends after the prompt is read (with
+``timings_per_token`` for the OpenAI routes; the Anthropic stream's ``message_start``
+carries ``usage`` anyway). The proxy holds the client's headers until that event is in —
+the client would wait for it anyway — and writes them from it (docs/cache.md#response-headers).
+Every value here is measured by the server; nothing is predicted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# A cold prefill at least this long (and reusing under a tenth of it) calibrates the
+# prefill rate, as `core.telemetry.Telemetry.cold_prefill_rate` does for the dashboard.
+COLD_MIN_TOKENS = 256
+# Share of the prompt that must come from the cache for "hit" (else "partial"; none: "miss").
+HIT_SHARE = 0.9
+# Most bytes of a stream held back while waiting for its first numbers: a stream whose
+# first events carry none is passed on after this much, headers without numbers.
+HOLD_MAX_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """How much of a prompt llama-server took from its cache (`cached`) and read (`prefilled`)."""
+
+    cached: int
+    prefilled: int
+    prompt_ms: float | None = None
+
+    @property
+    def verdict(self) -> str:
+        """``hit`` (≥ 90 % of the prompt cached), ``partial`` (some) or ``miss`` (none)."""
+        total = self.cached + self.prefilled
+        if self.cached <= 0 or total <= 0:
+            return "miss"
+        return "hit" if self.cached >= HIT_SHARE * total else "partial"
+
+
+def reuse_from(obj: Any) -> Reuse | None:
+    """The reuse numbers in one answer or stream event of any of the three APIs: llama.cpp's
+    `timings` (chat, completions, and with our patch Messages and Responses), Anthropic's
+    ``usage.cache_read_input_tokens`` (also inside ``message_start``), OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` / ``input_tokens_details.cached_tokens``
+    (Responses, also inside ``response``). None when the object has none."""
+    if not isinstance(obj, dict):
+        return None
+    t = obj.get("timings")
+    if isinstance(t, dict) and isinstance(t.get("prompt_n"), int):
+        ms = t.get("prompt_ms")
+        return Reuse(
+            int(t.get("cache_n") or 0), int(t["prompt_n"]), float(ms) if ms is not None else None
+        )
+    for inner in ("message", "response"):  # Anthropic message_start, Responses events
+        if isinstance(obj.get(inner), dict) and (found := reuse_from(obj[inner])) is not None:
+            return found
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    if isinstance(usage.get("cache_read_input_tokens"), int) and "input_tokens" in usage:
+        # Anthropic: input_tokens counts what was not read from the cache.
+        return Reuse(int(usage["cache_read_input_tokens"]), int(usage["input_tokens"] or 0))
+    for total_key, details_key in (
+        ("prompt_tokens", "prompt_tokens_details"),
+        ("input_tokens", "input_tokens_details"),
+    ):
+        details = usage.get(details_key)
+        if isinstance(usage.get(total_key), int) and isinstance(details, dict):
+            cached = int(details.get("cached_tokens") or 0)
+            return Reuse(cached, max(0, int(usage[total_key]) - cached))
+    return None
+
+
+class StreamNumbers:
+    """Finds the first reuse numbers in an SSE stream's opening bytes (see `feed`)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.reuse: Reuse | None = None
+        self.held = 0
+
+    def feed(self, chunk: bytes) -> bool:
+        """Look at the next chunk; True once the headers can go: a chunk completed an
+        event (llama-server writes all the events of its first result at once, so numbers
+        not in it are not coming soon), or `HOLD_MAX_BYTES` are held. `reuse` holds the
+        numbers when one of its events had them."""
+        self.held += len(chunk)
+        data = self._buf + chunk
+        lines = data.split(b"\n")
+        self._buf = lines.pop()
+        complete = False
+        for line in lines:
+            if not line.startswith(b"data: "):
+                continue
+            complete = True
+            if self.reuse is not None or (b'"timings"' not in line and b'"usage"' not in line):
+                continue
+            try:
+                self.reuse = reuse_from(json.loads(line[6:]))
+            except ValueError:
+                continue
+        return complete or self.held >= HOLD_MAX_BYTES
+
+
+class PrefillRate:
+    """Milliseconds per token of cold prefills seen so far (one model's): what reading the
+    cached tokens again would have cost. None until one cold prefill was measured."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.ms = 0.0
+
+    def feed(self, cached: int, prefilled: int, prompt_ms: float | None) -> None:
+        """Count a finished request's prefill when it was a cold one."""
+        if prompt_ms and prefilled >= COLD_MIN_TOKENS and cached * 10 <= prefilled:
+            self.tokens += prefilled
+            self.ms += prompt_ms
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return self.ms / self.tokens if self.tokens else None
+
+
+def stream_body(body: dict[str, Any]) -> None:
+    """Ask llama-server for `timings` in every streamed event — the first one is what the
+    headers need — unless the client said otherwise. The final event of a llama-server
+    stream already carries `timings`, so clients that work with it ignore the field."""
+    if body.get("stream"):
+        body.setdefault("timings_per_token", True)
+
+
+def cache_headers(
+    reuse: Reuse | None,
+    *,
+    slot: int | None,
+    session: str,
+    restored: int,
+    ms_per_token: float | None,
+) -> dict[str, str]:
+    """The ``X-Warmslot-*`` headers of a managed response. Without numbers (an error, a
+    stream whose opening had none) the verdict is ``unknown`` and no counts are given."""
+    out: dict[str, str] = {}
+    if reuse is None:
+        out["X-Warmslot-Cache"] = "unknown"
+    else:
+        out["X-Warmslot-Cache"] = reuse.verdict
+        out["X-Warmslot-Cached-Tokens"] = str(reuse.cached)
+        out["X-Warmslot-Prefilled-Tokens"] = str(reuse.prefilled)
+        if ms_per_token is not None:
+            out["X-Warmslot-Est-Saved-Ms"] = f"{reuse.cached * ms_per_token:.0f}"
+    out["X-Warmslot-Restored"] = str(restored)
+    if slot is not None:
+        out["X-Warmslot-Slot"] = str(slot)
+    if session:
+        out["X-Warmslot-Session"] = session.encode("ascii", "replace").decode()[:128]
+    return out
+
+
+def reuse_in_body(data: bytes, timings: dict[str, Any] | None) -> Reuse | None:
+    """The reuse numbers of a whole (non-streamed) answer: its `timings` when the proxy
+    found them, else its ``usage`` (parsed only for answers under 1 MiB)."""
+    found = reuse_from({"timings": timings}) if timings is not None else None
+    if found is None and b'"usage"' in data and len(data) < 1 << 20:
+        try:
+            found = reuse_from(json.loads(data))
+        except ValueError:
+            return None
+    return found
