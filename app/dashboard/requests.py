@@ -1,6 +1,7 @@
 """Requests: the last requests with their reuse (cached vs new tokens), prefill time,
-slot, session and kind; selecting one shows all its fields and, where the cache
-broke, the divergence (which token, what changed)."""
+slot, session and kind, and why (core.cache.explain); selecting one expands it: its
+prompt's sections with their token counts and where it left its slot's previous
+prompt (section, token, what changed, what it cost), then all its fields."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from app import fmt
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import QtWidgets
+from core.cache.explain import from_row
 from core.events import CacheEventKind
 
 LIMIT = 200
@@ -39,12 +41,19 @@ class RequestsTab(Tab):
                 "prefill",
                 "first byte",
                 "error",
+                "why",
             ],
-            stretch=11,
+            stretch=12,
         )
         self.table.setWordWrap(False)
         self.table.itemSelectionChanged.connect(self._show_details)
         self.outer.addWidget(self.table, 1)
+        # The selected request's sections (a row each) under the line that says why.
+        self.why = QtWidgets.QTreeWidget()
+        self.why.setHeaderLabels(["section", "first token", "tokens", ""])
+        self.why.setRootIsDecorated(True)
+        self.why.setMaximumHeight(220)
+        self.outer.addWidget(self.why)
         self.details = QtWidgets.QPlainTextEdit()
         self.details.setReadOnly(True)
         self.details.setMaximumHeight(150)
@@ -52,6 +61,7 @@ class RequestsTab(Tab):
         self.outer.addWidget(self.details)
         self.rows: list[dict[str, Any]] = []
         self.divergences: dict[str, dict[str, Any]] = {}
+        self.explained: dict[str, dict[str, Any]] = {}
 
     def requests(self) -> dict[str, Request]:
         return {
@@ -60,6 +70,7 @@ class RequestsTab(Tab):
                 "recent_events",
                 {"limit": 100, "category": "cache", "kind": CacheEventKind.DIVERGENCE.value},
             ),
+            "explained": ("explanations", {"limit": LIMIT}),
         }
 
     def apply(self, results: dict[str, Any]) -> None:
@@ -69,6 +80,8 @@ class RequestsTab(Tab):
                 for e in results["divergences"]
                 if e.get("details", {}).get("request_id")
             }
+        if "explained" in results:
+            self.explained = {str(e["request_id"]): from_row(e) for e in results["explained"]}
         if "requests" not in results:
             return
         self.rows = results["requests"]
@@ -89,6 +102,7 @@ class RequestsTab(Tab):
                     fmt.duration(r["ttfb_ms"] / 1000) if r.get("ttfb_ms") else "—",
                     ("cache broke: " if r.get("request_id") in self.divergences else "")
                     + (r.get("error") or ""),
+                    (self.explained.get(str(r.get("request_id"))) or {}).get("summary", ""),
                 ]
                 for r in self.rows
             ],
@@ -96,6 +110,7 @@ class RequestsTab(Tab):
 
     def _show_details(self) -> None:
         picked = self.table.selectionModel().selectedRows()
+        self.why.clear()
         if not picked or picked[0].row() >= len(self.rows):
             self.details.clear()
             return
@@ -105,3 +120,41 @@ class RequestsTab(Tab):
         if div is not None:
             text = f"Divergence: {div['reason']}\n\n{text}"
         self.details.setPlainText(text)
+        rec = self.explained.get(str(r.get("request_id")))
+        if rec is not None:
+            self.show_why(rec)
+
+    def show_why(self, rec: dict[str, Any]) -> None:
+        """The request's explanation as a tree: why, then its sections (the one where it
+        diverged marked and selected)."""
+        self.why.clear()
+        top = QtWidgets.QTreeWidgetItem(
+            [f"why: {rec.get('summary') or '—'}", "", f"{rec.get('n_tokens', 0):,}", ""]
+        )
+        self.why.addTopLevelItem(top)
+        div = rec.get("divergence") or None
+        for s in rec.get("sections") or []:
+            inside = bool(div) and s["start"] <= div["token"] < s["start"] + max(1, s["n_tokens"])
+            mark = f"← diverged at token {div['token']:,}" if inside and div else ""
+            item = QtWidgets.QTreeWidgetItem(
+                [s["name"], f"{s['start']:,}", f"{s['n_tokens']:,}", mark]
+            )
+            top.addChild(item)
+            if inside and div:
+                item.addChild(
+                    QtWidgets.QTreeWidgetItem(
+                        [
+                            f"…{div['before'][-40:]!r} then {div['old'][:40]!r} → "
+                            f"{div['new'][:40]!r}",
+                            "",
+                            "",
+                            "",
+                        ]
+                    )
+                )
+                item.setExpanded(True)
+                self.why.setCurrentItem(item)
+        if rec.get("note"):
+            top.addChild(QtWidgets.QTreeWidgetItem([f"note: {rec['note']}", "", "", ""]))
+        top.setExpanded(True)
+        self.why.resizeColumnToContents(0)
