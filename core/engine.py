@@ -51,7 +51,7 @@ from core.server.fit import FitPlan, format_plan, plan_argv
 from core.server.fit import plan as plan_fit
 from core.server.gguf_facts import read_facts
 from core.server.provision import PATCHED_PURPOSE, Provisioner
-from core.server.rpc import WorkerSet
+from core.server.rpc import WorkerSet, watch_in_use
 from core.server.rpc_fit import launch_plan
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
@@ -327,6 +327,13 @@ class Core:
         self.subscribe(self._on_server_state, (ServerStateChanged,))
         self._write_runtime()
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        # A lost RPC worker restarts the server before a request finds out (docs/scale.md).
+        sup = self.supervisor
+        self._tasks.append(
+            asyncio.create_task(
+                watch_in_use(self.workers, lambda: sup.state is ServerState.READY, sup.restart)
+            )
+        )
         if self.sweeps.sweeps:
             self._tasks.append(asyncio.create_task(self.sweeps.run_forever()))
 

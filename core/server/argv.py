@@ -132,6 +132,11 @@ def kv_relevant(argv: Sequence[str]) -> tuple[str, ...]:
         "--jinja",
         "--no-jinja",
     }
+    if "--rpc" in argv:
+        # Layers on RPC workers compute differently: a slot file saved with a split is
+        # not the one-host state (measured on Gemma 3 270M, docs/scale.md#slot-files),
+        # so the workers and the split join the identity; without --rpc nothing changes.
+        keep |= {"--rpc", "-ngl", "--gpu-layers", "--n-gpu-layers", "-ts", "--tensor-split"}
     out: list[str] = []
     it = iter(range(len(argv)))
     for i in it:

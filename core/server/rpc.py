@@ -21,6 +21,7 @@ the ones that no longer answer.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -30,7 +31,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ __all__ = [
     "parse_devices",
     "rpc_failure",
     "tcp_problem",
+    "watch_in_use",
+    "worker_lines",
 ]
 
 log = logging.getLogger("warmslot.rpc")
@@ -316,6 +319,16 @@ class WorkerSet:
             if c.worker.endpoint in used and not c.ok
         ]
 
+    def unreachable_in_use(self, timeout: float = 2.0) -> list[str]:
+        """The in-use workers a TCP connection no longer reaches, with why (blocking)."""
+        with self._lock:
+            used = set(self.in_use)
+        out = []
+        for w in self._workers():
+            if w.endpoint in used and (problem := tcp_problem(w.address, w.port, timeout)):
+                out.append(f"{w.label}: {problem}")
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         """State for status displays and the tray: each worker's last check and role."""
         with self._lock:
@@ -339,6 +352,31 @@ class WorkerSet:
             row["note"] = lost.get(w.endpoint, "")
             rows.append(row)
         return {"workers": rows, "waiting_for": list(waiting)}
+
+
+WATCH_INTERVAL_S = 5.0
+
+
+async def watch_in_use(
+    workers: WorkerSet,
+    ready: Callable[[], bool],
+    restart: Callable[[str], Awaitable[None]],
+    *,
+    interval: float = WATCH_INTERVAL_S,
+) -> None:
+    """Every `interval` seconds while the server is ready, try a TCP connection to each
+    worker it uses; when one fails, `restart` it (the launch then leaves the worker out
+    or waits for it). An idle llama-server does not notice a lost worker (measured:
+    /health stays 200) and aborts only at the next request, which then fails; this
+    finds most losses before a request does."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval)
+        if not ready() or not workers.in_use:
+            continue
+        gone = await loop.run_in_executor(None, workers.unreachable_in_use)
+        if gone and ready():
+            await restart("worker " + "; ".join(gone))
 
 
 def worker_lines(snapshot: Mapping[str, Any]) -> list[str]:

@@ -184,3 +184,16 @@ def test_device_lines_and_rpc_failures_are_read_from_llama_server_output() -> No
     ]
     assert "Remote RPC server crashed" in rpc_failure(lines)
     assert rpc_failure(["main: server is listening"]) == ""
+
+
+def test_the_split_joins_the_slot_file_identity_only_with_rpc() -> None:
+    from core.server.argv import kv_relevant
+
+    base = ["llama-server", "-m", "m.gguf", "-np", "2", "-c", "8192", "-ngl", "99"]
+    # Without --rpc nothing changes: existing slot folders keep their names.
+    assert kv_relevant(base) == ("-np", "2", "-c", "8192")
+    split = [*base[:-2], "--rpc", "10.0.0.2:50052", "-ngl", "4", "-ts", "2,2"]
+    kv = kv_relevant(split)
+    assert kv == ("-np", "2", "-c", "8192", "--rpc", "10.0.0.2:50052", "-ngl", "4", "-ts", "2,2")
+    assert kv_relevant([*split[:-1], "3,1"]) != kv
+    assert kv_relevant([*split[:-6], "--rpc", "10.0.0.3:50052", *split[-4:]]) != kv
