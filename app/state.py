@@ -180,6 +180,9 @@ def derive_state(
         warnings.append(f"memory pressure is {pressure}")
     if int(srv.get("restarts") or 0) > 0:
         warnings.append(f"llama-server restarted {srv['restarts']}× after crashes")
+    for worker in ((status or {}).get("workers") or {}).get("workers") or []:
+        if worker.get("state") == "left out" and "not answering" in str(worker.get("note")):
+            warnings.append(f"RPC worker {worker.get('label')} is gone: running without it")
     cache = (status or {}).get("cache")
     if isinstance(cache, dict) and "error" in cache:
         warnings.append(f"cache status failed: {cache['error']}")

@@ -161,3 +161,28 @@ def test_derive_states() -> None:
     st = ready_status()
     st["server"]["restarts"] = 2
     assert derive_state(st).tray is TrayState.DEGRADED
+
+
+def test_a_lost_rpc_worker_degrades_the_tray_and_a_wait_shows_why() -> None:
+    st = ready_status()
+    st["workers"] = {
+        "workers": [
+            {"label": "a (10.0.0.2:50052)", "state": "in use", "note": ""},
+            {
+                "label": "b (10.0.0.3:50052)",
+                "state": "left out",
+                "note": "not answering: connection refused",
+            },
+        ],
+        "waiting_for": [],
+    }
+    lost = derive_state(st)
+    assert (lost.tray, lost.detail) == (
+        TrayState.DEGRADED,
+        "RPC worker b (10.0.0.3:50052) is gone: running without it",
+    )
+    st["workers"]["workers"][1]["note"] = "not needed: the model fits on the main host"
+    assert derive_state(st).tray is TrayState.WARM
+    reason = "waiting for worker b (10.0.0.3:50052) (connection refused): the model does not fit"
+    waiting = derive_state({"server": {"state": "starting", "reason": reason}})
+    assert (waiting.tray, waiting.detail) == (TrayState.STARTING, reason)

@@ -314,3 +314,58 @@ def test_warmslot_worker_warns_when_bound_beyond_loopback(rpc_server: Path, tmp_
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_launch_that_needs_a_missing_worker_waits_for_it_without_giving_up(
+    server_binary: Path, tiny4: Path, tmp_path: Path
+) -> None:
+    """The supervisor's side of "else wait for it": a resolver that reports a missing
+    worker (as `launch_plan` does when the model does not fit without it) keeps the
+    server starting, checking again with backoff, beyond `max_restarts`."""
+    import asyncio
+    import itertools
+    import time
+
+    from core.events import ServerStateChanged
+    from core.paths import Paths
+    from core.server import discover, model
+    from core.server.rpc import WorkerUnavailable
+    from core.server.supervisor import Resolved, ServerState, Supervisor
+    from tests.conftest import settings_for
+
+    paths = Paths.under(tmp_path)
+    found = discover.discover(paths, str(server_binary), check=None).found
+    assert found is not None
+    resolved = Resolved(binary=found, model=model.resolve(paths, str(tiny4)))
+    server = settings_for(tiny4).server
+    server.max_restarts = 0  # a wait is no restart: it must not use these up
+    attempts: list[float] = []
+    events: list[Any] = []
+
+    async def resolve() -> Resolved:
+        attempts.append(time.monotonic())
+        if len(attempts) <= 3:
+            raise WorkerUnavailable(
+                "waiting for worker w9 (127.0.0.1:9) (connection refused): the model does "
+                "not fit without it",
+                workers=["w9 (127.0.0.1:9)"],
+            )
+        return resolved
+
+    async def main() -> None:
+        sup = Supervisor(paths=paths, settings=lambda: server, resolve=resolve, emit=events.append)
+        try:
+            await sup.start()  # returns: waiting is not a failure
+            assert sup.state is ServerState.STARTING
+            assert sup.state_reason.startswith("waiting for worker w9 (127.0.0.1:9)")
+            assert "checking again in" in sup.state_reason
+            assert await sup.wait_ready(120), sup.state_reason
+        finally:
+            await sup.close()
+
+    asyncio.run(main())
+    assert len(attempts) == 4
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
+    assert gaps[0] >= 0.5 and gaps[1] >= 1.0 and gaps[2] >= 2.0, gaps  # backing off
+    states = [e.state for e in events if isinstance(e, ServerStateChanged)]
+    assert states == ["starting", "ready", "stopping", "stopped"], states  # never "failed"
