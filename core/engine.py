@@ -375,7 +375,8 @@ class Core:
         template = chat_template_for(s, mdl)
         plan: list[str] = []
         fit_plan, gpus_seen = await loop.run_in_executor(None, self._plan_fit, s, mdl)
-        if self.workers.configured and s == self._primary_settings():
+        if fit_plan is not None and self.workers.configured and s == self._primary_settings():
+            # (No plan: the model's metadata is unreadable, and the launch goes without.)
             # Raises WorkerUnavailable when a needed worker is gone: the supervisor waits.
             wp = await loop.run_in_executor(
                 None,

@@ -15,8 +15,9 @@ names the worker it came from.
 What llama-server does when a worker goes away (measured, docs/scale.md): every
 RPC call that fails aborts the process (``GGML_ABORT``, SIGABRT) with "Remote RPC
 server crashed or returned malformed response" — a message that does not say which
-worker. `WorkerSet` therefore checks the workers again after such a crash and names
-the ones that no longer answer.
+worker. So the launch after such a crash checks the workers again and names the ones
+that no longer answer (`core.server.rpc_fit.launch_plan`), and `watch_in_use` finds a
+lost worker of an idle server before a request does.
 """
 
 from __future__ import annotations
@@ -305,19 +306,6 @@ class WorkerSet:
             log.warning(text)
             if self._notify is not None:
                 self._notify(text)
-
-    def lost_since_launch(self, binary: Path, env: Mapping[str, str] | None = None) -> list[str]:
-        """After a crash: the labels of in-use workers that no longer answer, with why."""
-        with self._lock:
-            used = set(self.in_use)
-        if not used:
-            return []
-        checks = self.check(binary, env)
-        return [
-            f"{c.worker.label}: {c.problem}"
-            for c in checks
-            if c.worker.endpoint in used and not c.ok
-        ]
 
     def unreachable_in_use(self, timeout: float = 2.0) -> list[str]:
         """The in-use workers a TCP connection no longer reaches, with why (blocking)."""

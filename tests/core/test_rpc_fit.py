@@ -163,6 +163,14 @@ def test_worker_set_names_a_lost_worker_and_waits_when_the_rest_is_too_small(
     assert notes[-1] == "worker a (10.0.0.2:50052) stopped answering: waiting for it"
     text = "\n".join(worker_lines(snap))
     assert "waiting for: a (10.0.0.2:50052), b (10.0.0.2:50053)" in text
+    # `warmslot status` prints the same lines.
+    from core.cli import format_status
+
+    shown = format_status(
+        {"warmslot": {"proxy": "http://127.0.0.1:8089", "pid": 1},
+         "server": {"state": "starting", "reason": "waiting"}, "workers": snap}
+    )  # fmt: skip
+    assert "workers (llama.cpp RPC):" in shown and text.splitlines()[-1] in shown
 
 
 def test_device_lines_and_rpc_failures_are_read_from_llama_server_output() -> None:
