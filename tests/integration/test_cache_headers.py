@@ -177,3 +177,61 @@ def test_restored_header_after_a_restart(make_core: Any, tmp_path: Path) -> None
         assert int(r.headers["X-Warmslot-Restored"]) == restores[0]["tokens"] > 0
     else:
         assert r.headers["X-Warmslot-Restored"] == "0"
+
+
+# ------------------------------------------------------------------ Messages, Responses
+
+
+def _api_numbers(path: str, stream: bool, data: bytes) -> tuple[int, int]:
+    """(cached, read) as the answer itself reports them: the last `timings` (or the
+    Anthropic/Responses `usage`) in the body or stream."""
+    from core.proxy_headers import reuse_from
+
+    if not stream:
+        found = reuse_from(json.loads(data))
+        assert found is not None
+        return found.cached, found.prefilled
+    last = None
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: {") and (found := reuse_from(json.loads(line[6:]))):
+            last = found
+    assert last is not None
+    return last.cached, last.prefilled
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_messages_and_responses_carry_the_same_headers(
+    make_core: Any, api: str, stream: bool
+) -> None:
+    """Both other chat APIs, on whichever server the test build cache has: the headers
+    equal the numbers the answer itself reports (the stream's last event)."""
+    from tests.integration.test_api_routes import (
+        CLAUDE_UA,
+        CODEX_UA,
+        _binary_with,
+        _messages,
+        _post,
+        _responses,
+    )
+
+    server = _binary_with(patched=True) or _binary_with(patched=False)
+    changes = {"server__binary": str(server)} if server is not None else {}
+    core = make_core(policy_factory=policy_factory, **changes)
+    core.start(wait_ready=True, timeout=120)
+    path = "/v1/messages" if api == "messages" else "/v1/responses"
+    ua = {"User-Agent": CLAUDE_UA if api == "messages" else CODEX_UA, "x-session-id": "api-1"}
+    for turn in (1, 2):
+        b = _messages(turn, "s-hdr") if api == "messages" else _responses(turn)
+        b["stream"] = stream
+        status, headers, data = _post(core, path, b, ua)
+        assert status == 200, data[:300]
+        cached, read = _api_numbers(path, stream, data)
+        h = {k.lower(): v for k, v in headers.items()}
+        assert (h["x-warmslot-cached-tokens"], h["x-warmslot-prefilled-tokens"]) == (
+            str(cached),
+            str(read),
+        ), (turn, h)
+        assert h["x-warmslot-cache"] == verdict(cached, read)
+        if turn == 2:
+            assert cached > 0
