@@ -348,3 +348,52 @@ async def test_prepare_says_restored_only_for_a_verified_restore(tmp_path: Path)
         assert req.response_headers.get("X-Warmslot-Restored") == header
         assert (plan.slot in mgr.explainer.previous) == (promised[0] == 0)
         await mgr.completed(req, None, 499)
+
+
+# ------------------------------------------------------------------ warmslot explain offline
+
+
+def test_explain_reads_the_database_when_no_warmslot_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core.cli import main
+    from core.paths import Paths
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("WARMSLOT_HOME", str(home))
+    assert main(["explain"]) == 3  # nothing runs, no database
+    assert "Warmslot is not running and its database has none" in capsys.readouterr().out
+    paths = Paths.under(home)
+    paths.ensure()
+    tel = Telemetry(paths.telemetry_db)
+    rec = {
+        "request_id": "old-one",
+        "client": "cc",
+        "slot": 1,
+        "n_tokens": 50,
+        "cache_n": 10,
+        "prompt_n": 40,
+        "divergence": {
+            "token": 10,
+            "section": "message 2 (user)",
+            "offset": 3,
+            "before": "a",
+            "old": "b",
+            "new": "c",
+        },
+        "lost_tokens": 20,
+        "sections": [
+            {"name": "system", "start": 0, "n_tokens": 7},
+            {"name": "message 2 (user)", "start": 7, "n_tokens": 43},
+        ],
+    }
+    rec["summary"] = explain.summary(rec)
+    tel.record(explain.event_of(rec))
+    tel.close()
+    assert main(["explain", "old-one"]) == 0
+    out = capsys.readouterr().out
+    assert "diverged at token 10 in message 2 (user)" in out
+    assert "message 2 (user)   ← diverged here" in out
+    assert main(["explain", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request_id"] == "old-one"
+    assert main(["explain", "nope"]) == 3
