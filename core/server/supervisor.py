@@ -190,6 +190,8 @@ class Supervisor:
         self._http: aiohttp.ClientSession | None = None
         self._api_key: str | None = None
         self._worker_waits = 0  # checks in a row that found a needed RPC worker gone
+        self._lines_total = 0  # output lines read, over all runs
+        self._run_first_line = 0  # `_lines_total` when the current run was launched
 
     # ----------------------------------------------------------------- public API
     @property
@@ -366,7 +368,7 @@ class Supervisor:
             except ServerStartFailed as e:
                 crashed = getattr(e, "crash_signal", None)
                 # An RPC worker that went away aborts the server too: not the AMX bug.
-                rpc_lost = rpc.rpc_failure(list(self.log_tail)[-40:])
+                rpc_lost = rpc.rpc_failure(self._run_lines())
                 if (
                     crashed is not None
                     and not no_repack
@@ -459,6 +461,7 @@ class Supervisor:
             raise
         self._api_key = key
         self._proc = proc
+        self._run_first_line = self._lines_total
         self.pid = proc.pid
         self._started_at = self._clock()
         self._emit(
@@ -521,6 +524,12 @@ class Supervisor:
             err.crash_signal = sig  # type: ignore[attr-defined]
         raise err
 
+    def _run_lines(self) -> list[str]:
+        """The current run's output (as much of it as the tail holds): an abort's backtrace
+        can push its one telling line far up, and an older run's must not count."""
+        n = min(self._lines_total - self._run_first_line, len(self.log_tail))
+        return list(self.log_tail)[-n:] if n > 0 else []
+
     def _write_key(self, key: str) -> Path:
         """The key in a new owner-only file in an owner-only folder, for ``--api-key-file``."""
         run_dir = self._paths.state_dir / "run"
@@ -576,6 +585,7 @@ class Supervisor:
                 break
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self.log_tail.append(line)
+            self._lines_total += 1
             if self._logfile is not None:
                 _write_log(self._logfile, line)
             parsed = logparse.parse_line(line)
@@ -597,7 +607,7 @@ class Supervisor:
             self.restarts = 0
         settings = self._settings()
         what = f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}"
-        if lost := rpc.rpc_failure(list(self.log_tail)[-40:]):
+        if lost := rpc.rpc_failure(self._run_lines()):
             # llama-server does not say which worker: the restart checks them and names it.
             what += f", an RPC worker stopped answering: {lost}"
         if self.restarts >= settings.max_restarts:

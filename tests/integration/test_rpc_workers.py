@@ -24,7 +24,7 @@ import pytest
 
 from core.config import WorkerSettings
 from core.engine import Core
-from core.events import Notice, ServerExited
+from core.events import Notice, ServerExited, ServerStateChanged
 from core.server.rpc import find_rpc_server, tcp_problem
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore
@@ -196,7 +196,7 @@ def test_a_killed_worker_is_named_and_the_server_restarts_without_it(
 ) -> None:
     core = split_core(make_core, tiny4, workers)
     events = EventLog()
-    core.subscribe(events.append, (Notice, ServerExited))
+    core.subscribe(events.append, (Notice, ServerExited, ServerStateChanged))
     core.start(wait_ready=True, timeout=180)
     before, _ = answer(complete(core))
     assert core.supervisor is not None
@@ -213,6 +213,11 @@ def test_a_killed_worker_is_named_and_the_server_restarts_without_it(
     )
     crash = next(e for e in events.of(ServerExited) if e.outcome == "crashed")
     assert crash.pid == first_pid
+    reasons = [e.reason for e in events.of(ServerStateChanged)]
+    assert any(
+        "SIGABRT, an RPC worker stopped answering" in r and "Remote RPC server" in r
+        for r in reasons
+    ), reasons
     wait_until(
         lambda: (
             core.supervisor is not None
@@ -326,7 +331,6 @@ def test_a_launch_that_needs_a_missing_worker_waits_for_it_without_giving_up(
     import itertools
     import time
 
-    from core.events import ServerStateChanged
     from core.paths import Paths
     from core.server import discover, model
     from core.server.rpc import WorkerUnavailable
@@ -369,3 +373,26 @@ def test_a_launch_that_needs_a_missing_worker_waits_for_it_without_giving_up(
     assert gaps[0] >= 0.5 and gaps[1] >= 1.0 and gaps[2] >= 2.0, gaps  # backing off
     states = [e.state for e in events if isinstance(e, ServerStateChanged)]
     assert states == ["starting", "ready", "stopping", "stopped"], states  # never "failed"
+
+
+def test_an_rpc_abort_at_startup_is_not_taken_for_the_amx_crash(
+    make_core: MakeCore, tiny4: Path, tmp_path: Path
+) -> None:
+    """llama-server aborts (SIGABRT) while parsing ``--rpc`` when a worker is unreachable;
+    that must not be retried with --no-repack nor remembered as the binary's quirk."""
+    from core.errors import ServerStartFailed
+    from core.events import ServerLaunched
+
+    home = tmp_path / "home"
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    core = make_core(home=home, server__model=str(tiny4), server__extra_args=["--rpc", dead])
+    events = EventLog()
+    core.subscribe(events.append, (ServerLaunched, ServerExited))
+    with pytest.raises(ServerStartFailed) as err:
+        core.start(wait_ready=True, timeout=120)
+    assert "SIGABRT" in str(err.value)
+    assert [e.attempt for e in events.of(ServerLaunched)] == ["start"]  # no --no-repack retry
+    assert [e.outcome for e in events.of(ServerExited)] == ["start_failed"]
+    assert core.supervisor is not None
+    assert any(f"Failed to connect to {dead}" in line for line in core.supervisor.log_tail)
+    assert not (home / "state" / "binary-quirks.json").exists()
