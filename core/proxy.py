@@ -844,6 +844,7 @@ class Proxy:
                     self._add_cache_headers(req, reuse_in_body(data, timings))
                 else:
                     error = _error_text(data)
+                    self._add_cache_headers(req, None)  # no numbers: "unknown", the ids
                 # A prompt or answer that hit the slot's context is named (issue 16, 0e).
                 if (hit := context_limit.warning_for(up.status, data, req.body)) is not None:
                     context_limit.note(req.response_headers, hit)

@@ -235,3 +235,14 @@ def test_messages_and_responses_carry_the_same_headers(
         assert h["x-warmslot-cache"] == verdict(cached, read)
         if turn == 2:
             assert cached > 0
+
+
+def test_an_upstream_error_still_names_the_request(core: Core) -> None:
+    """A prompt llama-server refuses (larger than the slot's context) was managed too:
+    its error answer carries the ids and says the cache verdict is unknown."""
+    too_long = body("x " * 6000)
+    r = post(core, too_long)
+    assert r.status_code == 400, r.text[:300]
+    assert r.headers["X-Warmslot-Cache"] == "unknown"
+    assert r.headers["X-Warmslot-Request-Id"] and r.headers["X-Warmslot-Session"] == "hdr-1"
+    assert "X-Warmslot-Cached-Tokens" not in r.headers
