@@ -205,3 +205,18 @@ def test_the_split_joins_the_slot_file_identity_only_with_rpc() -> None:
     assert kv == ("-np", "2", "-c", "8192", "--rpc", "10.0.0.2:50052", "-ngl", "4", "-ts", "2,2")
     assert kv_relevant([*split[:-1], "3,1"]) != kv
     assert kv_relevant([*split[:-6], "--rpc", "10.0.0.3:50052", *split[-4:]]) != kv
+
+
+def test_the_rpc_server_is_found_beside_llama_server_else_on_path(tmp_path: Path) -> None:
+    from core.server.rpc import RPC_SERVER_NAME, find_rpc_server
+
+    build, elsewhere = tmp_path / "build" / "bin", tmp_path / "path"
+    for d in (build, elsewhere):
+        d.mkdir(parents=True)
+        (d / RPC_SERVER_NAME).write_text("#!/bin/sh\n")
+        (d / RPC_SERVER_NAME).chmod(0o755)
+    server = build / "llama-server"
+    assert find_rpc_server(server, path_env=str(elsewhere)) == build / RPC_SERVER_NAME
+    (build / RPC_SERVER_NAME).unlink()
+    assert find_rpc_server(server, path_env=str(elsewhere)) == elsewhere / RPC_SERVER_NAME
+    assert find_rpc_server(None, path_env=str(tmp_path / "none")) is None

@@ -396,3 +396,44 @@ def test_an_rpc_abort_at_startup_is_not_taken_for_the_amx_crash(
     assert core.supervisor is not None
     assert any(f"Failed to connect to {dead}" in line for line in core.supervisor.log_tail)
     assert not (home / "state" / "binary-quirks.json").exists()
+
+
+def test_warmslot_fit_shows_each_worker_and_the_split(
+    server_binary: Path, tiny4: Path, workers: list[Worker], tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    config = home / "config" / "warmslot.toml"
+    config.parent.mkdir(parents=True)
+    tables = "".join(
+        f'[[workers]]\naddress = "127.0.0.1"\nport = {w.port}\nname = "w{i}"\nlayers = 2\n\n'
+        for i, w in enumerate(workers)
+    )
+    config.write_text(
+        f'[server]\nbinary = "{server_binary}"\nmodel = "{tiny4}"\n\n' + tables, encoding="utf-8"
+    )
+    env = {**os.environ, "WARMSLOT_HOME": str(home)}
+    run = subprocess.run(
+        [sys.executable, "-m", "core.cli", "fit", "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    endpoints = [f"127.0.0.1:{w.port}" for w in workers]
+    assert doc["workers"]["rpc"] == endpoints
+    assert [c["ok"] for c in doc["workers"]["checks"]] == [True, True]
+    devices = [(d["name"].split()[0], d["kind"], d["layers"]) for d in doc["plan"]["devices"]]
+    assert devices == [("RPC0", "rpc", 2), ("RPC1", "rpc", 2), ("host", "host", 1)]
+    text = subprocess.run(
+        [sys.executable, "-m", "core.cli", "fit"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
+    assert f"w0 ({endpoints[0]}): ✔ RPC0" in text and f"w1 ({endpoints[1]}): ✔ RPC1" in text
+    assert f"llama-server --rpc {','.join(endpoints)} -ngl 4" in text and "-ts 2,2" in text
