@@ -330,7 +330,8 @@ class WorkerSet:
             elif w.label in waiting:
                 state = "waiting"
             elif w.endpoint in lost:
-                state = "left out"
+                # Left out because it is not needed (the model fits without it) is no loss.
+                state = "not needed" if lost[w.endpoint].startswith("not needed") else "left out"
             elif c is not None and c.ok:
                 state = "available"
             else:

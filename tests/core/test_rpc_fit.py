@@ -52,6 +52,14 @@ def test_a_model_that_fits_on_the_main_host_stays_there() -> None:
     assert wp.fits_locally and wp.plan.fits
     assert [d.kind for d in wp.plan.devices] == ["host"]
     assert "fits on the main host" in wp.left_out[w.endpoint]
+    ws = WorkerSet(lambda: [w], check=lambda binary, workers, env=None: [up(w, 100)])
+    ws.check(Path("llama-server"))
+    ws.mark(in_use=wp.endpoints, lost=wp.left_out, waiting=())
+    (row,) = ws.snapshot()["workers"]
+    assert (row["state"], row["note"]) == (
+        "not needed",
+        "not needed: the model fits on the main host",
+    )
 
 
 def test_a_model_too_big_for_the_main_host_spreads_over_the_workers_in_order() -> None:
