@@ -46,6 +46,8 @@ SESSION_HEADERS = (
     "x-litellm-session-id",
     "x-opencode-session",
     "x-conversation-id",
+    "x-claude-code-session-id",  # Claude Code (also in metadata.user_id)
+    "session-id",  # Codex CLI (also its body's prompt_cache_key)
 )
 AUX_HEADER = "x-warmslot-aux"
 _YES = ("1", "true", "yes")

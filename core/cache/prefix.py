@@ -17,9 +17,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# Markers that start the volatile tail of a system prompt, per client profile.
+# Markers that start the volatile tail of a system prompt, per client profile, keyed
+# by the client name of its User-Agent. Learned from real traffic: the recorded
+# requests in tests/fixtures/clients/ and what each client sends (docs/clients.md).
 # opencode: the <env> block (cwd, platform, date), "Instructions from:" (AGENTS.md
 # files), MCP instructions (they change every turn) and the skills list.
+_CLAUDE_CODE = (
+    # The attribution line opens the system text; its cc_version suffix changes with
+    # each session (not with each turn). CLAUDE_CODE_ATTRIBUTION_HEADER=0 leaves it out.
+    "x-anthropic-billing-header:",
+    # The memory folder is named after the working directory.
+    "You have a persistent file-based memory at",
+    # cwd, git or not, platform, shell, OS version, model name.
+    "You have been invoked in the following environment",
+    # Branch, status and recent commits: they change as the user works.
+    "gitStatus:",
+)
+# Codex CLI (Responses API): the developer messages (base instructions, skills) are
+# stable; cwd, date and timezone come in the first user message's
+# <environment_context>, never in the system text: its boundary is where the system
+# text ends (the learner's rule for a prompt without markers).
+_CODEX = ("<environment_context>",)
 PROFILES: dict[str, tuple[str, ...]] = {
     "opencode": (
         "<env>",
@@ -28,6 +46,9 @@ PROFILES: dict[str, tuple[str, ...]] = {
         "<available_skills>",
         "<skills>",
     ),
+    "claude-cli": _CLAUDE_CODE,  # claude-cli/2.1.197 (external, sdk-cli)
+    "codex_exec": _CODEX,  # codex_exec/0.171.0 (Debian 12.0.0; x86_64) dumb …
+    "codex_cli_rs": _CODEX,  # the interactive Codex CLI (same prompt; not recorded here)
 }
 # Markers that mean "volatile from here" for any client (dates, working directories).
 GENERIC_MARKERS = ("<env>", "<mcp_instructions>")
@@ -38,6 +59,20 @@ _TITLE_RE = re.compile(
     r"you are a title generator|summari[sz]e (the|this) (conversation|session)|"
     r"^\s*title\s*:",
     re.IGNORECASE | re.MULTILINE,
+)
+# Side calls recognised by their own prompt, for clients whose agent turns carry no
+# tools (aider sends its repo map and files as messages, never `tools`).
+_AUX_PROMPTS = (
+    # aider's commit message call (aider/prompts.py commit_system, the weak model).
+    (
+        "commit message request (aider)",
+        re.compile(r"generates concise,\s+one-line git commit messages", re.IGNORECASE),
+    ),
+    # aider's chat history summary (aider/prompts.py summarize).
+    (
+        "chat summary request (aider)",
+        re.compile(r"summari[sz]e this partial conversation", re.IGNORECASE),
+    ),
 )
 
 
@@ -136,6 +171,9 @@ def classify_aux(body: dict[str, Any], has_tools: bool, client_uses_tools: bool)
     msgs = body.get("messages", [])
     if not has_tools and msgs:
         head = " ".join(content_text(m.get("content")) for m in msgs[:2])[:2000]
+        for why, pattern in _AUX_PROMPTS:
+            if pattern.search(head):
+                return why
         if _TITLE_RE.search(head):
             return "title/summary request shape"
     return None
