@@ -226,3 +226,14 @@ def make_trace(
 
 def iter_agent_turns(trace: list[TraceRequest]) -> Iterator[TraceRequest]:
     return (r for r in trace if r.kind == "agent")
+
+
+def interleave(trace: list[TraceRequest]) -> list[TraceRequest]:
+    """The same requests with the sessions taking turns (issue 16, 3): every session's
+    title call, then turn 1 of each session, turn 2 of each, …; no restart. Two agents
+    working side by side on one server send their turns like this."""
+    order = {sid: i for i, sid in enumerate(dict.fromkeys(r.session for r in trace))}
+    out = sorted(trace, key=lambda r: (r.turn, order[r.session]))
+    for r in out:
+        r.restart_before = False
+    return out

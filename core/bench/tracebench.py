@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.bench.common import post_json, settle
-from core.bench.trace import TraceRequest, make_trace
+from core.bench.trace import TraceRequest, interleave, make_trace
 from core.config import Settings
 from core.engine import Core
 from core.events import CacheEventKind
@@ -40,10 +40,13 @@ class RunResult:
     wall_s: float = 0.0
     cache_events: dict[str, int] = field(default_factory=dict)
     rejections: list[str] = field(default_factory=list)
+    flags: str = ""  # the launch's slots, context and RAM cache (the same in both arms)
 
     def summary(self) -> dict[str, Any]:
         agent = [r for r in self.requests if r["kind"] == "agent"]
         later = [r for r in agent if r["turn"] >= 2]
+        # Of each agent turn from the second on: its session's previous prompt, reused.
+        own = [r["cache_n"] / r["previous"] for r in later if r.get("previous")]
         after = [r for r in agent if r["turn"] == 1 and r["after_restart"]]
 
         def hit(rows: list[dict[str, Any]]) -> float | None:
@@ -60,11 +63,13 @@ class RunResult:
             "hit_turns_2_plus": hit(later),
             "hit_first_after_restart": hit(after),
             "hit_titles": hit([r for r in self.requests if r["kind"] == "title"]),
+            "own_previous_min": min(own) if own else None,
             "server_prompt_tokens": int(self.server_prompt_tokens),
             "server_prefill_s": round(self.server_prompt_seconds, 3),
             "wall_s": round(self.wall_s, 2),
             "cache_events": dict(self.cache_events),
             "rejections": list(self.rejections),
+            "flags": self.flags,
         }
 
 
@@ -87,6 +92,7 @@ def replay(
     result = RunResult(name)
     t0 = time.perf_counter()
     restarted = False
+    previous: dict[str, int] = {}  # session → its last agent prompt (tokens)
     for r in trace:
         if r.restart_before:
             settle(core)
@@ -103,7 +109,7 @@ def replay(
         headers = r.headers if through_proxy else {**r.headers, **sup.auth_headers()}
         data = post_json(f"{base}/v1/chat/completions", r.body, headers)
         t = data.get("timings") or {}
-        row = {
+        row: dict[str, Any] = {
             "session": r.session,
             "kind": r.kind,
             "turn": r.turn,
@@ -111,7 +117,10 @@ def replay(
             "cache_n": int(t.get("cache_n", 0)),
             "prompt_n": int(t.get("prompt_n", 0)),
             "prompt_ms": float(t.get("prompt_ms", 0)),
+            "previous": previous.get(r.session, 0) if not restarted else 0,
         }
+        if r.kind == "agent":
+            previous[r.session] = row["cache_n"] + row["prompt_n"]
         result.requests.append(row)
         if log is not None:
             log(
@@ -141,11 +150,21 @@ def run(
     ctx: int,
     workdir: Path | None = None,
     log: Any = None,
+    alternate: bool = False,
+    cache_ram_mib: int | None = None,
+    binary: str = "",
 ) -> list[dict[str, Any]]:
-    """Run both arms and return their summaries (bare first)."""
+    """Run both arms and return their summaries (bare first).
+
+    Both arms launch llama-server from the same settings, so with the same flags and
+    memory: `slots` and `ctx` 0 leave them to the fit plan, as Warmslot's defaults do.
+    `alternate`: the sessions take turns instead of following one another, without a
+    restart (`interleave`)."""
     from core.cache.manager import policy_factory
 
     trace = make_trace(sessions=sessions, turns=turns, scale=scale)
+    if alternate:
+        trace = interleave(trace)
     base = workdir or Path(tempfile.mkdtemp(prefix="warmslot-bench-"))
     summaries = []
     try:
@@ -155,10 +174,20 @@ def run(
             s = Settings().replace("server.model", model).replace("proxy.port", 0)
             s = s.replace("server.slots", slots).replace("server.ctx_per_slot", ctx)
             s = s.replace("server.chat_template_file", template)
+            if cache_ram_mib is not None:
+                s = s.replace("server.cache_ram_mib", cache_ram_mib)
+            if binary:  # this binary or none: never a build in a benchmark's scratch home
+                s = s.replace("server.binary", binary).replace("server.build", "off")
             core = Core(Paths.under(home), s, policy_factory=factory)
             core.start(wait_ready=True)
             try:
-                summaries.append(replay(core, trace, name, through_proxy=proxy, log=log))
+                result = replay(core, trace, name, through_proxy=proxy, log=log)
+                if core.fit_plan is not None:
+                    p = core.fit_plan
+                    result.flags = f"-np {p.slots} -c {p.slots * p.ctx_per_slot} " + (
+                        f"--cache-ram {p.cache_ram_mib}"
+                    )
+                summaries.append(result)
             finally:
                 core.stop()
     finally:
@@ -181,6 +210,10 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
         ("prefill seconds (client requests)", *[f"{s['prefill_s']:.2f}" for s in summaries]),
         ("hit rate, all agent turns", *[pct(s["hit_all_agent"]) for s in summaries]),
         ("hit rate, agent turns 2..N", *[pct(s["hit_turns_2_plus"]) for s in summaries]),
+        (
+            "least of a turn's own previous prompt reused",
+            *[pct(s.get("own_previous_min")) for s in summaries],
+        ),
         (
             "hit rate, first turn after restart",
             *[pct(s["hit_first_after_restart"]) for s in summaries],
@@ -210,8 +243,18 @@ def add_parser(bench_sub: Any) -> None:
     )
     p.add_argument("--sessions", type=int, default=3)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--slots", type=int, default=2)
-    p.add_argument("--ctx", type=int, default=32768, help="context per slot")
+    p.add_argument(
+        "--slots", type=int, default=2, help="slots (-np) of both arms; 0: the fit plan's"
+    )
+    p.add_argument("--ctx", type=int, default=32768, help="context per slot; 0: the fit plan's")
+    p.add_argument(
+        "--alternate",
+        action="store_true",
+        help="the sessions take turns (no restart); with it --slots and --ctx default to 0",
+    )
+    p.add_argument(
+        "--cache-ram", type=int, default=None, help="--cache-ram MiB of both arms (-1: plan)"
+    )
     p.add_argument(
         "--chat-template",
         default="",
@@ -236,20 +279,30 @@ def _cmd(args: argparse.Namespace) -> int:
     model = str(resolved.path)
     template = args.chat_template or str(chat_template_for(settings.server, resolved) or "")
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    pinned = {a for a in ("--slots", "--ctx") if any(x.startswith(a) for x in sys.argv)}
+    # The binary this user's Warmslot would run: the arms' scratch homes have no build
+    # cache of their own (and must never start a build).
+    from core.server import discover
+
+    found = discover.discover(paths, settings.server.binary).found
     summaries = run(
         model,
         template=template,
         scale=args.scale,
         sessions=args.sessions,
         turns=args.turns,
-        slots=args.slots,
-        ctx=args.ctx,
+        slots=args.slots if not args.alternate or "--slots" in pinned else 0,
+        ctx=args.ctx if not args.alternate or "--ctx" in pinned else 0,
         log=log,
+        alternate=args.alternate,
+        cache_ram_mib=args.cache_ram,
+        binary=str(found.path) if found is not None else "",
     )
     if args.json:
         print(json.dumps(summaries, indent=2))
     else:
-        print(f"model: {model}\n" + format_table(summaries))
+        flags = summaries[-1].get("flags") or ""
+        print(f"model: {model}\nllama-server (both arms): {flags}\n" + format_table(summaries))
     return 0
 
 

@@ -70,6 +70,12 @@ from core.sweeps import Sweeps
 log = logging.getLogger("warmslot.cache")
 
 SCRATCH_WAIT_S = 120.0  # longest a background save waits for the scratch slot to be idle
+# A new session takes another session's idle slot holding its prefix (that session's
+# conversation is saved and moves) only for a prefix at least this long: moving costs a
+# save now and a restore + verification later (tens of ms on the tiny model, ~3 s for a
+# 32k Gemma 3 state), re-reading this many tokens more (the tiny model reads a 1,251-token
+# prefix faster than a restore pays: the moved session then re-read its turn).
+DISPLACE_MIN_TOKENS = 4096
 IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after a start
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
@@ -330,7 +336,14 @@ class CacheManager:
         side = decision.side
         session = decision.session
         info = None if side else await self.learner.prefix_for(req, client, session)
-        slot, why_slot = self.slots.pick(session, req.kind)
+        # A new session goes where its prefix is when no saved state can bring it into
+        # an empty slot (issue 16, 3; core.cache.slots).
+        fp = info.fingerprint if info is not None else ""
+        displace = bool(fp) and info is not None and info.n_tokens >= DISPLACE_MIN_TOKENS
+        if displace and self.disk.usable and self.store.for_fingerprint(fp) is not None:
+            displace = False
+        holding = [st.id for st in self.slots.slots if fp and self._holds(st, fp, body)]
+        slot, why_slot = self.slots.pick(session, req.kind, holding, displace)
         req.slot = slot
         if side and slot == self.slots.aux_slot:
             self.emit(CacheEventKind.AUX_ISOLATED, decision.why, slot=slot, client=req.client)
@@ -341,6 +354,7 @@ class CacheManager:
         if info is not None:
             info.last_used = time.time()
             self._touch(info)
+            await self._save_displaced(slot, session)
             # A saved conversation this request continues beats its stable prefix.
             if not await self.conversations.restore_for(req, info, slot, session):
                 await self._ensure_slot(info, slot, session)
@@ -432,6 +446,47 @@ class CacheManager:
             tokens=timings.cache_n,
             request_id=req.request_id,
             promised=tokens,
+        )
+
+    @staticmethod
+    def _holds(st: Any, fp: str, body: dict[str, Any]) -> bool:
+        """Whether slot state `st` starts with the prefix `fp` of a request with `body`:
+        its prefix is that one, or its last request had the same system text and tools
+        (a prefix learned from a second session is new, but the first one's slot holds
+        it: stable prefixes end within the system text and tools)."""
+        if st.prefix_fp == fp:
+            return True
+        last = st.last_body
+        return bool(
+            st.tokens_hint
+            and last is not None
+            and pfx.system_text(last) == pfx.system_text(body)
+            and last.get("tools") == body.get("tools")
+        )
+
+    async def _save_displaced(self, slot: int, session: str) -> None:
+        """Save the conversation of another session that this request is about to
+        overwrite in `slot` (agents outnumber agent slots: issue 16, 3). llama-server's
+        RAM cache keeps a displaced state only when the new prompt keeps less than half
+        of it, so conversations under a shared prefix longer than their tails were lost;
+        a live slot save costs milliseconds and no prefill (docs/cache.md#crowding)."""
+        st = self.slots.slots[slot]
+        if st.inflight or not st.session_of_last or st.session_of_last == session:
+            return
+        if self.conversations.unsaved(slot) <= 0:
+            return
+        t0 = time.perf_counter()
+        try:
+            outcome = await self.conversations.save(slot, "displaced")
+        except Exception:  # fail open: the request goes on; the conversation is re-read later
+            log.exception("saving the conversation displaced from slot %d failed", slot)
+            return
+        log.info(
+            "slot %d: %s (displaced by session %s, %.0f ms)",
+            slot,
+            outcome,
+            session[:24],
+            (time.perf_counter() - t0) * 1000,
         )
 
     def _extends(self, held_fp: str, info: pfx.PrefixInfo) -> bool:

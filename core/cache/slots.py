@@ -3,12 +3,20 @@
 Agent sessions are pinned to slots (least-recently-used free slot first, never
 one another in-flight session holds); auxiliary calls go to a reserved slot
 when there are at least two, so they never displace the primary's prefix.
+
+A session seen for the first time goes where its stable prefix already is: a free
+slot holding it, else — when the prefix is not saved on disk to be restored into an
+empty slot — the idle slot of another session that holds it. That session's
+conversation is saved before it is displaced (core.cache.manager) and comes back,
+restored, into a slot of its own on its next turn: a save and a restore instead of
+prefilling the whole shared prefix again (issue 16, 3: a bare llama-server routes the
+new session to the slot with the longest common prefix).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +45,7 @@ class SlotMap:
     clock: Callable[[], float] = time.monotonic
     slots: list[SlotState] = field(default_factory=list)
     sessions: dict[str, int] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # sessions that ever had a slot
 
     def __post_init__(self) -> None:
         self.slots = [SlotState(i) for i in range(self.n_slots)]
@@ -51,28 +60,39 @@ class SlotMap:
         aux = self.aux_slot
         return [s for s in self.slots if s.id != aux]
 
-    def pick(self, session: str, kind: str) -> tuple[int, str]:
-        """The slot for a request, and why."""
+    def pick(
+        self, session: str, kind: str, holding: Collection[int] = (), displace: bool = False
+    ) -> tuple[int, str]:
+        """The slot for a request, and why. `holding`: the slots whose content starts with
+        the request's stable prefix; `displace`: a new session may take another session's
+        idle slot among them (the caller decides: no saved state of the prefix to restore
+        into an empty slot, and a prefix long enough that re-reading it costs more than
+        moving a conversation)."""
         aux = self.aux_slot
         if kind == "aux" and aux is not None:
             return aux, "side call → reserved slot"
         pinned = self.sessions.get(session)
         if pinned is not None and pinned != aux:
             return pinned, "session pinned"
-        free = [
-            s
-            for s in self.primary_slots
-            if s.inflight == 0 and (not s.session or s.session not in self._active())
-        ]
-        candidates = (
-            free or [s for s in self.primary_slots if s.inflight == 0] or self.primary_slots
-        )
-        best = min(candidates, key=lambda s: (s.session != "", s.last_used))
+        idle = [s for s in self.primary_slots if s.inflight == 0]
+        free = [s for s in idle if not s.session or s.session not in self._active()]
+        new = session not in self.seen
+        holders = [s for s in idle if s.id in holding]
+        if new and (held := [s for s in holders if not s.session]):
+            best, why = min(held, key=lambda s: s.last_used), "free slot holding its prefix"
+        elif new and holders and displace:
+            best = min(holders, key=lambda s: s.last_used)
+            why = "a new session goes where its prefix is (its session is saved and moves)"
+        else:
+            candidates = free or idle or self.primary_slots
+            best = min(candidates, key=lambda s: (s.session != "", s.last_used))
+            why = "least recently used free slot"
         if best.session and best.session != session:
             self.sessions.pop(best.session, None)
         best.session = session
         self.sessions[session] = best.id
-        return best.id, "least recently used free slot"
+        self.seen.add(session)
+        return best.id, why
 
     def _active(self) -> set[str]:
         return {s.session for s in self.slots if s.inflight > 0}
