@@ -1,5 +1,6 @@
-"""Cache: what each slot holds, the saved states (size, TTL class, time to expiry,
-pinned, verified) and the known prefixes, with pin/unpin, evict and re-warm."""
+"""Cache: what each slot holds, the saved prefix states (size, TTL class, time to expiry,
+pinned, verified), the saved conversations (client, session, tokens, size, age, expiry)
+and the known prefixes, with pin/unpin, evict and re-warm."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ NEEDS = {
     "evict": "Core.evict(filename) → Future",
     "rewarm": "Core.rewarm(fingerprint) → Future",
 }
+
+
+CONVERSATION = "conversation"  # a saved state's "kind" (core.cache.conversations)
+
+
+def is_conversation(state: dict[str, Any]) -> bool:
+    return state.get("kind") == CONVERSATION
 
 
 def ttl_seconds(settings: Any, ttl_class: str) -> float | None:
@@ -88,6 +96,38 @@ class CacheTab(Tab):
         self.saved.itemSelectionChanged.connect(self._update_buttons)
         self.outer.addWidget(self.saved, 2)
 
+        head3 = QtWidgets.QHBoxLayout()
+        head3.addWidget(QtWidgets.QLabel("<b>Conversations</b> (saved sessions)"))
+        head3.addStretch(1)
+        self.conversation_pin_button = QtWidgets.QPushButton("Pin")
+        self.conversation_evict_button = QtWidgets.QPushButton("Evict")
+        self.conversation_pin_button.setObjectName("conversation_pin")
+        self.conversation_evict_button.setObjectName("conversation_evict")
+        self.conversation_pin_button.clicked.connect(self._toggle_conversation_pin)
+        self.conversation_evict_button.clicked.connect(
+            lambda: self._run("evict", self.selected_conversation())
+        )
+        head3.addWidget(self.conversation_pin_button)
+        head3.addWidget(self.conversation_evict_button)
+        self.outer.addLayout(head3)
+        self.conversations = table(
+            [
+                "client",
+                "session",
+                "tokens",
+                "size",
+                "saved",
+                "last used",
+                "expires",
+                "pinned",
+                "this server",
+                "file",
+            ],
+            stretch=1,
+        )
+        self.conversations.itemSelectionChanged.connect(self._update_conversation_buttons)
+        self.outer.addWidget(self.conversations, 1)
+
         head2 = QtWidgets.QHBoxLayout()
         head2.addWidget(QtWidgets.QLabel("<b>Known prefixes</b>"))
         head2.addStretch(1)
@@ -108,8 +148,10 @@ class CacheTab(Tab):
         self.action_label.setStyleSheet("color: #555;")
         self.outer.addWidget(self.action_label)
         self._saved_rows: list[dict[str, Any]] = []
+        self._conversation_rows: list[dict[str, Any]] = []
         self._update_buttons()
         self._update_prefix_button()
+        self._update_conversation_buttons()
 
     def requests(self) -> dict[str, Request]:
         return {"status": ("server_status", {})}
@@ -128,11 +170,13 @@ class CacheTab(Tab):
                 else "No cache inventory: the cache manager is not attached (plain proxy) "
                 "or the core is not running."
             )
-            for t in (self.slots, self.saved, self.prefixes):
+            for t in (self.slots, self.saved, self.prefixes, self.conversations):
                 t.setRowCount(0)
             self._saved_rows = []
+            self._conversation_rows = []
             self._update_buttons()
             self._update_prefix_button()
+            self._update_conversation_buttons()
             return
         now = self.ctx.clock()
         settings = self.ctx.backend.settings
@@ -170,7 +214,8 @@ class CacheTab(Tab):
             ],
         )
         keep = self.selected_file()
-        self._saved_rows = list(cache.get("saved") or [])
+        states = list(cache.get("saved") or [])
+        self._saved_rows = [s for s in states if not is_conversation(s)]
         fill(
             self.saved,
             [
@@ -214,8 +259,37 @@ class CacheTab(Tab):
             for r, p in enumerate(cache.get("prefixes") or []):
                 if p.get("fingerprint") == keep_prefix:
                     self.prefixes.selectRow(r)
+        self._fill_conversations([s for s in states if is_conversation(s)], settings, now)
         self._update_buttons()
         self._update_prefix_button()
+        self._update_conversation_buttons()
+
+    def _fill_conversations(self, rows: list[dict[str, Any]], settings: Any, now: float) -> None:
+        keep = self.selected_conversation()
+        self._conversation_rows = rows
+        fill(
+            self.conversations,
+            [
+                [
+                    s.get("client") or "—",
+                    s.get("session") or "—",
+                    s.get("tokens"),
+                    fmt.size(s.get("bytes")),
+                    fmt.ago(s.get("created"), now),
+                    fmt.ago(s.get("last_used"), now),
+                    expiry_text(s, settings, now),
+                    "yes" if s.get("pinned") else "no",
+                    "yes" if s.get("current") else "no",
+                    s["file"],
+                ]
+                for s in rows
+            ],
+            keys=[s["file"] for s in rows],
+        )
+        if keep:
+            for r, s in enumerate(rows):
+                if s["file"] == keep:
+                    self.conversations.selectRow(r)
 
     # ------------------------------------------------------------ actions
     def selected_file(self) -> str | None:
@@ -260,6 +334,44 @@ class CacheTab(Tab):
         sel = self._selected_state()
         if sel is not None:
             self._run("rewarm", sel["fingerprint"])
+
+    def selected_conversation(self) -> str | None:
+        """The file name of the selected saved conversation."""
+        rows = self.conversations.selectionModel().selectedRows()
+        if not rows:
+            return None
+        item = self.conversations.item(rows[0].row(), 0)
+        return str(item.data(Qt.ItemDataRole.UserRole)) if item is not None else None
+
+    def _selected_conversation_state(self) -> dict[str, Any] | None:
+        name = self.selected_conversation()
+        return next((s for s in self._conversation_rows if s["file"] == name), None)
+
+    def _update_conversation_buttons(self) -> None:
+        sel = self._selected_conversation_state()
+        self.conversation_pin_button.setText("Unpin" if sel and sel.get("pinned") else "Pin")
+        for button, cmd in (
+            (self.conversation_pin_button, "pin"),
+            (self.conversation_evict_button, "evict"),
+        ):
+            if not self.ctx.backend.supports(cmd):
+                button.setEnabled(False)
+                button.setToolTip(f"Not available: this core has no {NEEDS[cmd]}")
+            elif sel is None:
+                button.setEnabled(False)
+                button.setToolTip("Select a conversation first")
+            else:
+                button.setEnabled(True)
+                button.setToolTip(
+                    "Pinned conversations never expire"
+                    if cmd == "pin"
+                    else "Delete its saved state now"
+                )
+
+    def _toggle_conversation_pin(self) -> None:
+        sel = self._selected_conversation_state()
+        if sel is not None:
+            self._run("pin", sel["file"], not sel.get("pinned"))
 
     def selected_prefix(self) -> str | None:
         rows = self.prefixes.selectionModel().selectedRows()

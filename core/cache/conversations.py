@@ -500,6 +500,42 @@ class Conversations:
         return sum(b for b, _ in sizes) / sum(t for _, t in sizes) if sizes else 0.0
 
     # ------------------------------------------------------------ restore
+    def covering(self, info: pfx.PrefixInfo) -> StateRecord | None:
+        """The newest saved conversation that starts with all of `info`'s tokens: where
+        no prefix state was saved (core.cache.prefix_save), restoring it brings the
+        prefix back for any request that extends it."""
+        m = self.mgr
+        if not m.has_db or m.identity is None:
+            return None
+        rows = m.store.table.rows_where(
+            "identity = ? AND kind = ? AND base = ?",
+            [m.launch_id, KIND, info.fingerprint],
+            order_by="last_used desc",
+            limit=CANDIDATES,
+        )
+        n = info.n_tokens
+        for row in rows:
+            rec = StateRecord.from_row(row)
+            tokens = rec.probe.get("prefix")
+            if isinstance(tokens, list) and tokens[:n] == info.tokens:
+                return rec
+        return None
+
+    async def restore_prefix(self, rec: StateRecord, info: pfx.PrefixInfo, slot: int) -> None:
+        """Restore (verified) the conversation `rec`, which `covering` found, into `slot`
+        for its prefix `info` (the caller holds the slot's lock); raise VerificationFailed.
+
+        The slot then holds the prefix for any request and the conversation for its own
+        session: a request of another conversation should reuse the prefix, no more."""
+        m = self.mgr
+        await m.restore(rec, slot)
+        st = m.slots.slots[slot]
+        st.prefix_fp = info.fingerprint
+        st.tokens_hint = rec.n_tokens
+        st.session_of_last = rec.session
+        st.promised = (info.n_tokens, "restored prefix (from a saved conversation)")
+        self._saved[slot] = _Saved(rec.session, rec.n_tokens)
+
     def candidates(self, session: str, base: str) -> list[StateRecord]:
         """Saved conversations of this session, or that started with the same prefix."""
         m = self.mgr
@@ -548,7 +584,12 @@ class Conversations:
         rendered = await client.apply_template(render_body(chat_of(req)))
         prompt = await client.tokenize(rendered, add_special=True)
         quickest = min(self._verify) if self._verify else None
-        choice, skipped = choose(cands, prompt, session, info.n_tokens, self._prefill, quickest)
+        # What the request gets without a conversation state: the prefix, where the slot
+        # holds it or it is saved; nothing where only conversations hold it
+        # (core.cache.prefix_save), so any state that extends it then counts.
+        has_prefix = st.prefix_fp == info.fingerprint or m.store.for_fingerprint(info.fingerprint)
+        base_n = info.n_tokens if has_prefix else 0
+        choice, skipped = choose(cands, prompt, session, base_n, self._prefill, quickest)
         if choice is None:
             if skipped:
                 m.emit(

@@ -207,8 +207,9 @@ class CacheHost(Protocol):
         """Restore `rec` into `slot` and verify it; raise VerificationFailed."""
         ...
 
-    def persist_soon(self, info: PrefixInfo) -> bool:
-        """Save the prefix in the background unless a save of it is under way."""
+    def persist_soon(self, info: PrefixInfo, slot: int | None = None) -> bool:
+        """Save the prefix in the background unless a save of it is under way (from
+        `slot`, which holds it, where that needs no prefill)."""
         ...
 
     async def save_conversation(self, slot: int, why: str) -> str:

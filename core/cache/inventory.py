@@ -31,8 +31,11 @@ def format_inventory(st: dict[str, Any]) -> str:
             f"({_share(p['share'])} of the prompt, {p['source']})"
         )
     for r in st["saved"][:10]:
+        what = "saved"
+        if r.get("kind") == "conversation":  # core.cache.conversations
+            what = f"conversation of {r.get('client') or '—'} session {r.get('session') or '—'}"
         lines.append(
-            f"  saved {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
+            f"  {what} {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
             f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {r['verified']}"
             f"{bg.expiry_text(r)}"
         )

@@ -43,6 +43,7 @@ from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
 from core.cache.learner import PrefixLearner, chat_of, render_body, renderable
 from core.cache.plan import SlotPlan
+from core.cache.prefix_save import PrefixSaver
 from core.cache.probe import (
     REUSE_SLACK,
     check_answer,
@@ -79,6 +80,7 @@ DISPLACE_MIN_TOKENS = 4096
 IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after a start
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
+REFERENCE_TRIES = 3  # pairs of probes tried for a saved prefix's bit-exact reference
 
 
 # Tokens a request after a restore may reuse less than the restored state held before
@@ -142,6 +144,8 @@ class CacheManager:
         self.keepalive = KeepAlive(self)
         # Whole conversations saved and restored (core.cache.conversations).
         self.conversations = Conversations(self, self.retention, self._spawn)
+        # Prefix states written from the live slot that holds them (core.cache.prefix_save).
+        self.prefix_saver = PrefixSaver(self, self.retention, self.conversations)
         deps.subscribe(self._on_event, (ServerStateChanged,))
 
     # ------------------------------------------------------------ plumbing
@@ -182,14 +186,16 @@ class CacheManager:
         """Fingerprints of the prefixes being saved in the background now."""
         return frozenset(self._persisting)
 
-    def persist_soon(self, info: pfx.PrefixInfo) -> bool:
-        """Save the prefix in the background unless a save of it is under way."""
+    def persist_soon(self, info: pfx.PrefixInfo, slot: int | None = None) -> bool:
+        """Save the prefix in the background unless a save of it is under way; from
+        `slot`, which just served it, where that can be done without a prefill
+        (core.cache.prefix_save)."""
         if info.fingerprint in self._persisting:
             return False
         if not self.retention.save_backoff.allows(info.fingerprint):
             return False  # its last save failed: wait out the backoff (core.cache.retention)
         self._persisting.add(info.fingerprint)
-        self._spawn(self._persist(info))
+        self._spawn(self._persist(info, slot))
         return True
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -287,6 +293,7 @@ class CacheManager:
             self.learner.server_gone()
             self._told_unmanaged.clear()  # the next server may carry the patch
             self.conversations.server_gone()
+            self.prefix_saver.server_gone()
             self.boot.forget()  # the last start's re-warm says nothing about the next
             self.explainer.forget()
 
@@ -543,10 +550,10 @@ class CacheManager:
             self.conversations.after_response(slot, timings)  # debounced conversation save
         if info is not None and self.disk.usable and fp not in self._persisting:
             rec = self.store.for_fingerprint(fp)
-            if rec is None:
-                self.persist_soon(info)
-            else:
+            if rec is not None:
                 self.store.touch(rec.filename)
+            elif self.conversations.covering(info) is None:
+                self.persist_soon(info, slot)  # from this slot, which holds it now
 
     def _explain_soon(self, req: ProxyRequest, timings: Timings) -> None:
         """Why the request reused what it did (core.cache.explain), after its response."""
@@ -673,26 +680,35 @@ class CacheManager:
                 return
             await asyncio.sleep(0.05)
 
-    def _scratch_slot(self) -> int | None:
+    def scratch_slot(self, exclude: int | None = None) -> int | None:
+        """An idle slot no session holds (the side-call slot first), other than `exclude`."""
         aux = self.slots.aux_slot
-        if aux is not None and self.slots.slots[aux].inflight == 0:
+        if aux is not None and aux != exclude and self.slots.slots[aux].inflight == 0:
             return aux
-        idle = [s for s in self.slots.primary_slots if s.inflight == 0 and not s.session]
+        idle = [
+            s
+            for s in self.slots.primary_slots
+            if s.inflight == 0 and not s.session and s.id != exclude
+        ]
         return idle[0].id if idle else None
 
-    async def _persist(self, info: pfx.PrefixInfo) -> None:
-        """Build the exact prefix state in a scratch slot, save it, record its probe answer."""
+    async def _persist(self, info: pfx.PrefixInfo, live: int | None = None) -> None:
+        """Get the prefix state onto disk: from the `live` slot that holds it (no prefill,
+        core.cache.prefix_save), or as the last resort built in a scratch slot; saved,
+        then its probe answer recorded."""
         try:
             if not self.pressure.allows_persist():
                 why = self.pressure.paused().get("persist", "")
                 self.emit(CacheEventKind.PERSIST_SKIPPED, why, fp=info.fingerprint)
                 return
-            slot = self._scratch_slot()
+            if live is not None and await self.prefix_saver.save(info, live):
+                return  # saved, covered by the conversation's state, or left for later
+            slot = self.scratch_slot()
             deadline = time.monotonic() + SCRATCH_WAIT_S
             while slot is None and time.monotonic() < deadline:
                 # The scratch slot is busy (a side call): wait for it rather than give up.
                 await asyncio.sleep(0.25)
-                slot = self._scratch_slot()
+                slot = self.scratch_slot()
             client = self.client
             if slot is None or client is None or self.identity is None:
                 self.emit(
@@ -725,14 +741,43 @@ class CacheManager:
         if problem is not None:
             self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
             return
+        await self.record_prefix(info, slot, name, saved, how="built in a scratch slot")
+
+    async def record_prefix(
+        self, info: pfx.PrefixInfo, slot: int, name: str, saved: dict[str, Any], *, how: str
+    ) -> None:
+        """Index the just-saved prefix file `name` with its probe reference, taken in
+        `slot` (idle, under its lock) after restoring that very file."""
+        client = self.client
+        assert client is not None
+        path = self._server_slot_dir() / name
         await self._wait_idle(exclude=slot)
         assert self.probe_suffix is not None
         # The reference comes from the file as a restore lays it out, so that a later
         # restore reproduces it bit for bit, sliding-window ring included
         # (docs/cache.md#verification).
-        await client.slot_action(slot, "restore", name)
-        await self._server_idle(client, exclude=slot)
-        answer = await client.completion(probe_request(info.tokens, self.probe_suffix, slot))
+        # A reference taken while another slot works shares its batches and moves in the
+        # last bits, and every later bit-exact check of this correct state would fail (seen
+        # with prefixes saved from a live slot while the session's next request started):
+        # two probes of the same restore must agree bit for bit, else both again once the
+        # other slots are quiet; a state without a stable reference is not indexed.
+        answer: dict[str, Any] | None = None
+        for _ in range(REFERENCE_TRIES):
+            await self._wait_idle(exclude=slot)
+            await self._server_idle(client, exclude=slot)
+            probes = []
+            for _ in range(2):
+                await client.slot_action(slot, "restore", name)
+                probes.append(
+                    await client.completion(probe_request(info.tokens, self.probe_suffix, slot))
+                )
+            if probe_reference(probes[0]) == probe_reference(probes[1]):
+                answer = probes[0]
+                break
+        if answer is None:
+            problem = f"no stable probe reference in {REFERENCE_TRIES} tries (a busy server)"
+            self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
+            return
         now = self.clock.time()
         rec = StateRecord(
             filename=name,
@@ -755,14 +800,17 @@ class CacheManager:
         self.store.add(rec)
         self.retention.journal.end(name)
         self.retention.save_succeeded(info.fingerprint)
+        st = self.slots.slots[slot]  # it holds the prefix (and the probe's suffix) now
+        st.prefix_fp, st.tokens_hint = info.fingerprint, info.n_tokens
         self.emit(
             CacheEventKind.SAVE,
-            f"saved the {info.n_tokens}-token prefix",
+            f"saved the {info.n_tokens}-token prefix ({how})",
             fp=info.fingerprint,
             slot=slot,
             tokens=info.n_tokens,
             nbytes=rec.bytes,
             save_ms=(saved.get("timings") or {}).get("save_ms"),
+            how=how,
         )
 
     def _server_slot_dir(self) -> Path:
@@ -958,11 +1006,15 @@ class CacheManager:
                     "current": r.identity == ident,
                     "kind": r.kind,  # "prefix" or "conversation" (with its session)
                     "session": r.session,
+                    "client": r.client,
+                    "created": r.created,
                 }
                 for r in states
             ],
             "divergences": list(self.divergences)[:5],
             "restore_shortfalls": list(self.restore_shortfalls)[:5],
+            # How prefixes reached the disk since the start (core.cache.prefix_save).
+            "prefix_saves": self.prefix_saver.status(),
             "explained": self.explainer.status(),
             "context_limits": self.context_limits.status(),
             "template_warning": self.learner.template_warning,
@@ -1011,15 +1063,19 @@ class CacheManager:
             await asyncio.wait(set(self._jobs), timeout=timeout)
         if not self.disk.usable or self.identity is None or self.client is None:
             return {"saved": 0, "on_disk": 0, "reason": self.disk.reason}
+        # The live conversations first: a prefix they start with is then on disk too.
+        conversations = await self.conversations.save_all()
         saved = 0
-        for fp in dict.fromkeys(s.prefix_fp for s in self.slots.slots if s.prefix_fp):
-            info = self.by_fp.get(fp)
+        for st in self.slots.slots:
+            fp = st.prefix_fp
+            info = self.by_fp.get(fp) if fp else None
             if info is None or fp in self._persisting or self.store.for_fingerprint(fp):
                 continue
+            if self.conversations.covering(info) is not None:
+                continue
             self._persisting.add(fp)
-            await self._persist(info)
+            await self._persist(info, st.id)  # from the slot that holds it
             saved += 1
-        conversations = await self.conversations.save_all()  # the live conversations too
         on_disk = len(self.store.all(self.launch_id))
         return {
             "saved": saved,

@@ -1,5 +1,7 @@
 """TTL classes, the disk retention sweep, and idle sessions.
 
+The rules are planned in `core.cache.retention_plan`, applied here.
+
 **TTL classes** ``short`` / ``long`` / ``extended`` (settings ``cache.ttl_*_s``,
 defaults 5 min / 60 min / 24 h). Stable prefixes get ``cache.prefix_class``
 (extended), conversations ``cache.conversation_class`` (long), side-call state
@@ -13,7 +15,10 @@ only at files our index (the ``states`` table) says we wrote:
 2. pinned files, and files of prefixes a slot holds right now (current), are
    never deleted; neither are the ``cache.keep_recent`` most recently used
    files of the running server;
-3. a file unused for longer than its class's TTL is deleted; files of another
+3. a session keeps at most ``cache.conversations_per_session`` saved conversation
+   states, the newest (a newer state of the same conversation supersedes the older
+   one when it is saved, core.cache.conversations); pinned ones are kept beyond it;
+   a file unused for longer than its class's TTL is deleted; files of another
    server identity (another model, build or flags: their directory is not the
    running server's) are not protected by keep-recent, so they age out;
 4. while the total is above the byte cap (``cache.disk_cap_mb``; 0 = 10 % of
@@ -53,8 +58,8 @@ import contextlib
 import errno
 import logging
 import shutil
-from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -62,6 +67,7 @@ import sqlite_utils
 from sqlite_utils import Migrations
 from sqlite_utils.db import Table
 
+from core.cache.retention_plan import MIB, Eviction, Plan, human_age, plan_disk_sweep
 from core.cache.store import StateRecord, safe_name
 from core.config import TTL_CLASSES, CacheSettings
 from core.events import CacheEvent, CacheEventKind
@@ -73,11 +79,13 @@ if TYPE_CHECKING:
 __all__ = [
     "TTL_CLASSES",
     "Eviction",
+    "Plan",
     "Retention",
     "SaveBackoff",
     "WriteJournal",
     "class_for",
     "default_cap_bytes",
+    "human_age",
     "plan_disk_sweep",
     "save_problem",
     "ttl_seconds",
@@ -85,7 +93,6 @@ __all__ = [
 
 log = logging.getLogger("warmslot.cache")
 
-MIB = 1 << 20
 DEFAULT_CAP_SHARE = 0.10  # cache.disk_cap_mb = 0: this share of the free disk at start
 UNFINISHED_GRACE_S = 600.0  # a journaled save older than this that never got a row failed
 SAVE_BACKOFF_FIRST_S = 30.0  # after a failed save, the prefix is not saved again for this long,
@@ -128,17 +135,6 @@ def default_cap_bytes(directory: Path, share: float = DEFAULT_CAP_SHARE) -> int:
     while not path.exists() and path.parent != path:
         path = path.parent
     return int(shutil.disk_usage(path).free * share)
-
-
-def human_age(seconds: float) -> str:
-    s = abs(seconds)
-    if s < 120:
-        return f"{s:.0f} s"
-    if s < 7200:
-        return f"{s / 60:.0f} min"
-    if s < 172800:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} d"
 
 
 # ---------------------------------------------------------------------------- journal
@@ -253,127 +249,6 @@ class SaveBackoff:
             for fp, b in self._state.items()
             if b.until > now
         ]
-
-
-# ---------------------------------------------------------------------------- planning
-@dataclass(frozen=True)
-class Eviction:
-    """One file (or index row) the sweep deletes, and why."""
-
-    rec: StateRecord
-    rule: str  # missing | corrupt | expired | cap
-    reason: str
-    age_s: float
-
-
-@dataclass
-class Plan:
-    evictions: list[Eviction] = field(default_factory=list)
-    kept: dict[str, str] = field(default_factory=dict)  # filename → why it is protected
-    total_before: int = 0
-    total_after: int = 0
-    cap_bytes: int = 0
-
-
-def plan_disk_sweep(
-    records: list[StateRecord],
-    *,
-    now: float,
-    ttl: Callable[[str], float],
-    keep_recent: int,
-    cap_bytes: int,
-    current_identities: Collection[str],
-    in_use: set[str],
-    file_size: Callable[[StateRecord], int | None],
-) -> Plan:
-    """Decide what the retention sweep deletes (pure: no I/O but `file_size`).
-
-    `current_identities` are the slot directories of the servers Warmslot runs (one
-    per model; empty: none known yet, nothing counts as foreign); each keeps its
-    `keep_recent` most recently used files. `in_use` holds fingerprints a slot holds
-    (or that are being saved) right now; `file_size` returns a record's file size,
-    or None when the file is gone.
-    """
-    plan = Plan(cap_bytes=cap_bytes)
-    alive: list[tuple[StateRecord, int]] = []
-    for rec in records:
-        age = now - rec.last_used
-        size = file_size(rec)
-        if size is None:
-            plan.evictions.append(
-                Eviction(rec, "missing", "the file is gone; dropping its index row", age)
-            )
-            continue
-        plan.total_before += size
-        if size != rec.bytes and not rec.pinned:
-            plan.evictions.append(
-                Eviction(
-                    rec,
-                    "corrupt",
-                    f"the file is {size} bytes but {rec.bytes} were written: truncated or replaced",
-                    age,
-                )
-            )
-            continue
-        alive.append((rec, size))
-
-    def foreign(rec: StateRecord) -> bool:
-        return bool(current_identities) and rec.identity not in current_identities
-
-    ours = sorted((r for r, _ in alive if not foreign(r)), key=lambda r: -r.last_used)
-    recent: set[str] = set()
-    for identity in {r.identity for r in ours}:
-        mine = [r.filename for r in ours if r.identity == identity]
-        recent.update(mine[: max(0, keep_recent)])
-    protected: dict[str, str] = {}
-    for rec, _ in alive:
-        if rec.pinned:
-            protected[rec.filename] = "pinned"
-        elif rec.fingerprint in in_use:
-            protected[rec.filename] = "current (held by a slot)"
-        elif rec.filename in recent:
-            protected[rec.filename] = f"one of the {keep_recent} most recently used"
-    plan.kept = protected
-
-    remaining: list[tuple[StateRecord, int]] = []
-    for rec, size in alive:
-        age = now - rec.last_used
-        horizon = ttl(rec.ttl_class)
-        if rec.filename not in protected and age > horizon:
-            other = " (another server identity: no longer used)" if foreign(rec) else ""
-            plan.evictions.append(
-                Eviction(
-                    rec,
-                    "expired",
-                    f"unused for {human_age(age)} > {rec.ttl_class} TTL "
-                    f"{human_age(horizon)}{other}",
-                    age,
-                )
-            )
-        else:
-            remaining.append((rec, size))
-
-    total = sum(size for _, size in remaining)
-    if total > cap_bytes:
-        candidates = sorted(
-            ((r, s) for r, s in remaining if r.filename not in protected),
-            key=lambda rs: (not foreign(rs[0]), rs[0].last_used),
-        )
-        for rec, size in candidates:
-            if total <= cap_bytes:
-                break
-            plan.evictions.append(
-                Eviction(
-                    rec,
-                    "cap",
-                    f"saved states use {total / MIB:.1f} MiB > cap {cap_bytes / MIB:.1f} MiB; "
-                    f"oldest first{' (another server identity)' if foreign(rec) else ''}",
-                    now - rec.last_used,
-                )
-            )
-            total -= size
-    plan.total_after = total
-    return plan
 
 
 # ---------------------------------------------------------------------------- the sweeps
@@ -563,6 +438,7 @@ class Retention:
             current_identities=identities,
             in_use=set().union(*(r.in_use() for r in everyone)),
             file_size=self._file_size,
+            per_session=self.settings.conversations_per_session,
         )
         self.last_plan = plan
         freed = 0
@@ -699,7 +575,7 @@ class Retention:
             idle = now - st.last_used
             if idle < limit:
                 continue
-            saved = self._save_for_release(st.prefix_fp)
+            saved = self._save_for_release(st.prefix_fp, st.id)
             # The conversation beyond the prefix too, before another session may take
             # the slot (under the slot's lock; milliseconds, core.cache.conversations).
             session = st.session
@@ -733,8 +609,9 @@ class Retention:
             released.append(session)
         return Outcome(len(released), {"released": released})
 
-    def _save_for_release(self, fp: str) -> str:
-        """Make sure the session's stable prefix is on disk; say what happened."""
+    def _save_for_release(self, fp: str, slot: int) -> str:
+        """Make sure the session's stable prefix is on disk (from `slot`, which holds it,
+        where that needs no prefill: core.cache.prefix_save); say what happened."""
         mgr = self.mgr
         info = mgr.by_fp.get(fp) if fp else None
         if info is None:
@@ -749,7 +626,7 @@ class Retention:
             return f"not saved: {mgr.pressure.paused()['persist']}"
         if not self.save_backoff.allows(fp):
             return "not saved: its last save failed, the next try waits (save backoff)"
-        mgr.persist_soon(info)
+        mgr.persist_soon(info, slot)
         return "saving its prefix to disk"
 
     # ------------------------------------------------------------------ status

@@ -13,7 +13,7 @@ import logging
 import sqlite3
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.cache import prefix as pfx
 from core.cache.boot import BootStep
@@ -28,7 +28,16 @@ from core.events import CacheEventKind
 from core.server.argv import kv_relevant
 
 if TYPE_CHECKING:
+    from core.cache.conversations import Conversations
     from core.cache.deps import CacheHost
+
+    class WarmHost(CacheHost, Protocol):
+        """The cache manager with its conversation states (a prefix that was never saved
+        on its own comes back from a saved conversation that starts with it)."""
+
+        @property
+        def conversations(self) -> Conversations: ...
+
 
 log = logging.getLogger("warmslot.cache")
 
@@ -264,9 +273,11 @@ def disk_tier(mgr: CacheHost, model_path: Path, patches: tuple[str, ...]) -> Dis
     )
 
 
-def boot_steps(mgr: CacheHost) -> list[BootStep]:
+def boot_steps(mgr: WarmHost) -> list[BootStep]:
     """Which prefix goes into which slot after a start: pinned first, then the most
-    recently used (by request, or by its saved state), one per primary slot."""
+    recently used (by request, or by its saved state), one per primary slot. A prefix
+    with no state of its own is restored from a saved conversation that starts with it
+    (core.cache.prefix_save), where there is one."""
     targets = [s.id for s in mgr.slots.primary_slots][:RESTORE_AT_START]
     saved = {r.fingerprint: r for r in mgr.store.all(mgr.launch_id)}
     infos = sorted(
@@ -276,13 +287,14 @@ def boot_steps(mgr: CacheHost) -> list[BootStep]:
             -max(i.last_used, getattr(saved.get(i.fingerprint), "last_used", 0)),
         ),
     )[: len(targets)]
+    covering = mgr.conversations.covering if mgr.disk.usable else (lambda _: None)
     return [
-        BootStep(slot, info, saved.get(info.fingerprint))
+        BootStep(slot, info, saved.get(info.fingerprint) or covering(info))
         for slot, info in zip(targets, infos, strict=False)
     ]
 
 
-async def warm_known(mgr: CacheHost) -> None:
+async def warm_known(mgr: WarmHost) -> None:
     """After a (re)start: bring back the most recently used prefixes (the boot re-warm).
 
     Restored from disk and verified where the disk tier is valid, else (and for
@@ -293,13 +305,15 @@ async def warm_known(mgr: CacheHost) -> None:
     await mgr.boot.run(boot_steps(mgr), partial(warm_step, mgr))
 
 
-async def warm_step(mgr: CacheHost, step: BootStep) -> bool:
+async def warm_step(mgr: WarmHost, step: BootStep) -> bool:
     """Warm one boot step under its slot's lock; False when skipped (busy, pressure)."""
     if mgr.slots.slots[step.slot].inflight:
         return False  # a request runs there already
     async with mgr.lock(step.slot):
         if step.saved is not None:
-            return await restore_or_prewarm(mgr, step.saved, step.slot, chunk=BOOT_CHUNK_TOKENS)
+            return await restore_or_prewarm(
+                mgr, step.saved, step.slot, chunk=BOOT_CHUNK_TOKENS, info=step.info
+            )
         if not mgr.pressure.allows_prewarm(False):
             why = mgr.pressure.paused().get("prewarm", "")
             mgr.emit(CacheEventKind.PREWARM_SKIPPED, why, fp=step.info.fingerprint, slot=step.slot)
@@ -311,10 +325,16 @@ async def warm_step(mgr: CacheHost, step: BootStep) -> bool:
 
 
 async def restore_or_prewarm(
-    mgr: CacheHost, rec: StateRecord, slot: int, *, chunk: int = 0
+    mgr: WarmHost,
+    rec: StateRecord,
+    slot: int,
+    *,
+    chunk: int = 0,
+    info: pfx.PrefixInfo | None = None,
 ) -> bool:
     """Restore (verified) a saved prefix into `slot`, else prewarm it from its tokens
     (`chunk` tokens per request into an empty slot, see `CacheManager.prewarm`).
+    `rec` may be a saved conversation that starts with the prefix `info`.
 
     Returns whether the slot now holds the prefix.
     """
@@ -322,10 +342,13 @@ async def restore_or_prewarm(
         why = mgr.pressure.paused().get("prewarm", "")
         mgr.emit(CacheEventKind.PREWARM_SKIPPED, why, fp=rec.fingerprint, slot=slot)
         return False
-    info = mgr.by_fp.get(rec.fingerprint)
+    info = info or mgr.by_fp.get(rec.fingerprint)
     if mgr.disk.usable:
         try:
-            await mgr.restore(rec, slot)
+            if rec.kind == "conversation" and info is not None:
+                await mgr.conversations.restore_prefix(rec, info, slot)
+            else:
+                await mgr.restore(rec, slot)
             return True
         except VerificationFailed:
             pass  # recorded; fall through to a cold prewarm when we know the tokens

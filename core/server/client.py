@@ -204,13 +204,14 @@ class LlamaClient:
         return result
 
     async def slot_action(
-        self, slot: int, action: str, filename: str | None = None
+        self, slot: int, action: str, filename: str | None = None, *, n_tokens: int | None = None
     ) -> dict[str, Any]:
         """`POST /slots/{id}?action=save|restore|erase`.
 
         Slot ids are checked here: the server wraps out-of-range ids modulo the
         slot count (docs/llama-server-facts.md#slot-ids-wrap), and file names are
-        checked against its rules.
+        checked against its rules. `n_tokens` (a save only, Warmslot's patch 0004,
+        "prefix-save-v1") saves just the first N tokens the slot holds.
         """
         if slot < 0:
             raise ValueError(f"slot id {slot} out of range")
@@ -221,6 +222,10 @@ class LlamaClient:
             if not valid_slot_filename(filename):
                 raise ValueError(f"invalid slot file name {filename!r}")
             body["filename"] = filename
+        if n_tokens is not None:
+            if action != "save" or n_tokens < 1:
+                raise ValueError(f"n_tokens {n_tokens} is for a save of at least 1 token")
+            body["n_tokens"] = n_tokens
         result: dict[str, Any] = await self._call("POST", f"/slots/{slot}?action={action}", body)
         return result
 

@@ -7,6 +7,7 @@ real files in a temporary slot directory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -354,3 +355,97 @@ async def test_status_shows_ttl_class_and_time_to_expiry(tmp_path: Path) -> None
     text = st["text"]
     assert "pinned, reference, never expires" in text and "expires in 22.8 h" in text
     assert "long TTL, expires in 50 min" in text
+
+
+def conversation(
+    core: FakeCore, mgr: FakeManager, seed: str, session: str, *, age: float, pinned: bool = False
+) -> str:
+    """Index a saved conversation state of `session` (long TTL class, as saved)."""
+    rec = add_state(
+        core, mgr, name_seed=seed, age=age, ttl_class="long", kind="conversation", pinned=pinned
+    )
+    mgr.store.add(dataclasses.replace(rec, session=session, base="b" * 64))
+    return rec.filename
+
+
+async def test_a_session_keeps_its_newest_n_conversations_and_its_pinned_ones(
+    tmp_path: Path,
+) -> None:
+    core, mgr = make_manager(tmp_path, settings(keep_recent=10, conversations_per_session=2))
+    a = [conversation(core, mgr, f"a{i}", "ses-a", age=(i + 1) * 60) for i in range(4)]
+    a_pinned = conversation(core, mgr, "a-pin", "ses-a", age=50 * 60, pinned=True)
+    b = [conversation(core, mgr, f"b{i}", "ses-b", age=(i + 1) * 60) for i in range(2)]
+    out = await mgr.retention.sweep_disk()
+    # Keep-recent (10) protects none of them from the per-session rule: it is a budget.
+    assert out.actions == 2
+    assert files(core) == {a[0], a[1], a_pinned, *b}
+    gone = evicted(core)
+    assert {e.details["file"] for e in gone} == {a[2], a[3]}
+    assert {e.details["rule"] for e in gone} == {"per_session"}
+    assert all("ses-a" in e.reason and e.bytes == MB for e in gone)
+    # The setting is read at every sweep.
+    core.settings.cache.conversations_per_session = 1
+    await mgr.retention.sweep_disk()
+    assert files(core) == {a[0], a_pinned, b[0]}
+
+
+async def test_a_pinned_conversation_never_expires_an_unpinned_one_does(tmp_path: Path) -> None:
+    core, mgr = make_manager(tmp_path, settings(keep_recent=0, disk_cap_mb=1))
+    old = 400 * 86400
+    pinned = conversation(core, mgr, "pinned", "ses-p", age=old, pinned=True)
+    expired = conversation(core, mgr, "expired", "ses-e", age=HOUR + 1)
+    fresh = conversation(core, mgr, "fresh", "ses-f", age=HOUR - 1)
+    await mgr.retention.sweep_disk()
+    # 2 MB left under a 1 MB cap: the cap takes the unpinned one, never the pinned one.
+    assert files(core) == {pinned}
+    rules = {e.details["file"]: e.details["rule"] for e in evicted(core)}
+    assert rules == {expired: "expired", fresh: "cap"}
+    assert mgr.retention.last_plan is not None
+    assert mgr.retention.last_plan.kept[pinned] == "pinned"
+
+
+def test_per_session_rule_is_pure_and_off_at_zero() -> None:
+    from core.cache.retention_plan import plan_disk_sweep
+    from core.cache.store import StateRecord
+
+    def rec(name: str, session: str, created: float, kind: str = "conversation") -> StateRecord:
+        return StateRecord(
+            name,
+            IDENT,
+            name,
+            "",
+            "",
+            1,
+            1,
+            1,
+            "",
+            "long",
+            False,
+            created,
+            created,
+            None,
+            "",
+            {},
+            kind=kind,
+            session=session,
+        )
+
+    recs = [rec("c1", "s", 3), rec("c2", "s", 2), rec("c3", "s", 1), rec("p", "s", 0, "prefix")]
+
+    def plan(n: int) -> set[str]:
+        p = plan_disk_sweep(
+            recs,
+            now=4,
+            ttl=lambda _: 1e9,
+            keep_recent=0,
+            cap_bytes=1 << 30,
+            current_identities={IDENT},
+            in_use=set(),
+            file_size=lambda _: 1,
+            per_session=n,
+        )
+        return {e.rec.filename for e in p.evictions}
+
+    assert plan(0) == set()
+    assert plan(1) == {"c2", "c3"}  # prefix states are not conversations: never counted
+    assert plan(3) == set()

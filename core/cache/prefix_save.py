@@ -1,0 +1,197 @@
+"""Saving a stable prefix from what a slot already holds: a disk write, never a prefill.
+
+After a request, the slot that served it holds the stable prefix followed by the
+conversation. The prefix's state goes to disk from there:
+
+1. On a server with Warmslot's patch 0004 (``prefix-save-v1`` in ``GET /props``),
+   ``POST /slots/N?action=save`` with ``"n_tokens": N`` writes only the first N tokens'
+   KV cells. The saved file's token list must equal the prefix (the slot may have
+   moved on); then its probe reference is taken after restoring that very file into
+   an idle scratch slot, as for every saved state (docs/cache.md#verification), so the
+   live slot keeps its conversation. The server refuses (501) a prefix of a
+   sliding-window model without ``--swa-full``, of a recurrent/hybrid model, or of a
+   slot with context checkpoints: then, and on a server without the patch,
+2. the whole conversation the slot holds is saved (core.cache.conversations), and a
+   request that extends the prefix restores it (the server keeps the common part).
+3. Only where neither can cover the prefix (the slot holds little beyond it, or the
+   conversation is too large for the disk cap) is the prefix built again in a scratch
+   slot (`CacheManager._persist`): the last resort.
+
+A save that would have to wait — the slot is busy again, or no longer holds the prefix —
+is left to the next response; no client waits for one and nothing is prefilled for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from core.cache import prefix as pfx
+from core.cache.conversations import read_tokens
+from core.cache.deps import CacheHost
+from core.cache.fingerprint import state_filename
+from core.cache.retention import save_problem
+from core.errors import UpstreamError
+from core.events import CacheEventKind
+
+if TYPE_CHECKING:
+    from core.cache.conversations import Conversations
+    from core.cache.retention import Retention
+
+log = logging.getLogger("warmslot.cache")
+
+PATCH_PREFIX_SAVE = "prefix-save-v1"  # GET /props → warmslot_patches (patches/0004)
+SCRATCH_WAIT_S = 30.0  # longest a saved prefix waits for an idle slot to be verified in
+
+
+class PrefixHost(CacheHost, Protocol):
+    """The cache manager as the prefix saver uses it."""
+
+    def scratch_slot(self, exclude: int | None = None) -> int | None: ...
+
+    async def record_prefix(
+        self, info: pfx.PrefixInfo, slot: int, name: str, saved: dict[str, Any], *, how: str
+    ) -> None: ...
+
+
+class PrefixSaver:
+    """Writes prefix states from live slots for one cache manager."""
+
+    def __init__(self, mgr: PrefixHost, retention: Retention, conversations: Conversations):
+        self.mgr = mgr
+        self.retention = retention
+        self.conversations = conversations
+        # Why this server cannot save part of a slot ("" while it may): learned from its
+        # patch list, or from its first 501, and kept until the server restarts.
+        self.refused = ""
+        self.counts: dict[str, int] = {"live": 0, "conversation": 0, "deferred": 0, "built": 0}
+
+    def server_gone(self) -> None:
+        """A new server may answer differently."""
+        self.refused = ""
+
+    def can_save_prefix(self) -> bool:
+        """Whether the running server can save the first N tokens of a slot."""
+        ident = self.mgr.identity
+        return ident is not None and PATCH_PREFIX_SAVE in ident.patches and not self.refused
+
+    async def save(self, info: pfx.PrefixInfo, slot: int) -> bool:
+        """Put `info` on disk from `slot`, which just served a request with it.
+
+        True when that is done or left for later without a prefill (saved from the slot,
+        covered by the conversation's saved state, or the slot busy now); False when only
+        building the prefix in a scratch slot can do it.
+        """
+        if self.can_save_prefix():
+            done = await self._save_prefix(info, slot)
+            if done is not None:
+                return done
+        return await self._cover_with_conversation(info, slot)
+
+    # ------------------------------------------------------------ 1. part of the slot
+    async def _save_prefix(self, info: pfx.PrefixInfo, slot: int) -> bool | None:
+        """True: saved and indexed, or left for later; None: the server cannot (501)."""
+        m = self.mgr
+        client = m.client
+        assert client is not None
+        probe_slot = m.scratch_slot(exclude=slot)
+        if probe_slot is None and m.slots.n_slots < 2:
+            return None  # nowhere to verify it but the live slot: save the conversation
+        name = state_filename(info.fingerprint)
+        path = m.store.dir_for(m.launch_id) / name
+        async with m.lock(slot):
+            st = m.slots.slots[slot]
+            if st.inflight or st.prefix_fp != info.fingerprint or st.tokens_hint < info.n_tokens:
+                self.counts["deferred"] += 1
+                return True  # it moved on: the next response with this prefix tries again
+            self.retention.journal.begin(m.launch_id, name)  # a save that never ends is swept
+            t0 = time.perf_counter()
+            try:
+                saved = await client.slot_action(slot, "save", name, n_tokens=info.n_tokens)
+            except UpstreamError as e:
+                if e.status == 400:  # it holds fewer tokens than the prefix now
+                    self.retention.discard_partial(name)
+                    self.counts["deferred"] += 1
+                    return True
+                if e.status != 501:
+                    raise  # the manager records the failure and backs off
+                self.retention.discard_partial(name)  # the server wrote nothing
+                self.refused = f"llama-server refused a prefix save ({e.status}): {e}"
+                log.info("prefix saves from live slots are off for this server: %s", e)
+                m.emit(
+                    CacheEventKind.PERSIST_SKIPPED,
+                    f"{self.refused}; saving whole conversations instead",
+                    fp=info.fingerprint,
+                    slot=slot,
+                )
+                return None
+            save_ms = (time.perf_counter() - t0) * 1000
+            problem = save_problem(saved, info.n_tokens, path)
+            if problem is None:
+                try:
+                    held = await asyncio.to_thread(read_tokens, path)
+                except (OSError, ValueError) as e:
+                    problem = f"cannot read the saved prefix: {e}"
+                else:
+                    if held != info.tokens:
+                        # Not a failure: the slot's content moved on (our hint was stale).
+                        self.retention.discard_partial(name)
+                        where = pfx.common_prefix_len(held, info.tokens)
+                        log.info(
+                            "slot %d no longer held prefix %s (differs at token %d)",
+                            slot,
+                            info.fingerprint[:16],
+                            where,
+                        )
+                        self.counts["deferred"] += 1
+                        return True
+            if problem is not None:
+                self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
+                return True
+        # The reference is taken after restoring this very file, in an idle slot, so the
+        # live slot keeps its conversation (docs/cache.md#verification).
+        deadline = time.monotonic() + SCRATCH_WAIT_S
+        while probe_slot is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            probe_slot = m.scratch_slot(exclude=slot)
+        if probe_slot is None:
+            why = f"no idle slot to verify it in within {SCRATCH_WAIT_S:.0f} s"
+            self.retention.save_failed(info.fingerprint, why, filename=name, slot=slot)
+            return True
+        async with m.lock(probe_slot):
+            await m.record_prefix(
+                info,
+                probe_slot,
+                name,
+                saved,
+                how=f"from live slot {slot}, {save_ms:.0f} ms, no prefill",
+            )
+        self.counts["live"] += 1
+        return True
+
+    # ------------------------------------------------------------ 2. the whole slot
+    async def _cover_with_conversation(self, info: pfx.PrefixInfo, slot: int) -> bool:
+        """Save the conversation `slot` holds; True when it covers the prefix now or a
+        later response will try again, False when it cannot (build the prefix)."""
+        if self.conversations.unsaved(slot) <= 0 and self.conversations.covering(info) is None:
+            return False  # the slot holds (little more than) the prefix: nothing to save
+        out = await self.conversations.save(slot, "its stable prefix is not on disk", wait=False)
+        if self.conversations.covering(info) is not None:
+            self.counts["conversation"] += 1
+            return True
+        if out.startswith("not saved now"):
+            self.counts["deferred"] += 1
+            return True  # busy: the next response, the idle release or the shutdown saves it
+        log.info("prefix %s: conversation not saved (%s); building it", info.fingerprint[:16], out)
+        self.counts["built"] += 1
+        return False
+
+    def status(self) -> dict[str, Any]:
+        """How prefixes reached the disk since start (for `warmslot status`)."""
+        return {
+            "live_prefix_save": self.can_save_prefix(),
+            "refused": self.refused,
+            **self.counts,
+        }
