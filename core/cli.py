@@ -309,6 +309,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     try:
         m = model.resolve(paths, settings.server.model)
         print(f"model:       ✔ {m.path} ({m.source}, {m.size / 1e6:.0f} MB)")
+        from core.cli_fit import doctor_lines as fit_lines
+
+        for line in fit_lines(settings, m.path, paths):  # slots and context, and why
+            print(line)
     except WarmslotError as e:
         problems += 1
         print(f"model:       ✘ {e.user_message()}")

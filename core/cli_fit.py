@@ -21,7 +21,7 @@ from core.server.devices import read_gpus, read_host
 from core.server.fit import FitRequest, format_plan, plan
 from core.server.gguf_facts import read_facts
 
-__all__ = ["cmd_fit", "register", "request_from_settings"]
+__all__ = ["cmd_fit", "doctor_lines", "register", "request_from_settings"]
 
 # extra_args flags that pin a planner choice: flag → (FitRequest field, parser).
 _PINNING_FLAGS: dict[str, tuple[str, Any]] = {
@@ -78,6 +78,27 @@ def request_from_settings(
             except ValueError:
                 continue  # e.g. -ngl all: the planner decides
     return FitRequest(**pins)
+
+
+def doctor_lines(settings: config_mod.Settings, model_path: Path, paths: Paths) -> list[str]:
+    """What `warmslot doctor` says about the fit plan: slots and context per slot, why,
+    and any note that an agent will hit the context (issue 16, 0e)."""
+    try:
+        facts = read_facts(model_path)
+        p = plan(
+            facts, read_gpus(), read_host(paths.state_dir), request_from_settings(settings.server)
+        )
+    except Exception as e:  # the launch then goes without a plan: say so, do not fail
+        return [f"fit:         ✘ no fit plan ({e}); the launch uses the settings as they are"]
+    mark = "✔" if p.fits else "✘"
+    lines = [
+        f"fit:         {mark} -np {p.slots}, {p.ctx_per_slot} tokens per slot"
+        + ("" if p.fits else " — DOES NOT FIT (`warmslot fit`)"),
+        f"      slots: {p.reasons.get('slots', '')}",
+        f"      context: {p.reasons.get('ctx_per_slot', '')}",
+    ]
+    lines += [f"      note: {n}" for n in p.notes if "context" in n]
+    return lines
 
 
 def cmd_fit(args: argparse.Namespace) -> int:

@@ -472,8 +472,9 @@ def test_default_settings_leave_slots_context_and_ram_cache_to_the_plan() -> Non
     # Room for everything: 3 agent slots and the side slot, each the trained context.
     assert (p.slots, p.ctx_per_slot, p.cache_type_k) == (4, 32768, "f16")
     assert p.reasons["slots"].startswith("3 agent slots") and "side calls" in p.reasons["slots"]
-    assert "32768 tokens per slot (-c 131072): the model's trained context" in (
-        p.reasons["ctx_per_slot"]
+    assert (
+        "32768 tokens per slot (-c 131072): the model's trained context"
+        in (p.reasons["ctx_per_slot"])
     )
     assert not any("context" in g or "slots" in g for g in p.gave_up)
 
@@ -507,3 +508,23 @@ def test_pinned_context_is_explained_with_its_numbers() -> None:
         "pinned in the settings: 8192 tokens per slot (-c 32768); the model was trained for 32768"
     )
     assert any("8192 tokens per slot: a coding agent" in n for n in p.notes)
+
+
+def test_doctor_explains_slots_and_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from core.cli_fit import doctor_lines
+    from core.config import Settings
+    from core.paths import Paths
+
+    monkeypatch.setattr("core.cli_fit.read_gpus", lambda: [])
+    model = make_tiny_model(tmp_path / "tiny.gguf")  # trained for 4,096 tokens
+    lines = doctor_lines(Settings(), model, Paths.under(tmp_path / "home"))
+    assert lines[0] == "fit:         ✔ -np 4, 4096 tokens per slot"
+    assert "3 agent slots" in lines[1] and "the model's trained context" in lines[2]
+    pinned = Settings()
+    pinned.server.ctx_per_slot = 1024
+    lines = doctor_lines(pinned, model, Paths.under(tmp_path / "home"))
+    assert "pinned in the settings: 1024 tokens per slot" in lines[2]
+    assert any("outgrows it within a few turns" in line for line in lines)
+    assert doctor_lines(Settings(), tmp_path / "missing.gguf", Paths.under(tmp_path))[0].startswith(
+        "fit:         ✘ no fit plan"
+    )
