@@ -251,9 +251,13 @@ def _check_anthropic(body: dict[str, Any]) -> None:
     if not isinstance(msgs, list) or not msgs:
         raise Invalid(400, "'messages' must be a non-empty array", "messages")
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        # Claude Code 2.1 also sends "system" turns mid-conversation (its agent list,
+        # reminders; anthropic-beta mid-conversation-system), which llama-server renders.
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
             raise Invalid(
-                400, f"messages[{i}] must be an object with role 'user' or 'assistant'", "messages"
+                400,
+                f"messages[{i}] must be an object with role 'user', 'assistant' or 'system'",
+                "messages",
             )
         if not isinstance(m.get("content"), str):
             _check_blocks(f"messages[{i}].content", m.get("content"), "messages")

@@ -150,20 +150,29 @@ class Recorder:
                     if k.lower() not in HOP_HEADERS and k.lower() != "content-encoding":
                         resp.headers[k] = v
                 await resp.prepare(request)
-                sse = up.headers.get("content-type", "").startswith("text/event-stream")
-                chunks = up.content if sse else up.content.iter_chunked(1 << 20)
-                async for chunk in chunks:  # an SSE stream line by line
-                    chunk = finished(chunk)
-                    tail += chunk
-                    del tail[:-8192]  # keep the end: timings and usage come last
-                    await resp.write(chunk)
-                await resp.write_eof()
                 entry["status"] = up.status
                 entry["response_headers"] = {
                     k.lower(): v
                     for k, v in up.headers.items()
                     if k.lower().startswith("x-warmslot") or k.lower() == "content-type"
                 }
+                sse = up.headers.get("content-type", "").startswith("text/event-stream")
+                chunks = up.content if sse else up.content.iter_chunked(1 << 20)
+                async for chunk in chunks:  # an SSE stream line by line
+                    chunk = finished(chunk)
+                    tail += chunk
+                    del tail[:-8192]  # keep the end: timings and usage come last
+                    try:
+                        await resp.write(chunk)
+                    except ConnectionResetError:
+                        # The client hung up once it had what it needed (Codex does,
+                        # after response.completed): the rest is still read and logged.
+                        entry["client_gone"] = True
+                if not entry.get("client_gone"):
+                    try:
+                        await resp.write_eof()
+                    except ConnectionResetError:
+                        entry["client_gone"] = True
         except (aiohttp.ClientError, ConnectionResetError) as exc:
             entry["status"] = 502
             entry["error"] = repr(exc)
@@ -407,7 +416,11 @@ async def run_client(args: argparse.Namespace) -> int:
     work = out / "work"
     git_project(work)
     steps = CLIENTS[args.client](Path(args.agents).expanduser(), url, work, out / "home")
+    extra = dict(kv.split("=", 1) for kv in args.env)
+    for step in steps:
+        step.env.update(extra)
     meta: dict[str, Any] = {"client": args.client, "upstream": upstream, "steps": []}
+    meta["env"] = extra
     rc_all = 0
     try:
         for step in steps:
@@ -575,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--chat-template", help="--chat-template-file for llama-server")
     run.add_argument("--ctx", type=int, default=131072)
     run.add_argument("--max-tokens", type=int, default=24)
+    run.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="set for the client"
+    )
     tr = sub.add_parser("trim", help="write trimmed fixtures from a requests.jsonl")
     tr.add_argument("requests")
     tr.add_argument("dest")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from core import apis
+from core import apis, proxy_checks
 from core.cache import prefix as pfx
 from core.router import Decision, Kind, Router, client_name
 
@@ -69,6 +69,16 @@ def test_every_recorded_client_has_a_complete_fixture() -> None:
         assert (FIXTURES / client / "README.md").is_file(), client
         for e in entries:  # credentials never reach a fixture
             assert not {"authorization", "x-api-key"} & set(e["headers"]), client
+
+
+@pytest.mark.parametrize("client", ["claude-code", "codex", "opencode", "aider"])
+def test_the_proxy_accepts_every_recorded_request(client: str) -> None:
+    """What the real client sent (and llama-server answered 200) passes validation.
+
+    Claude Code 2.1 sends role "system" messages mid-conversation: the Messages check
+    refused them with a 400 (found running the real client through Warmslot)."""
+    for e in recorded(client):
+        proxy_checks.validate(apis.ROUTES[e["path"]][0], e["body"], n_slots=3)
 
 
 # --------------------------------------------------------------------- Claude Code
