@@ -41,6 +41,7 @@ _EXCEEDS = re.compile(
     r"(?:request|input) \((\d+) tokens\) (?:exceeds the available context size|is larger "
     r"than the max context size) \((\d+) tokens"
 )
+_TRUNCATED = re.compile(rb'"truncated"\s*:\s*true')
 _ADVICE = "raise server.ctx_per_slot (0 lets the fit plan choose up to the trained context)"
 
 
@@ -85,7 +86,7 @@ def warning_for(status: int, data: bytes, request_body: Mapping[str, Any]) -> Co
         text = data[:2000].decode("utf-8", errors="replace")
         m = _EXCEEDS.search(text)
         return ContextHit(int(m.group(1)), int(m.group(2)), True) if m else None
-    if status != 200 or (b'"length"' not in data and b'"truncated":true' not in data):
+    if status != 200 or (b'"length"' not in data and not _TRUNCATED.search(data)):
         return None
     try:
         doc = json.loads(data)
