@@ -1,8 +1,9 @@
 """When agents outnumber agent slots: a warning from the sessions and the slot map.
 
-Two agent sessions on one agent slot take turns: each turn re-reads its conversation
-beyond the shared prefix, where a bare ``-np 2`` server would keep each in its own
-slot (issue 16). `warmslot status` and the dashboard's Sessions tab say so.
+Agent sessions on fewer agent slots take turns: each turn's conversation is saved from
+the slot it leaves and restored when its session returns (where that pays), which costs
+more than a slot of its own (issue 16; docs/cache.md#crowding). `warmslot status` and
+the dashboard's Sessions tab say so.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def crowding(sessions: Sequence[Mapping[str, Any]], cache: Mapping[str, Any], no
         return ""
     return (
         f"{len(active)} agent sessions were active in the last {ACTIVE_S // 60} minutes but "
-        f"llama-server has {slots} agent slot{'s' if slots != 1 else ''}: they take turns on "
-        "it and each turn re-reads the conversation beyond the shared prefix. More slots "
-        "(server.slots; `warmslot fit --auto` shows what memory allows) keep each in its own."
+        f"llama-server has {slots} agent slot{'s' if slots != 1 else ''}: they take turns, "
+        "and each turn's conversation is saved and restored (or re-read where restoring does "
+        "not pay). More slots keep each in its own: server.slots = 0 lets the fit plan "
+        "choose as many as memory allows (`warmslot fit`)."
     )

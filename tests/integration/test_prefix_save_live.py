@@ -163,9 +163,12 @@ def test_prefix_reaches_disk_without_a_prefill_and_serves_after_a_restart(
         assert save["tokens"] == prefix_n and "from live slot 0" in save["reason"], save
         assert save["slot"] != 0  # verified in another slot: slot 0 kept the conversation
     else:
+        # The conversation stands for the prefix: saved because its prefix was not on
+        # disk, or (when that save found the slot busy) once it had grown.
         assert not prefix_saves, prefix_saves
-        why = conversation_saves[-1]["details"]["why"]
-        assert why == "its stable prefix is not on disk", conversation_saves
+        assert conversation_saves, saves
+        whys = {e["details"]["why"] for e in conversation_saves}
+        assert whys <= {"its stable prefix is not on disk", "grew"}, conversation_saves
     first.stop()  # the staged stop saves the conversation as it is now
 
     second = make_core(settings, home=home, policy_factory=policy_factory)
