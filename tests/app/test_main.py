@@ -54,7 +54,7 @@ def test_invalid_settings_file_is_reported_not_fatal(
     qtbot: Any, tmp_path: Path, start_app: Launch
 ) -> None:
     paths = prepare(tmp_path)
-    paths.config_file.write_text("[server]\nslots = 0\n")
+    paths.config_file.write_text("[server]\nslots = -1\n")
     app = start_app(tmp_path, tray_available=False)
     assert app.controller.state.tray is TrayState.ERROR
     assert "server.slots" in app.controller.state.detail

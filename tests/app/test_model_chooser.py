@@ -83,7 +83,7 @@ def test_the_list_shows_every_model_and_use_saves_server_model(
     hf = row_of(dlg, tree.paths["hf"])
     dlg.table.selectRow(hf)
     assert dlg.use_button.isEnabled()
-    assert "disk tier" not in dlg.detail.text() and "fits: 2 slots" in dlg.detail.text()
+    assert "disk tier" not in dlg.detail.text() and "fits: 4 slots" in dlg.detail.text()
     dlg.use_button.click()
     qtbot.waitUntil(lambda: dlg.result() == QtWidgets.QDialog.DialogCode.Accepted, timeout=30_000)
     assert config_mod.load(core.paths.config_file).server.model == str(tree.paths["hf"])

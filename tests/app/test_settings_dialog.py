@@ -44,18 +44,19 @@ def test_round_trip_to_the_toml_file_with_validation_errors(
     dlg.show()
     f = dlg.fields
     # Invalid values: the schema's own messages appear under the fields; Save is off.
-    f["server.slots"].set_value(0)
+    f["server.ctx_per_slot"].set_value(100)
     f["server.host"].set_value("not-an-address")
     f["server.extra_args"].set_value("")
     f["server.extra_args"].editor.setText('--flag "unterminated')
-    assert f["server.slots"].error.isVisible()
-    assert f["server.slots"].error.text() == "Expected a number ≥ 1; got 0."
+    assert f["server.ctx_per_slot"].error.isVisible()
+    assert f["server.ctx_per_slot"].error.text() == "Expected 0 or a number ≥ 256; got 100."
     assert f["server.host"].error.text().startswith("Expected an IP address")
     assert "cannot split" in f["server.extra_args"].error.text()
     assert not dlg.save_button.isEnabled()
-    assert set(dlg.problems) == {"server.slots", "server.host", "server.extra_args"}
+    assert set(dlg.problems) == {"server.ctx_per_slot", "server.host", "server.extra_args"}
     assert dlg.status.text().startswith("3 settings need attention")
     # Fix them and change one setting of every kind.
+    f["server.ctx_per_slot"].set_value(core.settings.server.ctx_per_slot)
     f["server.slots"].set_value(3)
     f["server.host"].set_value("127.0.0.1")
     f["server.extra_args"].editor.setText("--flash-attn on --alias 'my model'")
@@ -64,7 +65,7 @@ def test_round_trip_to_the_toml_file_with_validation_errors(
     f["cache.persist"].editor.setChecked(False)
     f["pressure.ram_low_pct"].set_value(12.5)
     f["proxy.api_key"].editor.setText("sekrit")
-    assert not f["server.slots"].error.isVisible()
+    assert not f["server.ctx_per_slot"].error.isVisible()
     assert dlg.save_button.isEnabled()
     with qtbot.waitSignal(dlg.saved, timeout=10_000) as blocker:
         qtbot.mouseClick(dlg.save_button, Qt.MouseButton.LeftButton)
