@@ -349,7 +349,10 @@ class CacheManager:
         displace = bool(fp) and info is not None and info.n_tokens >= DISPLACE_MIN_TOKENS
         if displace and self.disk.usable and self.store.for_fingerprint(fp) is not None:
             displace = False
-        holding = [st.id for st in self.slots.slots if fp and self._holds(st, fp, body)]
+        # Compared in chat form: a slot keeps its last request's chat view (a Messages or
+        # Responses body never equals it, and its new session went to an empty slot).
+        chat = chat_of(req)
+        holding = [st.id for st in self.slots.slots if fp and self._holds(st, fp, chat)]
         slot, why_slot = self.slots.pick(session, req.kind, holding, displace)
         req.slot = slot
         if side and slot == self.slots.aux_slot:
