@@ -139,6 +139,8 @@ def _claude_code(url: str, model: str, key: bool) -> ClientSetup:
         f"export ANTHROPIC_BASE_URL={url.rstrip('/')}",
         f"export ANTHROPIC_AUTH_TOKEN={'$' + API_KEY_ENV if key else 'warmslot'}",
         f"export ANTHROPIC_MODEL={model}",
+        # Else its system prompt opens with a stamp that changes per session (docs/clients.md).
+        "export CLAUDE_CODE_ATTRIBUTION_HEADER=0",
         "claude",
     ]
     status = (
