@@ -22,10 +22,11 @@ from typing import Any
 # requests in tests/fixtures/clients/ and what each client sends (docs/clients.md).
 # opencode: the <env> block (cwd, platform, date), "Instructions from:" (AGENTS.md
 # files), MCP instructions (they change every turn) and the skills list.
+# Claude Code's attribution line ("x-anthropic-billing-header: cc_version=…") opens its
+# system text and its stamp changes with each session, not each turn: no marker for it
+# (a cut at 0 leaves no prefix for a system-first template); sessions' common prefix
+# gets past it only to the stamp. CLAUDE_CODE_ATTRIBUTION_HEADER=0 leaves it out.
 _CLAUDE_CODE = (
-    # The attribution line opens the system text; its cc_version suffix changes with
-    # each session (not with each turn). CLAUDE_CODE_ATTRIBUTION_HEADER=0 leaves it out.
-    "x-anthropic-billing-header:",
     # The memory folder is named after the working directory.
     "You have a persistent file-based memory at",
     # cwd, git or not, platform, shell, OS version, model name.

@@ -317,7 +317,7 @@ def test_metadata_user_id_forms() -> None:
     ("endpoint", "body", "param"),
     [
         ("messages", {"messages": []}, "messages"),
-        ("messages", {"messages": [{"role": "system", "content": "x"}]}, "messages"),
+        ("messages", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
         ("messages", {"messages": [{"role": "user", "content": 3}]}, "messages"),
         ("messages", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
         ("messages", {"messages": [{"role": "user", "content": "x"}], "system": 5}, "system"),

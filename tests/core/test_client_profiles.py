@@ -110,18 +110,20 @@ def test_claude_code_turns_are_agent_turns_no_side_calls_in_print_mode() -> None
     assert [d.kind for d in ds] == [Kind.AGENT] * len(ds)
 
 
-def test_claude_code_volatile_head_is_its_attribution_line() -> None:
+def test_claude_code_attribution_line_differs_between_sessions() -> None:
     entries = recorded("claude-code")
     s1, s2 = by_step(entries, "s1")[0], by_step(entries, "s2")[0]
-    sys1, cut1 = cut_of("claude-cli", s1)
-    sys2, _ = cut_of("claude-cli", s2)
+    (sys1, cut1), (sys2, cut2) = cut_of("claude-cli", s1), cut_of("claude-cli", s2)
     # The attribution line opens the system text and its cc_version stamp differs
-    # between the two sessions (same within one): the profile cuts right there.
-    assert sys1.startswith("x-anthropic-billing-header:") and cut1 == 0
+    # between the two sessions (the same within one) — so the head before the first
+    # cut differs too: the README's CLAUDE_CODE_ATTRIBUTION_HEADER=0 removes the line.
+    assert sys1.startswith("x-anthropic-billing-header:")
+    assert cut1 is not None and cut2 is not None and sys1[:cut1] != sys2[:cut2]
     stamp = re.compile(r"cc_version=([^;]+);")
     v1 = {stamp.findall(pfx.system_text(view(e).body))[0] for e in by_step(entries, "s1")}
     v2 = stamp.findall(sys2)[0]
     assert len(v1) == 1 and v2 not in v1
+    assert without_attribution(sys1[:cut1]) == without_attribution(sys2[:cut2])
 
 
 def without_attribution(system: str) -> str:
