@@ -281,7 +281,6 @@ async def _compile(
                 str(bdir),
                 "--target",
                 "llama-server",
-                RPC_SERVER,
                 "--config",
                 "Release",
                 "-j",
@@ -302,6 +301,21 @@ async def _compile(
         built = _find_built_binary(bdir)
         if built is None:
             raise BuildFailed("The build finished but produced no llama-server binary")
+        # The RPC worker is a second, optional target: only `warmslot worker` needs it, and a
+        # source without it (an older llama.cpp, where it was `rpc-server`) still gives a
+        # working llama-server. Its failure is logged and recorded, never fatal.
+        step(99.0, f"Building the RPC worker ({RPC_SERVER})")
+        rpc_rc = await run_step(
+            [*prefix, "cmake", "--build", str(bdir), "--target", RPC_SERVER,
+             "--config", "Release", "-j", str(jobs)],
+            cwd=tmp,
+            env=env,
+            blog=blog,
+            cancel=cancel,
+        )
+        _check_cancel(cancel)
+        if rpc_rc != 0:
+            blog.note(f"{RPC_SERVER} was not built (exit {rpc_rc}); RPC workers need it")
         binary = await _in_thread(functools.partial(_stage_outputs, built, out))
         step(99.0, "Checking the binary (--version)")
         version = await _probe_version(binary, blog)
@@ -315,6 +329,7 @@ async def _compile(
             "created_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(created)),
             "duration_s": round(duration, 3),
             "binary": binary.relative_to(out).as_posix(),
+            "rpc_server_built": rpc_rc == 0,
             "log": LOG_NAME,
             "llama_cpp_version": version,
             "build_number": plan.resolved.build_number,

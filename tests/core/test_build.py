@@ -658,10 +658,27 @@ async def test_patch_applies_to_a_copy_and_changes_the_binary(
     assert any(0 < e.percent < 100 and "llama-server" in e.step for e in events)
     assert all(e.build_id == rec.build_id for e in events if e.percent > 0)
     assert not (rec.path / "bin" / "llama-other").exists()  # only the server target
+    # ... and the RPC worker, built beside it as its own step
+    assert (rec.path / "bin" / "ggml-rpc-server").is_file() and manifest["rpc_server_built"]
 
     plain = await b.build(_request(fake_src), paths)
     assert plain.build_id != rec.build_id and "answer 42" in _run(plain.binary)
     assert plain.patches == ()
+
+
+@needs_toolchain
+async def test_a_source_without_the_rpc_worker_still_builds_llama_server(
+    fake_src: Path, paths: Paths
+) -> None:
+    """An older llama.cpp has no ggml-rpc-server target: the server is built, the miss logged."""
+    cml = fake_src / "CMakeLists.txt"
+    cml.write_text(cml.read_text().split("# llama.cpp's RPC worker")[0])
+    rec = await b.build(_request(fake_src), paths)
+    assert "answer 42" in _run(rec.binary)
+    manifest = json.loads((rec.path / "build.json").read_text())
+    assert manifest["rpc_server_built"] is False
+    assert not (rec.path / "bin" / "ggml-rpc-server").exists()
+    assert "ggml-rpc-server was not built" in rec.log_path.read_text()
 
 
 @needs_toolchain
