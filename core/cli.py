@@ -24,6 +24,7 @@ from typing import Any
 from core import config as config_mod
 from core.cache.crowding import crowding
 from core.errors import ConfigError, WarmslotError
+from core.keys import client_key
 from core.paths import Paths
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ _COMMAND_MODULES = (
     "core.cli_models",
     "core.cli_worker",
     "core.cli_explain",
+    "core.cli_keys",
     "core.bench.cli",
 )
 
@@ -165,8 +167,8 @@ def fetch_status(paths: Paths, timeout: float = 5.0) -> dict[str, Any] | None:
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1"
     req = urllib.request.Request(f"http://{host}:{runtime['proxy_port']}/warmslot/status")
-    if settings.proxy.api_key:
-        req.add_header("Authorization", f"Bearer {settings.proxy.api_key}")
+    if key := client_key(paths.state_dir, settings.proxy.api_key):  # core.keys
+        req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             data: dict[str, Any] = json.loads(resp.read())
@@ -221,6 +223,14 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("clients:")
         for c in st["clients"]:
             lines.append(f"  {c['client']:<16} {c['requests']:>6} req  hit {_pct(c['hit_ratio'])}")
+    if any(u.get("user") for u in st.get("users") or []):  # API keys per user
+        lines.append("users (all time):")
+        for u in st["users"]:
+            lines.append(
+                f"  {u['user'] or '(no key)':<16} {u['requests']:>6} req  "
+                f"{u['cached_tokens']} cached / {u['prompt_tokens']} new tokens  "
+                f"hit {_pct(u['hit_ratio'])}  prefill {u['prefill_s']:.1f} s"
+            )
     if warning := crowding(st.get("sessions") or [], st.get("cache") or {}, time.time()):
         lines.append(f"warning: {warning}")
     if st.get("sessions"):

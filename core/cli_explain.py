@@ -19,6 +19,7 @@ from typing import Any
 
 from core import config as config_mod
 from core.cache.explain import format_explanation, from_row
+from core.keys import client_key
 from core.paths import Paths
 
 
@@ -41,8 +42,8 @@ def fetch_explanation(
         host = "127.0.0.1"
     query = f"?{urllib.parse.urlencode({'id': request_id})}" if request_id else ""
     req = urllib.request.Request(f"http://{host}:{runtime['proxy_port']}/warmslot/explain{query}")
-    if settings.proxy.api_key:
-        req.add_header("Authorization", f"Bearer {settings.proxy.api_key}")
+    if key := client_key(paths.state_dir, settings.proxy.api_key):  # core.keys
+        req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             data: dict[str, Any] = json.loads(resp.read())

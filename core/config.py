@@ -23,6 +23,7 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
 from core.errors import ConfigError
+from core.keys import KeyFileError, load_keys
 
 SCHEMA_VERSION = 1
 
@@ -255,7 +256,8 @@ class ProxySettings:
         default="127.0.0.1",
         metadata=_meta(
             "Address the OpenAI-compatible proxy binds to. Other than loopback exposes your "
-            "model to the network, so it is refused unless proxy.api_key is set. Changing "
+            "model to the network, so it is refused unless an API key is configured "
+            "(`warmslot keys add NAME`, or proxy.api_key). Changing "
             "it moves the running proxy at once.",
             _host,
         ),
@@ -270,7 +272,11 @@ class ProxySettings:
     )
     api_key: str = field(
         default="",
-        metadata=_meta("If set, clients must send 'Authorization: Bearer KEY' (or X-Api-Key)."),
+        metadata=_meta(
+            "If set, clients must send 'Authorization: Bearer KEY' (or X-Api-Key); accounted "
+            "as the user 'default'. For a team, give each user a named key instead: "
+            "`warmslot keys add NAME`."
+        ),
     )
     max_body_mb: int = field(
         default=8,
@@ -938,8 +944,11 @@ def settings_changes(
     return tuple((n, shown(n, old.get(n)), shown(n, new.get(n))) for n in names)
 
 
-def check_settings(settings: Settings, *, file: str | None = None) -> None:
-    """Rules that involve more than one setting; raises ConfigError."""
+def check_settings(
+    settings: Settings, *, file: str | None = None, keys_path: Path | None = None
+) -> None:
+    """Rules that involve more than one setting; raises ConfigError. `keys_path`: the
+    named API keys' file (core.keys), which also allows a non-loopback proxy.host."""
     c = settings.cache
     for shorter, longer in (("ttl_short_s", "ttl_long_s"), ("ttl_long_s", "ttl_extended_s")):
         if getattr(c, shorter) > getattr(c, longer):
@@ -951,20 +960,31 @@ def check_settings(settings: Settings, *, file: str | None = None) -> None:
                 got=getattr(c, longer),
             )
     host = settings.proxy.host
-    if not _is_loopback(host) and not settings.proxy.api_key:
+    if not _is_loopback(host) and not settings.proxy.api_key and not _named_keys(keys_path):
         raise ConfigError(
             "a proxy reachable from the network needs an API key",
             file=file,
             key="proxy.host",
-            expected="a loopback address (127.0.0.1) while proxy.api_key is empty",
+            expected="a loopback address (127.0.0.1) while no API key is configured",
             got=host,
-            hint="set proxy.api_key first (`warmslot config set proxy.api_key SECRET`), "
-            "or keep proxy.host = 127.0.0.1",
+            hint="add a key per user first (`warmslot keys add NAME`) or set proxy.api_key, "
+            "or keep proxy.host = 127.0.0.1 (docs/security.md#serving-a-team)",
         )
 
 
-def settings_from_dict(doc: dict[str, Any], *, path: str = "<settings>") -> Settings:
-    """Validate a plain dict (already migrated) into `Settings`."""
+def _named_keys(keys_path: Path | None) -> bool:
+    """Whether the key file holds a key (an unreadable one counts as none)."""
+    try:
+        return keys_path is not None and bool(load_keys(keys_path))
+    except KeyFileError:
+        return False
+
+
+def settings_from_dict(
+    doc: dict[str, Any], *, path: str = "<settings>", keys_path: Path | None = None
+) -> Settings:
+    """Validate a plain dict (already migrated) into `Settings` (`keys_path`: see
+    `check_settings`)."""
     settings = Settings()
     for section, values in doc.items():
         if section == "version":
@@ -994,7 +1014,7 @@ def settings_from_dict(doc: dict[str, Any], *, path: str = "<settings>") -> Sett
                     hint="`warmslot config show` lists every setting",
                 )
             setattr(target, key, SCHEMA[name].coerce(value, file=path))
-    check_settings(settings, file=path)
+    check_settings(settings, file=path, keys_path=keys_path)
     return settings
 
 
@@ -1006,7 +1026,14 @@ def load(path: Path) -> Settings:
         raw = tomlkit.parse(path.read_text(encoding="utf-8")).unwrap()
     except (TOMLKitError, UnicodeDecodeError) as e:
         raise ConfigError(f"not valid TOML: {e}", file=str(path)) from e
-    return settings_from_dict(_migrate(raw, str(path)), path=str(path))
+    return settings_from_dict(
+        _migrate(raw, str(path)), path=str(path), keys_path=_keys_beside(path)
+    )
+
+
+def _keys_beside(config_file: Path) -> Path:
+    """The named API keys' file beside the settings file (core.keys.keys_file)."""
+    return config_file.with_name("keys.toml")
 
 
 def default_document() -> tomlkit.TOMLDocument:
@@ -1083,7 +1110,7 @@ def set_value(path: Path, name: str, value: Any) -> Settings:
         doc.add(section, tomlkit.table())
     table: Any = doc[section]
     table[key] = value
-    new = settings_from_dict(doc.unwrap(), path=str(path))
+    new = settings_from_dict(doc.unwrap(), path=str(path), keys_path=_keys_beside(path))
     _atomic_write(path, tomlkit.dumps(doc))
     return new
 
@@ -1117,5 +1144,7 @@ def save(path: Path, settings: Settings) -> None:
             for worker in settings.workers:
                 workers.append(_worker_table(worker))
             doc.add("workers", workers)
-    settings_from_dict(_migrate(doc.unwrap(), str(path)), path=str(path))
+    settings_from_dict(
+        _migrate(doc.unwrap(), str(path)), path=str(path), keys_path=_keys_beside(path)
+    )
     _atomic_write(path, tomlkit.dumps(doc))

@@ -39,6 +39,7 @@ from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
 from core.errors import CacheError, CoreStopped, WarmslotError
 from core.events import Event, Notice, ServerStateChanged, SettingsChanged
+from core.keys import KeyRing, keys_file, local_key_file, write_local_key
 from core.models import profiles
 from core.models.pool import ModelPool
 from core.paths import Paths, resources_dir
@@ -299,6 +300,13 @@ class Core:
             ),
             emit=self.emit,
             api_key=lambda: self.settings.proxy.api_key,
+            # Named keys (keys.toml, re-read when it changes), proxy.api_key as "default",
+            # and this start's local key for `warmslot status` here (core.keys).
+            keys=KeyRing(
+                keys_file(self.paths.config_file),
+                lambda: self.settings.proxy.api_key,
+                local=write_local_key(self.paths.state_dir),
+            ),
             max_body_mb=s.proxy.max_body_mb,
             upstream_timeout_s=s.proxy.upstream_timeout_s,
             status=self._status_async,
@@ -495,6 +503,8 @@ class Core:
             self.telemetry = None
         with contextlib.suppress(OSError):
             self.paths.runtime_file.unlink()
+        with contextlib.suppress(OSError):
+            local_key_file(self.paths.state_dir).unlink()  # this start's local key
 
     # ------------------------------------------------------------ commands
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -721,7 +731,7 @@ class Core:
                 for spec in config_mod.iter_specs()
                 if old.get(spec.name) != settings.get(spec.name)
             ]
-            config_mod.check_settings(settings)
+            config_mod.check_settings(settings, keys_path=keys_file(self.paths.config_file))
             moved = {"proxy.host", "proxy.port"} & set(changed)
             if moved and self.proxy is not None and self.proxy.port:
                 # Live: the new address first (a taken port changes nothing), then the
@@ -762,6 +772,7 @@ class Core:
             "totals": tel.totals() if tel else {},
             "last_hour": tel.totals(hour_ago) if tel else {},
             "clients": tel.per_client() if tel else [],
+            "users": tel.per_user() if tel else [],
             "sessions": tel.sessions(hour_ago, limit=20) if tel else [],
             "recent_requests": tel.recent_requests(10) if tel else [],
             "models": self.pool.status()

@@ -93,6 +93,7 @@ class RequestCompleted(Event):
     total_ms: float | None = None
     kind: str = "agent"
     error: str = ""
+    user: str = ""  # the name of the caller's API key ("" when none is configured)
 
 
 @dataclass(frozen=True)

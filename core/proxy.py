@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -35,6 +36,7 @@ from core.cache import context_limit
 from core.cache.plan import SlotPlan
 from core.errors import PortInUse
 from core.events import CacheEvent, CacheEventKind, Event, RequestCompleted
+from core.keys import DEFAULT_USER, LOCAL_USER, KeyRing, presented_key
 from core.proxy_checks import (
     THREAD_BYTES,
     Invalid,
@@ -114,6 +116,9 @@ class ProxyRequest:
     # messages or tools reads. None for other endpoints, or when the body could not be
     # converted (the cache then leaves the request alone).
     chat: ChatView | None = None
+    # Who sent it: the name of its API key ("" when the proxy needs none;
+    # docs/security.md#serving-a-team). Never the key itself.
+    user: str = ""
 
     def __post_init__(self) -> None:
         if self.chat is None and self.endpoint == "chat":
@@ -164,6 +169,17 @@ def error_response(
     """An error in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def auth_response(endpoint: str) -> web.Response:
+    """401 for a request without a valid API key, in its API's own error shape
+    (Anthropic's for /v1/messages, else OpenAI's)."""
+    message = "Warmslot: invalid or missing API key"
+    headers = {"WWW-Authenticate": 'Bearer realm="warmslot"'}
+    if endpoint in ("messages", "messages-count"):
+        body = {"type": "error", "error": {"type": "authentication_error", "message": message}}
+        return web.json_response(body, status=401, headers=headers)
+    return error_response(401, message, type_="authentication_error", headers=headers)
 
 
 def invalid_response(endpoint: str, e: Invalid) -> web.Response:
@@ -318,14 +334,16 @@ class Proxy:
         extra_metrics: Callable[[], str] | None = None,
         policy: CachePolicy | None = None,
         allowed_origins: Callable[[], Sequence[str]] = lambda: (),
+        keys: KeyRing | None = None,
     ) -> None:
         self._upstream = upstream
+        # Who may call: named keys, proxy.api_key as "default" (core.keys).
+        self._keys = keys if keys is not None else KeyRing(None, api_key)
         self._allowed_origins = allowed_origins
         self._max_body = max_body_mb * 1024 * 1024
         self._server_state = server_state
         self._n_slots = n_slots
         self._emit = emit
-        self._api_key = api_key
         self._status = status
         self._extra_metrics = extra_metrics
         self.policy = policy
@@ -429,19 +447,17 @@ class Proxy:
             self._runner = None
 
     # --------------------------------------------------------------- helpers
-    def _auth_error(self, request: web.Request) -> web.Response | None:
-        key = self._api_key()
-        if not key:
-            return None
-        auth = request.headers.get("Authorization", "")
-        given = (
-            auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("X-Api-Key", "")
-        )
-        if given == key:
-            return None
-        return error_response(
-            401, "Warmslot: invalid or missing API key", type_="authentication_error"
-        )
+    def _user(self, request: web.Request) -> str | None:
+        """Who calls: the name of the key the request carries ("" when no key is
+        configured and the proxy listens on loopback); None when it is refused."""
+        if not self._keys.required():
+            # Beyond loopback with no key left (all removed while running): nobody.
+            return "" if not self.host or is_loopback(self.host) else None
+        return self._keys.user_for(safe_text(presented_key(request.headers)))
+
+    def _auth_error(self, request: web.Request, endpoint: str = "") -> web.Response | None:
+        """401 in the API's own error shape when the request carries no valid key."""
+        return auth_response(endpoint) if self._user(request) is None else None
 
     async def _ready_or_start(self) -> tuple[web.Response | None, float | None]:
         """(None, load ms) when llama-server can take the request — a stopped or starting
@@ -475,7 +491,7 @@ class Proxy:
         host = host_name(safe_text(request.headers.get("Host", "")))
         # The configured API key vouches for a client that reached a non-loopback bind
         # under some other name of this machine; a browser never has the key.
-        vouched = bool(self._api_key()) and self._auth_error(request) is None
+        vouched = self._keys.required() and self._user(request) is not None
         if host and not is_loopback(host) and host != self.host.lower() and not vouched:
             return error_response(
                 403,
@@ -607,9 +623,10 @@ class Proxy:
 
     async def _handle_json_counted(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        if err := self._auth_error(request):
-            return err
         endpoint, generation = JSON_ROUTES[request.path]
+        user = self._user(request)
+        if user is None:
+            return auth_response(endpoint)
         try:
             raw = await self._read_body(request)
             body = await _off_loop(parse_json, raw)
@@ -631,6 +648,12 @@ class Proxy:
             return error_response(
                 decision.status, decision.error, type_="not_found_error", param="model"
             )
+        # Each user's sessions are their own: the same session id (or the same derived
+        # one) from two users must not share a slot or a row in the accounting.
+        ns = f"{user}/" if user not in ("", DEFAULT_USER, LOCAL_USER) else ""
+        if ns and decision.session:
+            decision = dataclasses.replace(decision, session=ns + decision.session)
+        named = session_key(headers) or metadata_session(chat.user_id if chat else "")
         req = ProxyRequest(
             request_id=uuid.uuid4().hex[:16],
             path=request.path,
@@ -638,7 +661,7 @@ class Proxy:
             client=decision.client,
             user_agent=headers.get("user-agent", ""),
             # The session the client names: a header, or Claude Code's metadata.user_id.
-            session=session_key(headers) or metadata_session(chat.user_id if chat else ""),
+            session=ns + named if named else "",
             headers=headers,
             body=body,
             stream=bool(body.get("stream", False)),
@@ -649,6 +672,7 @@ class Proxy:
             body_bytes=len(raw),
             raw_body=raw if generation else None,
             chat=chat,
+            user=user,
         )
         req.chat = chat  # None also for a chat body that failed to convert (fail-open)
         del raw  # req.raw_body holds it while it is needed
@@ -1018,6 +1042,7 @@ class Proxy:
                 total_ms=total_ms,
                 kind=req.kind,
                 error=error,
+                user=req.user,
             )
         )
 

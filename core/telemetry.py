@@ -65,6 +65,7 @@ QUERIES = frozenset(
         "ttfb",
         "explanations",
         "explanation",
+        "per_user",
     }
 )
 
@@ -213,6 +214,12 @@ def m003_explanations(db: sqlite_utils.Database) -> None:
     )
     _table(db, "explanations").create_index(["ts"])
     _table(db, "explanations").create_index(["request_id"])
+
+
+@migrations()
+def m004_request_users(db: sqlite_utils.Database) -> None:
+    """Who sent each request: the name of its API key (docs/security.md#serving-a-team)."""
+    _table(db, "requests").add_column("user", str, not_null_default="")
 
 
 # What writing one row can raise because of that row: a value sqlite3 cannot bind or
@@ -665,6 +672,21 @@ class Telemetry:
         for r in rows:
             total = r["cached"] + r["new"]
             r["hit_ratio"] = r["cached"] / total if total else None
+        return rows
+
+    def per_user(self, since: float | None = None) -> list[dict[str, Any]]:
+        """Per API key name ("" without keys): requests, prompt (new) and cached tokens,
+        prefill seconds and the latest request's time, busiest first."""
+        rows = self._rows(
+            """SELECT user, COUNT(*) AS requests, COALESCE(SUM(prompt_n), 0) AS prompt_tokens,
+                      COALESCE(SUM(cache_n), 0) AS cached_tokens,
+                      COALESCE(SUM(prompt_ms), 0) / 1000.0 AS prefill_s, MAX(ts) AS last_used
+               FROM requests WHERE ts >= ? GROUP BY user ORDER BY requests DESC""",
+            [0.0 if since is None else since],
+        )
+        for r in rows:
+            total = r["cached_tokens"] + r["prompt_tokens"]
+            r["hit_ratio"] = r["cached_tokens"] / total if total else None
         return rows
 
     def sessions(self, since: float | None = None, limit: int = 200) -> list[dict[str, Any]]:

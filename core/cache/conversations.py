@@ -407,6 +407,7 @@ class Conversations:
             kind=KIND,
             session=session,
             base=base,
+            owner=m.slots.owners.get(session, ""),  # its user's, for the disk's fair share
         )
         m.store.add(rec)
         self.retention.journal.end(name)

@@ -108,6 +108,9 @@ class CacheManager:
             s.server.launch_slots, reserve_aux=s.cache.aux_slot, clock=self.clock.monotonic
         )
         self.by_fp: dict[str, pfx.PrefixInfo] = {}
+        # fingerprint → the user whose request first used the prefix (with API keys per
+        # user): the owner its saved state is accounted to (core.cache.retention_plan).
+        self.prefix_owners: dict[str, str] = {}
         self.identity: ServerIdentity | None = None
         self.disk = DiskTier(False, "server not started yet")
         self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
@@ -353,7 +356,9 @@ class CacheManager:
         # Responses body never equals it, and its new session went to an empty slot).
         chat = chat_of(req)
         holding = [st.id for st in self.slots.slots if fp and self._holds(st, fp, chat)]
-        slot, why_slot = self.slots.pick(session, req.kind, holding, displace)
+        slot, why_slot = self.slots.pick(session, req.kind, holding, displace, owner=req.user)
+        if info is not None and req.user:
+            self.prefix_owners.setdefault(info.fingerprint, req.user)
         req.slot = slot
         if side and slot == self.slots.aux_slot:
             self.emit(CacheEventKind.AUX_ISOLATED, decision.why, slot=slot, client=req.client)
@@ -799,6 +804,7 @@ class CacheManager:
             verified_at=now,
             verify_result="reference",
             probe={"prefix": info.tokens, "suffix": self.probe_suffix, **probe_reference(answer)},
+            owner=self.prefix_owners.get(info.fingerprint, ""),
         )
         self.store.add(rec)
         self.retention.journal.end(name)

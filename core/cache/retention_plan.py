@@ -11,7 +11,11 @@ The rules, in order (core.cache.retention applies the plan and records each evic
    conversation states (the newest); pinned ones are kept and do not count;
 4. ``expired``: unused longer than its TTL class (unless protected);
 5. ``cap``: while the total is above the byte cap, the oldest unprotected go, other
-   server identities' first.
+   server identities' first. With states of two or more users (API keys per user,
+   docs/security.md#serving-a-team) each user's fair share is the cap ÷ those users, and
+   after other identities' states only a user above their share loses states (their
+   oldest first, until they are back at it): one user's saves never evict the states of
+   a user within their share. With one user, or none, that is plain oldest first.
 """
 
 from __future__ import annotations
@@ -157,15 +161,33 @@ def plan_disk_sweep(
             ((r, s) for r, s in remaining if r.filename not in protected),
             key=lambda rs: (not foreign(rs[0]), rs[0].last_used),
         )
+        # Each user's disk use (this server identity's states, protected ones included).
+        used: dict[str, int] = {}
+        for r, size in remaining:
+            if not foreign(r):
+                used[r.owner] = used.get(r.owner, 0) + size
+        share = cap_bytes / len(used) if len(used) >= 2 else None
         for rec, size in candidates:
             if total <= cap_bytes:
                 break
+            why = "oldest first"
+            if foreign(rec):
+                why += " (another server identity)"
+            elif share is not None:
+                if used[rec.owner] <= share:
+                    continue  # within its user's fair share: others' saves cannot evict it
+                why = (
+                    f"user {rec.owner or '(no key)'!r} uses {used[rec.owner] / MIB:.1f} MiB "
+                    f"> fair share {share / MIB:.1f} MiB (cap ÷ {len(used)} users); "
+                    "their oldest first"
+                )
+                used[rec.owner] -= size
             plan.evictions.append(
                 Eviction(
                     rec,
                     "cap",
                     f"saved states use {total / MIB:.1f} MiB > cap {cap_bytes / MIB:.1f} MiB; "
-                    f"oldest first{' (another server identity)' if foreign(rec) else ''}",
+                    + why,
                     now - rec.last_used,
                 )
             )

@@ -11,6 +11,12 @@ conversation is saved before it is displaced (core.cache.manager) and comes back
 restored, into a slot of its own on its next turn: a save and a restore instead of
 prefilling the whole shared prefix again (issue 16, 3: a bare llama-server routes the
 new session to the slot with the longest common prefix).
+
+With API keys per user (docs/security.md#serving-a-team) each slot's session has an
+owner, and slots are shared fairly: a new session may take an idle slot only when it is
+empty, its own user's, or held by a user above their fair share (the agent slots ÷ the
+users holding slots, the new session's user counted). One user's sessions never push
+another user within their share out of a slot.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class SlotState:
     id: int
     prefix_fp: str = ""  # fingerprint of the prefix the slot's content starts with
     session: str = ""  # session pinned here
+    owner: str = ""  # the user (API key name) of that session; "" without keys
     last_used: float = 0.0
     inflight: int = 0
     last_body: dict[str, Any] | None = None  # last chat request run here (for diagnosis)
@@ -46,6 +53,7 @@ class SlotMap:
     slots: list[SlotState] = field(default_factory=list)
     sessions: dict[str, int] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)  # sessions that ever had a slot
+    owners: dict[str, str] = field(default_factory=dict)  # session → its user (with keys)
 
     def __post_init__(self) -> None:
         self.slots = [SlotState(i) for i in range(self.n_slots)]
@@ -61,20 +69,26 @@ class SlotMap:
         return [s for s in self.slots if s.id != aux]
 
     def pick(
-        self, session: str, kind: str, holding: Collection[int] = (), displace: bool = False
+        self,
+        session: str,
+        kind: str,
+        holding: Collection[int] = (),
+        displace: bool = False,
+        owner: str = "",
     ) -> tuple[int, str]:
         """The slot for a request, and why. `holding`: the slots whose content starts with
         the request's stable prefix; `displace`: a new session may take another session's
         idle slot among them (the caller decides: no saved state of the prefix to restore
         into an empty slot, and a prefix long enough that re-reading it costs more than
-        moving a conversation)."""
+        moving a conversation); `owner`: the session's user (`fair`)."""
         aux = self.aux_slot
         if kind == "aux" and aux is not None:
             return aux, "side call → reserved slot"
         pinned = self.sessions.get(session)
         if pinned is not None and pinned != aux:
             return pinned, "session pinned"
-        idle = [s for s in self.primary_slots if s.inflight == 0]
+        may = self.fair(owner)
+        idle = [s for s in self.primary_slots if s.inflight == 0 and may(s)]
         free = [s for s in idle if not s.session or s.session not in self._active()]
         new = session not in self.seen
         holders = [s for s in idle if s.id in holding]
@@ -84,15 +98,33 @@ class SlotMap:
             best = min(holders, key=lambda s: s.last_used)
             why = "a new session goes where its prefix is (its session is saved and moves)"
         else:
-            candidates = free or idle or self.primary_slots
+            mine = [s for s in self.primary_slots if may(s)]
+            candidates = free or idle or mine or self.primary_slots
             best = min(candidates, key=lambda s: (s.session != "", s.last_used))
             why = "least recently used free slot"
         if best.session and best.session != session:
             self.sessions.pop(best.session, None)
         best.session = session
+        best.owner = owner
         self.sessions[session] = best.id
         self.seen.add(session)
+        if owner:
+            self.owners[session] = owner
         return best.id, why
+
+    def fair(self, owner: str) -> Callable[[SlotState], bool]:
+        """Which slots a new session of `owner` may take: an empty one, its own user's, or
+        one of a user holding more than the fair share (agent slots ÷ users). With one
+        user (or none: no API keys) every slot."""
+        held: dict[str, int] = {}
+        for s in self.primary_slots:
+            if s.session:
+                held[s.owner] = held.get(s.owner, 0) + 1
+        users = set(held) | {owner}
+        if len(users) < 2:
+            return lambda s: True
+        share = len(self.primary_slots) / len(users)
+        return lambda s: not s.session or s.owner == owner or held.get(s.owner, 0) > share
 
     def _active(self) -> set[str]:
         return {s.session for s in self.slots if s.inflight > 0}

@@ -99,6 +99,13 @@ def m004_state_stat(db: sqlite_utils.Database) -> None:
     cast(Table, db["states"]).add_column("stat", str)
 
 
+@migrations()
+def m005_state_owner(db: sqlite_utils.Database) -> None:
+    """Whose request made each state: its user's API key name ("" without keys), for the
+    fair share of the disk cap (core.cache.retention_plan)."""
+    cast(Table, db["states"]).add_column("owner", str, not_null_default="")
+
+
 def safe_name(name: str) -> bool:
     """Only names of the shape Warmslot writes may be read, restored or deleted."""
     return bool(_NAME_RE.match(name))
@@ -137,6 +144,7 @@ class StateRecord:
     # "size:mtime_ns:ctime_ns:inode:recorded_ns" when the sha256 last matched (see
     # `file_stat`); empty when unknown, so the next check hashes.
     stat: str | None = ""
+    owner: str = ""  # the user (API key name) whose request made it; "" without keys
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> StateRecord:
@@ -147,6 +155,7 @@ class StateRecord:
         row["pinned"] = bool(row.get("pinned"))
         row["probe"] = json.loads(row["probe"]) if row.get("probe") else {}
         row["stat"] = row.get("stat") or ""
+        row["owner"] = row.get("owner") or ""
         return cls(**row)
 
     def to_row(self) -> dict[str, Any]:

@@ -22,6 +22,11 @@ COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("models",): ("--json", "--no-fit"),
     ("models", "use"): ("3",),
     ("clients",): ("--json",),
+    ("explain",): ("--json",),
+    ("keys",): (),
+    ("keys", "add"): ("alice",),
+    ("keys", "remove"): ("alice",),
+    ("keys", "list"): ("--json",),
     ("worker",): ("--port", "50100"),
     ("bench",): (),  # only through its subcommands below
     ("bench", "overhead"): ("--json",),
