@@ -491,8 +491,8 @@ class Proxy:
         host = host_name(safe_text(request.headers.get("Host", "")))
         # The configured API key vouches for a client that reached a non-loopback bind
         # under some other name of this machine; a browser never has the key.
-        vouched = self._keys.required() and self._user(request) is not None
-        if host and not is_loopback(host) and host != self.host.lower() and not vouched:
+        foreign = bool(host) and not is_loopback(host) and host != self.host.lower()
+        if foreign and not (self._keys.required() and self._user(request) is not None):
             return error_response(
                 403,
                 f"Warmslot: Host {host!r} is not this proxy's address (loopback or "
