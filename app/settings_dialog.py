@@ -25,6 +25,7 @@ from core import autostart
 from core import config as config_mod
 from core.config import Settings, SettingSpec
 from core.errors import ConfigError
+from core.keys import keys_file
 
 INT_LIMIT = 2**31 - 1
 FILE_FIELDS = {"server.binary", "server.model", "server.chat_template_file"}
@@ -351,7 +352,11 @@ class SettingsDialog(QtWidgets.QDialog):
                 raise ConfigError(problem, key=name)
             if s.get(name) != value:
                 s = s.replace(name, value, check=False)
-        config_mod.check_settings(s)  # the rules between settings, on the whole result
+        # The rules between settings, on the whole result; named API keys (core.keys)
+        # allow a non-loopback proxy.host too.
+        core = getattr(self.backend, "core", None)
+        keys = keys_file(core.paths.config_file) if core is not None else None
+        config_mod.check_settings(s, keys_path=keys)
         return s
 
     # ------------------------------------------------------------ saving

@@ -14,6 +14,7 @@ from app.tasks import Tasks
 from core import config as config_mod
 from core.config import Settings
 from core.engine import Core
+from core.errors import ConfigError
 from core.paths import Paths
 
 
@@ -231,3 +232,19 @@ def test_a_new_proxy_port_applies_at_once(qtbot: Any, core: Core, tasks: Tasks) 
         qtbot.waitUntil(lambda: "already in use" in dlg2.status.text(), timeout=10_000)
     assert core.proxy.port == new
     assert config_mod.load(core.paths.config_file).proxy.port == new
+
+
+def test_a_named_key_lets_the_dialog_bind_beyond_loopback(
+    qtbot: Any, core: Core, tasks: Tasks
+) -> None:
+    """docs/security.md#serving-a-team: with named keys (no proxy.api_key) a non-loopback
+    proxy.host is valid in the dialog as in `warmslot config set`."""
+    from core.keys import add_key, keys_file
+
+    dlg = SettingsDialog(CoreBackend(core), tasks)
+    qtbot.addWidget(dlg)
+    dlg.fields["proxy.host"].set_value("0.0.0.0")
+    with pytest.raises(ConfigError, match="needs an API key"):
+        dlg.new_settings()
+    add_key(keys_file(core.paths.config_file), "alice")
+    assert dlg.new_settings().proxy.host == "0.0.0.0"
