@@ -247,3 +247,4 @@ async def test_a_flood_of_one_users_states_leaves_another_users_share_on_disk(
     assert all(not (core.paths.slot_dir / r.identity / r.filename).exists() for r in bob[:3])
     reasons = [e.reason for e in core.cache_events("evicted")]
     assert len(reasons) == 3 and all("user 'bob'" in r and "fair share" in r for r in reasons)
+

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from core.cache.manager import policy_factory
-from core.cli import fetch_status
+from core.cli import fetch_status, format_status
 from core.keys import add_key, keys_file, remove_key
 from core.paths import Paths
 from tests.conftest import MakeCore
@@ -91,6 +91,9 @@ def test_two_users_with_named_keys(tmp_path: Path, make_core: MakeCore) -> None:
     assert {u["user"] for u in st["users"]} == {"alice", "bob"}
     local = fetch_status(paths, timeout=60)
     assert local is not None and {u["user"] for u in local["users"]} >= {"alice", "bob"}
+    text = format_status(local)
+    assert "users (all time):" in text
+    assert any(line.split()[:3] == ["alice", "2", "req"] for line in text.splitlines())
 
     # Removing bob's key revokes it at once; alice's still works.
     assert remove_key(keys_file(paths.config_file), "bob")
