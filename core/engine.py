@@ -39,7 +39,7 @@ from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
 from core.errors import CacheError, CoreStopped, WarmslotError
 from core.events import Event, Notice, ServerStateChanged, SettingsChanged
-from core.keys import KeyRing, keys_file, local_key_file, write_local_key
+from core.keys import KeyRing, keys_file, local_key_file, user_metrics, write_local_key
 from core.models import profiles
 from core.models.pool import ModelPool
 from core.paths import Paths, resources_dir
@@ -804,11 +804,12 @@ class Core:
         sup = self.supervisor
         restarts = sum(1 for e in sup.exits if e.outcome == "crashed") if sup else 0
         ready = 1 if sup is not None and sup.state is ServerState.READY else 0
+        users = self.telemetry.per_user() if self.telemetry is not None else []  # API keys
         return (
             f"# TYPE warmslot_server_crashes_total counter\n"
             f"warmslot_server_crashes_total {restarts}\n"
             f"# TYPE warmslot_server_ready gauge\nwarmslot_server_ready {ready}\n"
-        )
+        ) + user_metrics(users)
 
     def _write_runtime(self) -> None:
         assert self.proxy is not None
