@@ -1,0 +1,584 @@
+"""The shapes of `Core.status()`: one typed description shared by the core that builds
+it, `/warmslot/status` that sends it as JSON, `warmslot status` that reads that JSON
+back and the tray that shows it.
+
+They are TypedDicts rather than dataclasses on purpose: the value *is* the JSON that
+`/warmslot/status` has always sent (keys kept, so scripts reading it keep working), and
+the CLI reads it back from HTTP without a parser of its own. mypy checks every key a
+producer writes and a reader uses. Keys marked `NotRequired` are absent in some states
+(say which in their comment); everything else is always there.
+
+This module imports nothing from the rest of the core, so every producer can use it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NotRequired, TypedDict, cast
+
+# ------------------------------------------------------------------ the running process
+
+
+class WarmslotInfo(TypedDict):
+    """The Warmslot process itself."""
+
+    pid: int
+    started: float  # epoch seconds
+    proxy: str  # the proxy's URL, http://host:port
+    config: str  # the config file's path
+
+
+class BuildStatus(TypedDict):
+    """A running build of llama-server (None in `Status.build` when none runs)."""
+
+    state: str  # "starting" (before its first progress) or "running"
+    purpose: str
+    percent: float
+    background: NotRequired[bool]  # the keys below: once progress arrived
+    step: NotRequired[str]
+    steps_done: NotRequired[int]
+    steps_total: NotRequired[int]
+    elapsed_s: NotRequired[float]
+    eta_s: NotRequired[float | None]
+    text: NotRequired[str]
+
+
+# ------------------------------------------------------------------ llama-server
+
+
+class BinaryInfo(TypedDict):
+    """The llama-server binary in use."""
+
+    path: str
+    source: str
+    version: str
+    commit: str
+    identity: str
+
+
+class ModelFileInfo(TypedDict):
+    """The model file in use."""
+
+    path: str
+    source: str
+    size: int
+    identity: str
+
+
+class ExitInfo(TypedDict):
+    """One exit of llama-server (the newest last)."""
+
+    ts: float
+    outcome: str  # requested | crashed | start_failed
+    returncode: int | None
+    signal: int | None
+    requested_by: str
+    last_lines: list[str]
+
+
+class ServerSnapshot(TypedDict):
+    """The supervisor's view of its llama-server."""
+
+    state: str  # a core.server.supervisor.ServerState value
+    reason: str
+    pid: int | None
+    port: int | None
+    argv: list[str]
+    run_id: str
+    restarts: int
+    no_repack: bool
+    api_key_protected: bool  # the key itself is never shown
+    binary: BinaryInfo | None  # None before the first resolve
+    model: ModelFileInfo | None
+    exits: list[ExitInfo]
+
+
+class FitStatus(TypedDict):
+    """The fit plan the launch used."""
+
+    plan: dict[str, Any]  # core.server.fit.FitPlan.to_dict()
+    text: str
+
+
+class ServerStatus(ServerSnapshot):
+    """`Status.server`: the supervisor's snapshot and the fit plan."""
+
+    fit: FitStatus | None
+
+
+class RemoteDeviceRow(TypedDict):
+    """A device an RPC worker offers."""
+
+    name: str  # as llama-server numbers them (RPC0 …)
+    endpoint: str
+    worker: str  # the worker's label
+    total_bytes: int
+    free_bytes: int
+
+
+class WorkerCheckRow(TypedDict):
+    """The last check of an RPC worker (core.server.rpc.WorkerCheck)."""
+
+    name: str
+    endpoint: str
+    label: str
+    ok: bool
+    problem: str
+    devices: list[RemoteDeviceRow]
+    elapsed_ms: float
+    checked_at: float
+
+
+class WorkerRow(TypedDict):
+    """One RPC worker in status (core.server.rpc)."""
+
+    label: str
+    endpoint: str
+    state: str  # in use | waiting | not needed | left out | available | unchecked | unreachable
+    note: str
+    name: NotRequired[str]  # the keys below (WorkerCheckRow's): once the worker was checked
+    ok: NotRequired[bool]
+    problem: NotRequired[str]
+    devices: NotRequired[list[RemoteDeviceRow]]
+    elapsed_ms: NotRequired[float]
+    checked_at: NotRequired[float]
+
+
+class WorkersStatus(TypedDict):
+    """`Status.workers` (None there without configured workers)."""
+
+    workers: list[WorkerRow]
+    waiting_for: list[str]
+
+
+# ------------------------------------------------------------------ telemetry
+
+
+class ColdRate(TypedDict):
+    """The measured cold prefill rate (core.telemetry)."""
+
+    ms_per_token: float | None  # None: no cold prefill measured yet
+    requests: int
+    tokens: int
+
+
+class Totals(TypedDict):
+    """Request totals over a window (all time or the last hour)."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    prompt_ms: float
+    errors: int
+    hit_ratio: float | None
+    cold_rate: ColdRate
+    seconds_saved: float
+    dropped_rows: int
+
+
+class ClientRow(TypedDict):
+    """Requests per client."""
+
+    client: str
+    requests: int
+    cached: int
+    new: int
+    hit_ratio: float | None
+
+
+class UserRow(TypedDict):
+    """Requests per API key name ("" without keys), busiest first."""
+
+    user: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_s: float
+    last_used: float
+    hit_ratio: float | None
+
+
+class SessionRow(TypedDict):
+    """One (client, session) in a window, most recent first."""
+
+    client: str
+    session: str
+    requests: int
+    cached: int
+    new: int
+    prefill_ms: float
+    first_seen: float
+    last_seen: float
+    slot: int | None
+    kinds: str | None  # comma-separated request kinds
+    hit_ratio: float | None
+
+
+class RequestRow(TypedDict):
+    """A row of the requests table (core.telemetry), one per proxied request."""
+
+    id: int
+    ts: float
+    request_id: str
+    client: str
+    session: str | None
+    endpoint: str
+    stream: int  # 0 or 1
+    has_tools: int | None  # 0 or 1
+    kind: str | None  # agent | side | plain
+    status: int
+    slot: int | None
+    prompt_n: int | None  # None: llama-server reported no timings
+    cache_n: int | None
+    prompt_ms: float | None
+    predicted_n: int | None
+    ttfb_ms: float | None
+    total_ms: float | None
+    error: str | None
+    user: NotRequired[str]  # the API key's name (docs/security.md); "" without keys
+
+
+# ------------------------------------------------------------------ backends
+
+
+class BackendRow(TypedDict):
+    """One llama-server backend of a team setup (core.backends)."""
+
+    name: str
+    where: str  # its URL, or "launched here"
+    ready: bool
+    state: str
+    port: int | None
+    pid: int | None
+    inflight: int
+    active_sessions: int
+    calls: dict[str, int]  # per request kind
+    moved_in: int  # sessions moved here from another backend
+    errors: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_ratio: float | None
+
+
+class BackendsStatus(TypedDict):
+    """`Status.backends` (only with [[backends]])."""
+
+    backends: list[BackendRow]
+    sessions: int
+    moved: int
+
+
+# ------------------------------------------------------------------ models
+
+
+class ModelRow(TypedDict):
+    """One model of the pool (or the single model without one)."""
+
+    name: str
+    role: str
+    primary: bool
+    state: str  # its server's state, or "unloaded"
+    priority: NotRequired[int]  # the keys below: with a model pool
+    ttl_s: NotRequired[float | None]
+    loading: NotRequired[bool]
+    port: NotRequired[int | None]
+    inflight: NotRequired[int]
+    idle_s: NotRequired[float]
+    footprint: NotRequired[dict[str, object] | None]
+    calls: NotRequired[dict[str, int]]
+    loads: NotRequired[int]
+    unloads: NotRequired[int]
+    last_decision: NotRequired[str]
+
+
+class ModelCalls(TypedDict):
+    """Calls routed per model (with a model pool)."""
+
+    routed_to_side: int
+    by_model: dict[str, dict[str, int]]
+
+
+# ------------------------------------------------------------------ the cache
+
+
+class DiskTier(TypedDict):
+    usable: bool
+    reason: str
+
+
+class SlotRow(TypedDict):
+    """One llama-server slot as the cache manager sees it."""
+
+    id: int
+    session: str
+    prefix: str  # its prefix's fingerprint (16 hex digits), "" when none
+    tokens: int
+    inflight: int
+    kind: str
+    ttl_class: NotRequired[str]  # the keys below: when it holds a session
+    idle_s: NotRequired[float]
+    expires_in_s: NotRequired[float | None]
+
+
+class PrefixRow(TypedDict):
+    """A learned stable prefix."""
+
+    fingerprint: str
+    client: str
+    tokens: int
+    source: str
+    share: float | None  # of the rendered prompt; None until a request renders again
+
+
+class SavedRow(TypedDict):
+    """A saved slot state on disk."""
+
+    file: str
+    fingerprint: str
+    tokens: int
+    bytes: int
+    ttl_class: str
+    pinned: bool
+    last_used: float
+    verified: str
+    current: bool  # saved by the running server's identity
+    kind: str  # "prefix" or "conversation"
+    session: str
+    client: str
+    created: float
+    expires_in_s: NotRequired[float | None]  # the keys below: with the index database
+    age_s: NotRequired[float]
+
+
+class DivergenceWhere(TypedDict):
+    """Where two rendered prompts first differ (core.cache.prefix.divergence)."""
+
+    char_index: int
+    before: str  # the text before the difference
+    old: str  # what followed in the slot's prompt
+    new: str  # what follows in the request's
+    token_index: NotRequired[int]  # once tokenized
+
+
+class Divergence(TypedDict):
+    """A request that did not reuse what its slot held."""
+
+    ts: float
+    request_id: str
+    client: str
+    session: str | None
+    slot: int | None
+    cache_n: int
+    prompt_n: int
+    reason: str
+    where: DivergenceWhere | None
+
+
+class Shortfall(TypedDict):
+    """A restore or re-warm that the next request did not use (issue 16, 0c)."""
+
+    ts: float
+    request_id: str
+    text: str
+
+
+class ContextHitRow(TypedDict):
+    """A request that hit its slot's context."""
+
+    ts: float
+    client: str
+    session: str
+    request_id: str
+    tokens: int
+    n_ctx: int
+    refused: bool
+    text: str
+
+
+class ContextLimitsStatus(TypedDict):
+    """Requests that hit the slot's context (core.cache.context_limit)."""
+
+    n_ctx_slot: int | None
+    total: int
+    recent: list[ContextHitRow]
+
+
+class BootRewarmStatus(TypedDict):
+    """The re-warm of recently used prefixes after a server start."""
+
+    state: str  # idle | running | done
+    done: int
+    total: int
+    warmed: int
+    skipped: int
+    failed: int
+    current_slot: int | None
+    started_at: float | None
+    finished_at: float | None
+
+
+class PressureSnapshot(TypedDict):
+    """The machine's memory and disk pressure (core.pressure)."""
+
+    level: str
+    causes: list[str]
+    paused: dict[str, str]  # behaviour → why it is paused
+    sampled_at: float | None
+    ram_available_pct: float | None
+    swap_used_pct: float | None
+    disk_free_pct: float | None
+    disk_free_bytes: int | None
+    disk_path: str | None
+    server_rss_bytes: int | None
+    gpus: list[dict[str, object]]
+
+
+class SweepStatus(TypedDict):
+    """One background sweep (core.sweeps)."""
+
+    name: str
+    interval_s: float
+    configured_s: float
+    runs: int
+    failures: int
+    running_for_s: float | None
+    next_in_s: float | None
+    last_start: float | None
+    last_duration_s: float | None
+    last_actions: int | None
+    last_error: str | None
+    last_details: dict[str, object]
+
+
+class KeepaliveStatus(TypedDict):
+    last: list[dict[str, Any]]  # the last keep-alive sweep's decisions
+
+
+class BackoffRow(TypedDict):
+    """A prefix whose saves back off after failures."""
+
+    fingerprint: str
+    failures: int
+    retry_in_s: float
+    reason: str
+
+
+class DiskUsage(TypedDict):
+    """The disk tier's use against its cap (core.cache.retention)."""
+
+    used_bytes: int
+    cap_bytes: int
+    cap_source: str
+    unknown_files_left_alone: int
+    save_backoff: list[BackoffRow]
+    quarantined: dict[str, str]
+
+
+class CacheStatus(TypedDict):
+    """`Status.cache`: the prefix-cache manager's inventory and background work."""
+
+    enabled: bool
+    identity: str | None  # None until the server's identity is known
+    disk_tier: DiskTier
+    aux_slot: int | None
+    slots: list[SlotRow]
+    prefixes: list[PrefixRow]
+    saved: list[SavedRow]
+    divergences: list[Divergence]
+    restore_shortfalls: list[Shortfall]
+    prefix_saves: dict[str, Any]  # core.cache.prefix_save counts
+    explained: list[dict[str, Any]]  # core.cache.explain, the latest with a divergence
+    context_limits: ContextLimitsStatus
+    template_warning: str | None
+    unmanaged_apis: dict[str, str]  # route → why it is forwarded unmanaged
+    warming: bool  # the restore / prewarm after a (re)start still runs
+    boot_rewarm: BootRewarmStatus
+    pressure: PressureSnapshot
+    paused: list[str]
+    sweeps: list[SweepStatus]
+    keepalive: KeepaliveStatus
+    disk: NotRequired[DiskUsage]  # the keys below: with the index database
+    ttl: NotRequired[dict[str, float | None]]
+    ttl_classes: NotRequired[dict[str, str]]
+    text: str  # the inventory in words, as `warmslot status` prints it
+
+
+class CacheFailure(TypedDict):
+    """`Status.cache` when the cache's status itself failed."""
+
+    error: str
+
+
+# ------------------------------------------------------------------ the whole
+
+
+class Status(TypedDict):
+    """Everything `warmslot status`, `/warmslot/status` and the tray show."""
+
+    warmslot: WarmslotInfo
+    build: BuildStatus | None
+    server: ServerStatus
+    workers: WorkersStatus | None
+    totals: Totals | None  # None from `server_status()` (taken without history)
+    last_hour: Totals | None
+    clients: list[ClientRow]
+    users: NotRequired[list[UserRow]]  # per API key name (docs/security.md)
+    sessions: list[SessionRow]
+    recent_requests: list[RequestRow]
+    models: list[ModelRow]
+    backends: NotRequired[BackendsStatus]  # only with [[backends]]
+    model_calls: NotRequired[ModelCalls]  # with a model pool
+    cache: NotRequired[CacheStatus | CacheFailure]  # with a cache manager attached
+
+
+def cache_of(status: Status | None) -> CacheStatus | None:
+    """The cache inventory, or None without a cache manager or when its status failed."""
+    cache = None if status is None else status.get("cache")
+    if cache is None or "error" in cache:
+        return None
+    return cache
+
+
+def cache_error(status: Status | None) -> str:
+    """Why the cache's status failed ("" when it did not, or there is no cache)."""
+    cache = None if status is None else status.get("cache")
+    if cache is not None and "error" in cache:
+        return cast(CacheFailure, cache)["error"]
+    return ""
+
+
+def from_json(text: str | bytes) -> Status:
+    """`/warmslot/status`'s body as a `Status`. The body comes from our own endpoint,
+    which builds it from these types, so it is taken as it is (no second schema)."""
+    data = json.loads(text)
+    if not isinstance(data, dict) or "server" not in data or "warmslot" not in data:
+        raise ValueError("not a Warmslot status")
+    return cast(Status, data)
+
+
+# ------------------------------------------------------------------ cache commands
+
+
+class PinResult(TypedDict):
+    """`Core.pin`'s answer."""
+
+    file: str
+    fingerprint: str
+    pinned: bool
+
+
+class EvictResult(TypedDict):
+    """`Core.evict`'s answer."""
+
+    file: str
+    bytes: int  # freed
+
+
+class RewarmResult(TypedDict):
+    """`Core.rewarm`'s answer."""
+
+    fingerprint: str
+    slot: int
+    restored: bool  # restored from disk into a free slot (else re-warmed in its slot)
+    cache_n: NotRequired[int]  # the keys below: re-warmed in its slot
+    prompt_n: NotRequired[int]
