@@ -25,6 +25,7 @@ from core.clients import (
     proxy_address,
 )
 from core.errors import ConfigError, ModelNotFound
+from core.keys import KeyRing, keys_file
 from core.models.catalog import Catalog, ModelEntry, for_settings, profile_note
 from core.paths import Paths
 from core.server.gguf_facts import read_facts
@@ -167,7 +168,8 @@ def cmd_clients(args: argparse.Namespace) -> int:
     settings = config_mod.load(paths.config_file)
     url = _proxy_url(paths, settings)
     model = args.model or client_model_name(settings)
-    key = bool(settings.proxy.api_key)
+    # Named keys (core.keys) or proxy.api_key: the snippets then read the key.
+    key = KeyRing(keys_file(paths.config_file), lambda: settings.proxy.api_key).required()
     setups = client_setups(url, model, api_key=key)
     if args.json:
         doc: dict[str, Any] = {

@@ -220,7 +220,10 @@ def format_setups(setups: list[ClientSetup], proxy_url: str, *, api_key: bool = 
     """All snippets as plain text for a terminal."""
     out = [f"Client base URL: {base_url(proxy_url)}"]
     if api_key:
-        out.append(f"The proxy requires its API key: export {API_KEY_ENV}=<proxy.api_key>")
+        out.append(
+            f"The proxy requires an API key: export {API_KEY_ENV}=<your key from "
+            "`warmslot keys add NAME`, or proxy.api_key>"
+        )
     for s in setups:
         mark = "" if s.works else "  [not yet]"
         out += ["", f"== {s.title}{mark} — {s.where}", s.status, "", s.snippet]

@@ -68,7 +68,7 @@ def test_a_required_key_is_read_from_the_environment_not_written() -> None:
         "apiKey" not in json.loads(by_id()["opencode"].snippet)["provider"]["warmslot"]["options"]
     )
     text = format_setups(client_setups(URL, "m", api_key=True), URL, api_key=True)
-    assert "export WARMSLOT_API_KEY=<proxy.api_key>" in text
+    assert "export WARMSLOT_API_KEY=<your key from `warmslot keys add NAME`" in text
     assert text.count(URL) >= 4 and "[not yet]" not in text
 
 

@@ -248,3 +248,15 @@ async def test_a_flood_of_one_users_states_leaves_another_users_share_on_disk(
     reasons = [e.reason for e in core.cache_events("evicted")]
     assert len(reasons) == 3 and all("user 'bob'" in r and "fair share" in r for r in reasons)
 
+
+
+def test_client_snippets_read_the_key_when_only_named_keys_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = ["--dev-dir", str(tmp_path)]
+    assert cli.main(["clients", *home]) == 0
+    assert "WARMSLOT_API_KEY" not in capsys.readouterr().out  # no key: none needed
+    add_key(Paths.under(tmp_path).config_file.with_name("keys.toml"), "alice")
+    assert cli.main(["clients", *home]) == 0
+    out = capsys.readouterr().out
+    assert "requires an API key" in out and "{env:WARMSLOT_API_KEY}" in out
