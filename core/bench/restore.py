@@ -43,7 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from core.bench.common import post_json
-from core.cache.probe import PROBE_SUFFIX, check_answer, probe_reference, probe_request
+from core.cache.probe import (
+    LEGACY_PROBE_TOKENS,
+    PROBE_SUFFIX,
+    check_answer,
+    probe_reference,
+    probe_request,
+    probe_request_for,
+)
 from core.cache.store import StateRecord, StateStore, file_sha256
 from core.config import Settings
 from core.paths import Paths
@@ -62,6 +69,8 @@ _VOCAB = (
 )
 _WORDS = _VOCAB.split()
 TURN = "\n\nUser: Summarise what the code above does, in one sentence.\nAssistant:"
+# The probe before it was shortened (issue 16): timed beside the current one, same restore.
+LEGACY_PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
 Log = Callable[[str], None]
 
 
@@ -218,6 +227,7 @@ def run_size(
     seed: int,
     suffix: list[int],
     turn: list[int],
+    legacy_suffix: list[int] | None = None,
     log: Log | None = None,
 ) -> dict[str, Any]:
     """Cold prefill, save, reference probe and the two restores for one prompt size."""
@@ -260,7 +270,15 @@ def run_size(
     read_cold = _file_read(path, cold=True)
     read_warm = _file_read(path, cold=False)
     trials = {
-        cache: restore_once(server, store, rec, tokens, turn, cold_cache=cache == "cold")
+        cache: restore_once(
+            server,
+            store,
+            rec,
+            tokens,
+            turn,
+            cold_cache=cache == "cold",
+            legacy_suffix=legacy_suffix,
+        )
         for cache in ("cold", "warm")
     }
     result = {
@@ -306,8 +324,10 @@ def restore_once(
     turn: list[int],
     *,
     cold_cache: bool,
+    legacy_suffix: list[int] | None = None,
 ) -> dict[str, Any]:
-    """One restore as Warmslot runs it, timed in parts, then the next turn's first token."""
+    """One restore as Warmslot runs it, timed in parts, then the next turn's first token;
+    with `legacy_suffix`, the older, longer probe timed on the same state after it."""
     server.slot("erase")
     path = store.path(rec)
     if cold_cache:
@@ -322,13 +342,21 @@ def restore_once(
     if int(resp.get("n_restored", -1)) != rec.n_tokens:
         raise RuntimeError(f"restored {resp.get('n_restored')} tokens, expected {rec.n_tokens}")
     t1 = time.perf_counter()
-    answer, _ = _probe(server, rec.probe["prefix"], rec.probe["suffix"])
+    answer, _ = server.post("/completion", probe_request_for(rec.probe, 0))
     pt = answer.get("timings") or {}
     verdict = check_answer(answer, pt.get("cache_n"), rec.prefix_n, rec.probe, tolerance=0.0)
     verify_ms = (time.perf_counter() - t1) * 1000
     first, first_wall = server.complete([*tokens, *turn], 1)
     ft = first.get("timings") or {}
     total = check_ms + restore_wall + verify_ms + first_wall
+    # The older, longer probe on the same restored state, for comparison (timed only).
+    legacy_ms: float | None = None
+    if legacy_suffix:
+        server.slot("erase")
+        server.slot("restore", rec.filename)
+        t2 = time.perf_counter()
+        server.post("/completion", probe_request(tokens, legacy_suffix, 0, LEGACY_PROBE_TOKENS))
+        legacy_ms = (time.perf_counter() - t2) * 1000
     return {
         "cached_fraction_before": cached,
         "check_ms": round(check_ms, 2),
@@ -338,6 +366,9 @@ def restore_once(
         "verify_prompt_ms": _ms(pt, "prompt_ms"),
         "verify_predicted_ms": _ms(pt, "predicted_ms"),
         "verify_result": verdict or "ok",
+        "probe_tokens": len(rec.probe["suffix"]) + len(rec.probe["tokens"]),
+        "verify_legacy_ms": None if legacy_ms is None else round(legacy_ms, 2),
+        "legacy_probe_tokens": len(legacy_suffix) + LEGACY_PROBE_TOKENS if legacy_suffix else None,
         "first_token_ms": round(first_wall, 2),
         "first_token_prompt_n": ft.get("prompt_n"),
         "first_token_cache_n": ft.get("cache_n"),
@@ -429,6 +460,7 @@ def run_model(
             store = StateStore(sqlite_utils.Database(Path(tmp) / "bench.sqlite3"), slot_dir.parent)
             identity = slot_dir.name
             suffix = server.tokenize(PROBE_SUFFIX, add_special=False)
+            legacy = server.tokenize(LEGACY_PROBE_SUFFIX, add_special=False)
             turn = server.tokenize(TURN, add_special=False)
             nbytes = bandwidth_mib << 20
             rows: list[dict[str, Any]] = []
@@ -459,6 +491,7 @@ def run_model(
                         seed=1000 + i,
                         suffix=suffix,
                         turn=turn,
+                        legacy_suffix=legacy,
                         log=log,
                     )
                 )
@@ -562,7 +595,7 @@ def format_report(report: dict[str, Any]) -> str:
     head = (
         f"{'tokens':>7} {'cache':>5} {'cold s':>7} {'save ms':>8} {'file MB':>8} "
         f"{'check':>7} {'restore':>8} {'(server)':>8} {'verify':>7} {'1st tok':>8} "
-        f"{'total':>8} {'cold÷':>7} {'read@bw':>8} {'rest÷rd':>7}  reuse"
+        f"{'total':>8} {'cold÷':>7} {'read@bw':>8} {'rest÷rd':>7} {'old vfy':>8}  reuse"
     )
     for mod in report["models"]:
         bw = mod["bandwidth"]
@@ -589,7 +622,8 @@ def format_report(report: dict[str, Any]) -> str:
                     f"{_num(t['restore_server_ms']):>8} {t['verify_ms']:>7.1f} "
                     f"{t['first_token_ms']:>8.1f} {t['total_ms']:>8.1f} "
                     f"{_num(t['ratio'], '×'):>7} {_num(t['read_at_bandwidth_ms']):>8} "
-                    f"{_num(t['restore_vs_read'], '×'):>7}  {reuse}"
+                    f"{_num(t['restore_vs_read'], '×'):>7} "
+                    f"{_num(t.get('verify_legacy_ms')):>8}  {reuse}"
                 )
         for s in mod["skipped"]:
             lines.append(f"{s['tokens']:>7} skipped: {s['why']}")
@@ -600,8 +634,9 @@ def format_report(report: dict[str, Any]) -> str:
         "restore call (server-side time in brackets); verify: the known-answer probe and its "
         "check; total = check + restore + verify + 1st tok; cold÷ = cold ÷ total; read@bw: "
         "file size ÷ the disk's measured bandwidth (cold or cached); rest÷rd = (check + "
-        "restore) ÷ read@bw; reuse: cached + evaluated tokens of the first request after "
-        "the restore.",
+        "restore) ÷ read@bw; old vfy: the probe before it was shortened (a longer suffix "
+        "and 4 tokens), timed on the same restored state; reuse: cached + evaluated tokens "
+        "of the first request after the restore.",
     ]
     for g in report["goals"]:
         if g["ratio_goal_met"] is not None:

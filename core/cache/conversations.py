@@ -41,7 +41,7 @@ from core.cache import prefix as pfx
 from core.cache.deps import CacheHost
 from core.cache.fingerprint import fingerprint
 from core.cache.learner import chat_of, render_body, renderable
-from core.cache.probe import probe_reference, probe_request
+from core.cache.probe import probe_reference, probe_request, wait_quiet
 from core.cache.retention import save_problem
 from core.cache.store import StateRecord, file_sha256
 from core.errors import UpstreamError, VerificationFailed
@@ -273,7 +273,8 @@ class Conversations:
                 return "not saved now: a request runs in the slot"
             if not wait and any(s.inflight for s in m.slots.slots if s.id != slot):
                 return "not saved now: another slot is busy"
-            if not await self._others_quiet(slot, OTHERS_WAIT_S if wait else 0.0) and not wait:
+            assert m.client is not None
+            if not await wait_quiet(m.client, slot, OTHERS_WAIT_S if wait else 0.0) and not wait:
                 return "not saved now: the server works for another slot"
             if self.unsaved(slot) <= 0:
                 return "conversation already saved"
@@ -309,25 +310,6 @@ class Conversations:
                 return problem
         return f"saved its {rec.n_tokens}-token conversation ({rec.bytes / 1e6:.1f} MB)"
 
-    async def _others_quiet(self, slot: int, timeout: float) -> bool:
-        """Whether the server reports no other slot processing (within `timeout`): the probe
-        reference must not share its batches, or its log-probs move in the last bits
-        (docs/cache.md#verification). Our own background work is not in `inflight`."""
-        client = self.mgr.client
-        assert client is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                busy = [s.id for s in await client.slots() if s.is_processing and s.id != slot]
-            except UpstreamError:
-                return True  # no /slots: the probe's second look covers a noisy reference
-            if not busy:
-                return True
-            if time.monotonic() >= deadline:
-                log.info("slots %s process while slot %d is saved", busy, slot)
-                return False
-            await asyncio.sleep(0.05)
-
     async def _save_in(self, slot: int, why: str, name: str) -> StateRecord:
         m = self.mgr
         client, ident, suffix = m.client, m.identity, m.probe_suffix
@@ -353,29 +335,30 @@ class Conversations:
         # tokens of Gemma 3 270M), and the proxy shares this loop.
         sha = await asyncio.to_thread(file_sha256, path)
         hash_ms = (time.perf_counter() - t1) * 1000
-        # The reference comes from the file as a restore lays it out (docs/cache.md#verification).
-        t2 = time.perf_counter()
-        await client.slot_action(slot, "restore", name)
-        restore_ms = (time.perf_counter() - t2) * 1000
-        t3 = time.perf_counter()
-        answer = await client.completion(probe_request(tokens, suffix, slot))
-        verify_ms = (time.perf_counter() - t3) * 1000
-        self._verify.append(verify_ms)
-        # The reference must be taken alone: a probe that shared a batch with another
-        # slot's work moves log-probs by ~1e-4, and every later check of this correct
-        # state would fail (seen in 2 of 4 idle releases beside a keep-alive re-warm).
-        # So a second probe of the same restore must agree bit for bit; if not, one
-        # more, once the other slots are quiet, is the reference.
-        await client.slot_action(slot, "restore", name)
-        again = await client.completion(probe_request(tokens, suffix, slot))
-        if probe_reference(again) != probe_reference(answer):
-            await self._others_quiet(slot, OTHERS_WAIT_S)
+        # The reference comes from the file as a restore lays it out, from a probe that had
+        # the server to itself (core.cache.probe.ProbeGate, docs/cache.md#verification).
+        restores: list[float] = []
+
+        async def restore() -> None:
+            t = time.perf_counter()
             await client.slot_action(slot, "restore", name)
-            answer = await client.completion(probe_request(tokens, suffix, slot))
+            restores.append((time.perf_counter() - t) * 1000)
+
+        try:
+            answer, times = await m.probe_gate.reference(
+                client, probe_request(tokens, suffix, slot), slot, restore
+            )
+        finally:
+            # Leave the slot as the conversation left it, not with the probe's suffix.
+            await client.slot_action(slot, "restore", name)
+        if answer is None:
+            raise ValueError(
+                f"no probe reference ran alone in {len(times)} tries (other slots kept working)"
+            )
+        restore_ms, verify_ms = restores[0], min(times)
+        self._verify.extend(times)
         # What a probe costs when it has the CPU: the quickest one measured so far.
         verify_est = min(self._verify)
-        # Leave the slot as the conversation left it, not with the probe's suffix.
-        await client.slot_action(slot, "restore", name)
         now = m.clock.time()
         info = m.by_fp.get(base)
         rec = StateRecord(

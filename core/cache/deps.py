@@ -25,7 +25,7 @@ from core.cache.boot import BootRewarm, Emit
 from core.cache.definitions import DefinitionStore
 from core.cache.fingerprint import ServerIdentity
 from core.cache.prefix import PrefixInfo
-from core.cache.probe import LOGPROB_TOLERANCE
+from core.cache.probe import LOGPROB_TOLERANCE, ProbeGate
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord, StateStore
 from core.clock import Clock
@@ -162,6 +162,7 @@ class CacheHost(Protocol):
     probe_suffix: list[int] | None  # the known-answer probe's tokens (learned at start)
     pressure: PressureMonitor
     boot: BootRewarm
+    probe_gate: ProbeGate  # one known-answer probe at a time (docs/cache.md#verification)
 
     @property
     def prefixes(self) -> dict[str, PrefixInfo]: ...  # shape key → prefix

@@ -45,11 +45,14 @@ from core.cache.learner import PrefixLearner, chat_of, render_body, renderable
 from core.cache.plan import SlotPlan
 from core.cache.prefix_save import PrefixSaver
 from core.cache.probe import (
+    REFERENCE_TRIES,
     REUSE_SLACK,
+    ProbeGate,
     check_answer,
     non_finite,
     probe_reference,
     probe_request,
+    probe_request_for,
     scrub_request,
     second_look,
 )
@@ -80,7 +83,6 @@ DISPLACE_MIN_TOKENS = 4096
 IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after a start
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
-REFERENCE_TRIES = 3  # pairs of probes tried for a saved prefix's bit-exact reference
 
 
 # Tokens a request after a restore may reuse less than the restored state held before
@@ -129,6 +131,7 @@ class CacheManager:
         # Held while Warmslot itself uses a slot (restore + verify, build + save + probe):
         # a request for that slot waits, so nothing slips in between our steps.
         self._locks: dict[int, asyncio.Lock] = {}
+        self.probe_gate = ProbeGate()  # one probe at a time, each knowing if it ran alone
         self._persisting: set[str] = set()
         self._jobs: set[asyncio.Task[Any]] = set()
         self._run_id = ""
@@ -766,24 +769,17 @@ class CacheManager:
         # (docs/cache.md#verification).
         # A reference taken while another slot works shares its batches and moves in the
         # last bits, and every later bit-exact check of this correct state would fail (seen
-        # with prefixes saved from a live slot while the session's next request started):
-        # two probes of the same restore must agree bit for bit, else both again once the
-        # other slots are quiet; a state without a stable reference is not indexed.
-        answer: dict[str, Any] | None = None
-        for _ in range(REFERENCE_TRIES):
-            await self._wait_idle(exclude=slot)
-            await self._server_idle(client, exclude=slot)
-            probes = []
-            for _ in range(2):
-                await client.slot_action(slot, "restore", name)
-                probes.append(
-                    await client.completion(probe_request(info.tokens, self.probe_suffix, slot))
-                )
-            if probe_reference(probes[0]) == probe_reference(probes[1]):
-                answer = probes[0]
-                break
+        # with prefixes saved from a live slot while the session's next request started, and
+        # beside a conversation's own reference): it must come from a probe that ran alone
+        # (core.cache.probe.ProbeGate); a state without such a reference is not indexed.
+        answer, _ = await self.probe_gate.reference(
+            client,
+            probe_request(info.tokens, self.probe_suffix, slot),
+            slot,
+            lambda: client.slot_action(slot, "restore", name),
+        )
         if answer is None:
-            problem = f"no stable probe reference in {REFERENCE_TRIES} tries (a busy server)"
+            problem = f"no probe reference ran alone in {REFERENCE_TRIES} tries (a busy server)"
             self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
             return
         now = self.clock.time()
@@ -933,8 +929,9 @@ class CacheManager:
     async def _probe(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
         probe = rec.probe
         await self._wait_idle(exclude=slot)
-        await self._server_idle(client, exclude=slot)
-        resp = await client.completion(probe_request(probe["prefix"], probe["suffix"], slot))
+        # Under the gate: never beside another of our probes (docs/cache.md#verification).
+        run = await self.probe_gate.probe(client, probe_request_for(probe, slot), slot)
+        resp = run.answer
         t = Timings.parse(resp.get("timings"))
         return check_answer(
             resp,
@@ -943,20 +940,6 @@ class CacheManager:
             probe,
             tolerance=self.disk.logprob_tolerance,
         )
-
-    async def _server_idle(self, client: LlamaClient, exclude: int, timeout: float = 10.0) -> None:
-        """Wait until the server itself reports no other slot processing (our own background
-        work is not in `inflight`): a probe must not share its batches."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                busy = [s.id for s in await client.slots() if s.is_processing and s.id != exclude]
-            except UpstreamError:
-                return
-            if not busy:
-                return
-            await asyncio.sleep(0.05)
-        log.warning("probing while slots %s process: verification may be noisy", busy)
 
     # ------------------------------------------------------------ status / lifecycle
     def idle(self) -> bool:

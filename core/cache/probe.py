@@ -27,13 +27,29 @@ and rebuilt once, never accepted on the old, weaker grounds.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from core.errors import UpstreamError
+from core.server.client import LlamaClient
+
+log = logging.getLogger("warmslot.cache")
+
 PROBE_VERSION = 2  # 2: top-k log-prob vectors per position ("top"); 1 had only tokens
-PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
-PROBE_TOKENS = 4
+# One token on the tokenizers at hand, and two generated: each row the server computes for
+# the probe attends over the whole restored context, so the probe costs about one row per
+# token it sends or generates (a 12-token suffix and 4 tokens were ~15 rows, 1.5 s of Gemma
+# 3's restore at 32k: docs/benchmarks.md#restore). Two positions' top-k vectors caught every
+# mutation the four did (docs/cache.md#verification). References taken with the older,
+# longer probe keep their own suffix and token count (`probe_request_for`).
+PROBE_SUFFIX = "\n"
+PROBE_TOKENS = 2
+LEGACY_PROBE_TOKENS = 4  # what references taken before the shorter probe generated
 PROBE_TOP_K = 16  # log-probs compared per position (docs/cache.md#verification)
 # Measured: a dense model's restored state reproduces every log-prob bit for bit (same
 # binary, same threads, docs/cache.md#verification), so any difference is a wrong state.
@@ -48,13 +64,17 @@ LOGPROB_TOLERANCE = 0.0
 SWA_LOGPROB_TOLERANCE = 0.0
 REUSE_SLACK = 1  # the server re-evaluates the last cached token when nothing is new
 TIE_MARGIN = 1e-2  # a best token leading by less than this is a coin toss between layouts
+QUIET_WAIT_S = 10.0  # longest a probe waits for the other slots to finish their work
+REFERENCE_TRIES = 3  # probes tried for a reference that ran alone
 
 
-def probe_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> dict[str, Any]:
+def probe_request(
+    prefix: Sequence[int], suffix: Sequence[int], slot: int, n_predict: int = PROBE_TOKENS
+) -> dict[str, Any]:
     """The `/completion` body of a probe: greedy, a few tokens, their top-k log-probs."""
     return {
         "prompt": [*prefix, *suffix],
-        "n_predict": PROBE_TOKENS,
+        "n_predict": n_predict,
         "temperature": 0.0,
         "top_k": 1,
         "samplers": ["top_k"],
@@ -64,6 +84,14 @@ def probe_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> di
         "seed": 0,
         "response_fields": ["completion_probabilities", "timings", "tokens_cached"],
     }
+
+
+def probe_request_for(reference: dict[str, Any], slot: int) -> dict[str, Any]:
+    """The probe that checks a recorded `reference` in `slot`: its own prefix, suffix and
+    number of tokens, so that a reference taken with an older probe (a 41-token suffix
+    and 4 tokens before the probe was shortened) still verifies instead of being rebuilt."""
+    n = len(reference.get("tokens") or []) or PROBE_TOKENS
+    return probe_request(reference["prefix"], reference["suffix"], slot, n)
 
 
 def _num(value: Any) -> float:
@@ -224,7 +252,10 @@ def scrub_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> di
     values stay in the freed cells past its prompt, and attention reads them), while a
     prompt covering those cells restored the cold answer (docs/cache.md#verification).
     """
-    filler = [suffix[-1] if suffix else (prefix[-1] if prefix else 0)] * (PROBE_TOKENS + 1)
+    # As many as the longest probe generates (references of the older probe took 4).
+    filler = [suffix[-1] if suffix else (prefix[-1] if prefix else 0)] * (
+        max(PROBE_TOKENS, LEGACY_PROBE_TOKENS) + 1
+    )
     return {
         "prompt": [*prefix, *suffix, *filler],
         "n_predict": 0,
@@ -243,3 +274,115 @@ def second_look(problem: str | None) -> bool:
         and "reuse probe" not in problem
         and ("older format" not in problem)
     )
+
+
+# ------------------------------------------------------------------ probing alone
+_Snapshot = dict[int, tuple[int, bool]]  # other slot → (its current or last task, processing)
+
+
+async def _others(client: LlamaClient, slot: int) -> _Snapshot | None:
+    """What the slots other than `slot` are doing (None: the server has no `/slots`)."""
+    try:
+        return {s.id: (s.id_task, s.is_processing) for s in await client.slots() if s.id != slot}
+    except UpstreamError:
+        return None
+
+
+async def wait_quiet(client: LlamaClient, slot: int, timeout: float = QUIET_WAIT_S) -> bool:
+    """Whether the server reports no slot but `slot` processing (waiting up to `timeout`).
+
+    `GET /slots` sees every request, ours in the background included, which the cache
+    manager's own in-flight counts do not. True when the server has no `/slots`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = await _others(client, slot)
+        busy = [] if now is None else [i for i, (_, processing) in now.items() if processing]
+        if not busy:
+            return True
+        if time.monotonic() >= deadline:
+            log.info("slots %s process while slot %d is probed", busy, slot)
+            return False
+        await asyncio.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    """One probe: the server's answer, whether it ran alone, and how long it took (ms)."""
+
+    answer: dict[str, Any]
+    alone: bool
+    ms: float
+
+
+class ProbeGate:
+    """One known-answer probe at a time on a server, and whether it ran alone.
+
+    A probe's log-probs are bit-exact only when no other slot's tokens share its batches:
+    another slot's work changes the matrix shapes and moves the last bits (5e-4 measured,
+    docs/cache.md#verification). Two of Warmslot's own probes in different slots did
+    exactly that to each other — a conversation's reference taken while a prefix's was
+    taken in the side slot — and two probes agreeing proved nothing, since both had shared
+    their batches (the rejected correct states of issue 16's alternating-sessions test).
+    So probes queue here, and each reports whether the other slots did any work while it
+    ran: idle, on the same task, before and after (a task that started and ended in between
+    changes its slot's task id).
+    """
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    async def probe(
+        self,
+        client: LlamaClient,
+        body: dict[str, Any],
+        slot: int,
+        *,
+        before: Callable[[], Awaitable[Any]] | None = None,
+        quiet_s: float = QUIET_WAIT_S,
+    ) -> ProbeRun:
+        """Run the probe `body` in `slot`, after `before` (e.g. a restore) in the same turn;
+        alone is False where it cannot be known (no `/slots`)."""
+        async with self._lock:
+            await wait_quiet(client, slot, quiet_s)
+            if before is not None:
+                await before()
+            first = await _others(client, slot)
+            t0 = time.perf_counter()
+            answer: dict[str, Any] = await client.completion(body)
+            ms = (time.perf_counter() - t0) * 1000
+            then = await _others(client, slot)
+        alone = first is not None and first == then and not any(p for _, p in first.values())
+        return ProbeRun(answer, alone, ms)
+
+    async def reference(
+        self,
+        client: LlamaClient,
+        body: dict[str, Any],
+        slot: int,
+        restore: Callable[[], Awaitable[Any]],
+        *,
+        tries: int = REFERENCE_TRIES,
+    ) -> tuple[dict[str, Any] | None, list[float]]:
+        """A reference answer for a just-saved state — `restore` it into `slot` and probe,
+        until a probe ran alone (at most `tries`) — and every probe's time (ms). None when
+        none did: a reference that shared its batches would reject the correct state on
+        every later check, so the caller keeps no state instead.
+
+        Without `/slots` (alone unknown) two probes of the same restore that agree bit for
+        bit are taken instead, the best that can be known there."""
+        times: list[float] = []
+        previous: dict[str, Any] | None = None
+        for _ in range(tries):
+            run = await self.probe(client, body, slot, before=restore)
+            times.append(run.ms)
+            if run.alone:
+                return run.answer, times
+            if await _others(client, slot) is None:  # no /slots: agreement is all there is
+                if previous is not None and probe_reference(previous) == probe_reference(
+                    run.answer
+                ):
+                    return run.answer, times
+                previous = run.answer
+            else:
+                log.info("a probe reference in slot %d shared the server with other slots", slot)
+        return None, times

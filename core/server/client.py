@@ -77,6 +77,7 @@ class SlotInfo:
     n_ctx: int
     is_processing: bool
     n_prompt_tokens: int  # tokens currently cached in the slot
+    id_task: int = -1  # the slot's current or last task (-1: none yet); a new task changes it
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -155,6 +156,7 @@ class LlamaClient:
                 n_ctx=int(s.get("n_ctx", 0)),
                 is_processing=bool(s.get("is_processing")),
                 n_prompt_tokens=int(s.get("n_prompt_tokens", 0)),
+                id_task=int(s.get("id_task", -1)),
             )
             for s in data
         ]

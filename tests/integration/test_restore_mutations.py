@@ -36,7 +36,7 @@ import pytest
 from core.cache import prefix as pfx
 from core.cache.fingerprint import fingerprint
 from core.cache.manager import CacheManager, policy_factory
-from core.cache.probe import probe_deviation, probe_request
+from core.cache.probe import probe_deviation, probe_request_for
 from core.cache.store import StateRecord, file_sha256
 from core.engine import Core
 from core.errors import VerificationFailed
@@ -348,9 +348,7 @@ class Rig:
                 await client.slot_action(slot, "erase")
                 await client.slot_action(slot, "restore", rec.filename)
                 t0 = time.perf_counter()
-                resp = await client.completion(
-                    probe_request(rec.probe["prefix"], rec.probe["suffix"], slot)
-                )
+                resp = await client.completion(probe_request_for(rec.probe, slot))
                 return probe_deviation(resp, rec.probe), (time.perf_counter() - t0) * 1000
 
         out: tuple[float, float] = self.run(go())
