@@ -14,6 +14,7 @@ import dataclasses
 import ipaddress
 import os
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -615,6 +616,71 @@ class WorkerSettings:
         return f"{self.name} ({self.endpoint})" if self.name else self.endpoint
 
 
+def _backend_name(v: Any) -> str | None:
+    ok = 0 < len(v) <= 64 and all(c.isalnum() or c in "._-" for c in v) and v != "main"
+    return None if ok else "1 to 64 letters, digits and . _ - (not 'main': the primary server)"
+
+
+def _backend_url(v: Any) -> str | None:
+    if not v:
+        return None
+    parsed = urllib.parse.urlsplit(v)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return "empty (launched here), or a base URL such as http://10.0.0.3:8080"
+    if parsed.path.strip("/") or parsed.query or parsed.fragment:
+        return "a base URL without a path (http://host:port)"
+    return None
+
+
+@dataclass
+class BackendSettings:
+    """One more backend behind the proxy (a ``[[backends]]`` table): a llama-server
+    Warmslot launches for the primary model, or a remote Warmslot instance by URL. The
+    primary server (``server.*``) is always the first backend, named 'main'
+    (docs/scale.md#several-backends)."""
+
+    name: str = field(
+        default="",
+        metadata=_meta(
+            "Name shown in status, metrics and the X-Warmslot-Backend header.",
+            _backend_name,
+            restart=True,
+        ),
+    )
+    url: str = field(
+        default="",
+        metadata=_meta(
+            "Base URL of a remote Warmslot (or any OpenAI-compatible server) serving the same "
+            "model; empty: Warmslot launches a llama-server here with the server.* settings.",
+            _backend_url,
+            restart=True,
+        ),
+    )
+    api_key: str = field(
+        default="",
+        metadata=_meta(
+            "The remote's API key (sent as Authorization: Bearer); never shown in status.",
+            restart=True,
+        ),
+    )
+    threads: int = field(
+        default=0,
+        metadata=_meta(
+            "CPU threads of a launched backend (-t); 0: server.threads.",
+            _range(0, 1024),
+            restart=True,
+        ),
+    )
+    extra_args: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "More llama-server arguments for a launched backend, after server.extra_args "
+            "(e.g. [\"--device\", \"CUDA1\"] for one backend per GPU).",
+            restart=True,
+        ),
+    )
+
+
 @dataclass
 class Settings:
     """All of Warmslot's settings. Access as ``settings.server.port``.
@@ -631,6 +697,7 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     models: list[ModelProfile] = field(default_factory=list)
     workers: list[WorkerSettings] = field(default_factory=list)
+    backends: list[BackendSettings] = field(default_factory=list)
 
     def get(self, name: str) -> Any:
         """Value of a dotted name such as ``proxy.port``."""
@@ -741,7 +808,7 @@ def _split(name: str) -> tuple[str, str]:
     return section, key
 
 
-LIST_SECTIONS = ("models", "workers")  # lists of tables, validated by their own schema
+LIST_SECTIONS = ("models", "workers", "backends")  # lists of tables, validated by their own schema
 
 
 def _section_specs(prefix: str, sect_type: type) -> dict[str, SettingSpec]:
@@ -777,6 +844,8 @@ SCHEMA: dict[str, SettingSpec] = _build_schema()
 PROFILE_SCHEMA: dict[str, SettingSpec] = _section_specs("models", ModelProfile)
 # The fields of one ``[[workers]]`` table, named ``workers.<field>``.
 WORKER_SCHEMA: dict[str, SettingSpec] = _section_specs("workers", WorkerSettings)
+# The fields of one ``[[backends]]`` table, named ``backends.<field>``.
+BACKEND_SCHEMA: dict[str, SettingSpec] = _section_specs("backends", BackendSettings)
 
 
 def profiles_from_list(values: Any, *, path: str = "<settings>") -> list[ModelProfile]:
@@ -873,6 +942,60 @@ def workers_from_list(values: Any, *, path: str = "<settings>") -> list[WorkerSe
     return out
 
 
+def backends_from_list(values: Any, *, path: str = "<settings>") -> list[BackendSettings]:
+    """Validate the ``[[backends]]`` tables: known keys, types, a unique name each, the
+    launch options only where Warmslot launches the backend."""
+    if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
+        raise ConfigError(
+            "wrong type", file=path, key="backends", expected="a list of tables ([[backends]])"
+        )
+    out: list[BackendSettings] = []
+    for i, table in enumerate(values):
+        backend = BackendSettings()
+        for key, value in table.items():
+            spec = BACKEND_SCHEMA.get(f"backends.{key}")
+            if spec is None:
+                raise ConfigError(
+                    "unknown setting",
+                    file=path,
+                    key=f"backends[{i}].{key}",
+                    expected="one of " + ", ".join(k.split(".", 1)[1] for k in BACKEND_SCHEMA),
+                )
+            named = dataclasses.replace(spec, name=f"backends[{i}].{key}")
+            setattr(backend, key, named.coerce(value, file=path))
+        if not backend.name:
+            raise ConfigError(
+                "missing value", file=path, key=f"backends[{i}].name", expected="a name"
+            )
+        if backend.name in {b.name for b in out}:
+            raise ConfigError(
+                "duplicate backend name",
+                file=path,
+                key=f"backends[{i}].name",
+                expected="a name no other backend has",
+                got=backend.name,
+            )
+        if backend.url and (backend.threads or backend.extra_args):
+            raise ConfigError(
+                "launch options on a remote backend",
+                file=path,
+                key=f"backends[{i}]",
+                expected="threads and extra_args only where url is empty (launched here)",
+            )
+        out.append(backend)
+    return out
+
+
+def _backend_table(backend: BackendSettings) -> Any:
+    table = tomlkit.table()
+    for spec in BACKEND_SCHEMA.values():
+        key = spec.name.split(".", 1)[1]
+        value = getattr(backend, key)
+        if key == "name" or value != spec.default:
+            table.add(key, value)
+    return table
+
+
 def _worker_table(worker: WorkerSettings) -> Any:
     table = tomlkit.table()
     for spec in WORKER_SCHEMA.values():
@@ -959,6 +1082,14 @@ def check_settings(
                 expected=f"at least cache.{shorter} ({getattr(c, shorter)} s)",
                 got=getattr(c, longer),
             )
+    if settings.backends and (settings.models or settings.workers):
+        # Several backends serve the one primary model (docs/scale.md#several-backends).
+        raise ConfigError(
+            "[[backends]] cannot be combined with [[models]] or [[workers]] yet",
+            file=file,
+            key="backends",
+            expected="no [[models]] and no [[workers]] tables with [[backends]]",
+        )
     host = settings.proxy.host
     if not _is_loopback(host) and not settings.proxy.api_key and not _named_keys(keys_path):
         raise ConfigError(
@@ -991,6 +1122,9 @@ def settings_from_dict(
             continue
         if section == "workers":
             settings.workers = workers_from_list(values, path=path)
+            continue
+        if section == "backends":
+            settings.backends = backends_from_list(values, path=path)
             continue
         if section in LIST_SECTIONS:
             settings.models = profiles_from_list(values, path=path)
@@ -1144,6 +1278,14 @@ def save(path: Path, settings: Settings) -> None:
             for worker in settings.workers:
                 workers.append(_worker_table(worker))
             doc.add("workers", workers)
+    if backends_from_list(doc.unwrap().get("backends", []), path=str(path)) != settings.backends:
+        if "backends" in doc:
+            del doc["backends"]
+        if settings.backends:
+            backends = tomlkit.aot()
+            for backend in settings.backends:
+                backends.append(_backend_table(backend))
+            doc.add("backends", backends)
     settings_from_dict(
         _migrate(doc.unwrap(), str(path)), path=str(path), keys_path=_keys_beside(path)
     )

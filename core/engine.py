@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core import config as config_mod
+from core.backends import BackendSet
 from core.build import BuildRequest
 from core.cache import explain
 from core.cache.background import Background
@@ -152,6 +153,7 @@ class Core:
         self.proxy: Proxy | None = None
         self.policy: CachePolicy | None = None
         self.pool: ModelPool | None = None  # only when [[models]] profiles are configured
+        self.backends: BackendSet | None = None  # only with [[backends]] (docs/scale.md)
         # The one scheduler for background work, and the machine's one pressure monitor
         # (made at start, on the core's clock): every model's cache sweeps run on them.
         self.sweeps: Sweeps | None = None
@@ -326,6 +328,10 @@ class Core:
             self.proxy.admit = pool.route
             self.proxy.models = pool.models_list
             self.sweeps.add("models", self._sweep_models, lambda: self.settings.pool.idle_check_s)
+        if s.backends:  # several backends of the primary model: chosen per request
+            backends = self.backends = BackendSet(self)
+            self.proxy.router = backends.router
+            self.proxy.admit = backends.route
         if self.cache_managers():
             self.background = Background(
                 self.sweeps, self.pressure, lambda: self.settings, self.cache_managers
@@ -350,14 +356,16 @@ class Core:
         pooled model's (made when the pool first loads it)."""
         if self.pool is not None:
             return self.pool.managers()
-        return [self.policy] if isinstance(self.policy, CacheManager) else []
+        primary = [self.policy] if isinstance(self.policy, CacheManager) else []
+        return primary + (self.backends.managers() if self.backends is not None else [])
 
     def _server_pids(self) -> list[int]:
         """Every running llama-server's pid (their RSS joins each pressure sample)."""
         servers = [self.supervisor]
         if self.pool is not None:
             servers += [e.server for e in self.pool.entries.values() if not e.profile.primary]
-        return [pid for sup in servers if sup is not None and (pid := sup.pid) is not None]
+        pids = [pid for sup in servers if sup is not None and (pid := sup.pid) is not None]
+        return pids + (self.backends.pids() if self.backends is not None else [])
 
     async def _sweep_models(self) -> Outcome:
         """The model pool's idle and pressure unloads, on the engine's scheduler."""
@@ -489,7 +497,12 @@ class Core:
                 await closer()
             except Exception:
                 log.exception("cache manager failed while shutting down")
-        if self.pool is not None:  # 3. stop llama-server: every pooled model, then the primary
+        if self.backends is not None:  # 3. stop llama-server: every other backend, pooled
+            try:  # model, then the primary
+                await self.backends.close()
+            except Exception:
+                log.exception("backends failed while shutting down")
+        if self.pool is not None:
             try:
                 await self.pool.close()
             except Exception:
@@ -529,6 +542,8 @@ class Core:
 
     async def _start_server(self) -> None:
         assert self.supervisor is not None
+        if self.backends is not None:  # launched in the background, beside the primary
+            self.backends.start()
         try:
             await self.supervisor.start("user")
         except WarmslotError as e:
@@ -786,6 +801,8 @@ class Core:
                 }
             ],
         }
+        if self.backends is not None:  # only with [[backends]]: the default stays as it was
+            out["backends"] = self.backends.status()
         if self.pool is not None:
             out["model_calls"] = {
                 "routed_to_side": self.pool.routed_side,
@@ -809,7 +826,7 @@ class Core:
             f"# TYPE warmslot_server_crashes_total counter\n"
             f"warmslot_server_crashes_total {restarts}\n"
             f"# TYPE warmslot_server_ready gauge\nwarmslot_server_ready {ready}\n"
-        ) + user_metrics(users)
+        ) + (self.backends.metrics() if self.backends is not None else "") + user_metrics(users)
 
     def _write_runtime(self) -> None:
         assert self.proxy is not None

@@ -691,7 +691,10 @@ class Proxy:
                 headers=retry,
             )
         req.model, req.upstream, req.policy = route.model, route.upstream, route.policy
-        req.response_headers["X-Warmslot-Model"] = route.model
+        if route.model or not decision.backend:  # a pooled model's name
+            req.response_headers["X-Warmslot-Model"] = route.model
+        if decision.backend:  # several backends: which one served it
+            req.response_headers["X-Warmslot-Backend"] = decision.backend
         try:
             return await self._prepare_and_forward(request, req, generation, t0)
         finally:

@@ -11,6 +11,10 @@ Single-model mode is a pool of one: `Router.single(upstream)`. With a model pool
 the request's ``model`` field picks the target (unknown names go to the primary,
 or are refused when ``pool.strict_models`` is set), and a side call addressed to
 the primary goes to the pool's ``side`` profile when ``pool.side_calls`` is on.
+
+With several backends for the primary model (``[[backends]]``), the Decision also
+names the backend: the router asks the backend chooser (`core.backend_choice`'s rule,
+by session, kind and the stable prefix's affinity key) and takes its upstream.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from typing import Any
 
 from core import apis
 from core.apis import ChatView
+from core.backend_choice import Pick, affinity_key
 from core.cache import prefix as pfx
 from core.server.upstream import Upstream
 
 __all__ = [
     "AUX_HEADER",
     "SESSION_HEADERS",
+    "BackendChooser",
     "Decision",
     "Kind",
     "Refused",
@@ -95,6 +101,8 @@ class Decision:
     session: str  # the slot pinning key: the client's session header, else derived
     client: str  # the client's product name, from its User-Agent
     routed_to_side: bool = False  # a side call moved from the primary to the side model
+    backend: str = ""  # the backend that serves it, with several backends ("" otherwise)
+    backend_why: str = ""  # why that backend, in words
 
     @property
     def side(self) -> bool:
@@ -148,8 +156,13 @@ def session_key(headers: Mapping[str, str]) -> str:
     return ""
 
 
+# Several backends: (session, side call?, affinity key) → the pick and its upstream.
+BackendChooser = Callable[[str, bool, str], tuple[Pick, Upstream | None]]
+
+
 class Router:
-    """Classifies each request once and picks its target among `targets`."""
+    """Classifies each request once and picks its target among `targets` (and, with
+    several backends, the backend through `backend`)."""
 
     def __init__(
         self,
@@ -157,8 +170,10 @@ class Router:
         *,
         strict: Callable[[], bool] = lambda: False,
         side_calls: Callable[[], bool] = lambda: False,
+        backend: BackendChooser | None = None,
     ) -> None:
         self._targets = targets
+        self._backend = backend
         self._strict = strict
         self._side_calls = side_calls
         # (target, client) pairs whose agent turns carried tools: a tool-less chat
@@ -214,6 +229,12 @@ class Router:
         ):
             target, routed = side, True
             why = f"{why}; sent to the side model {side.name!r}"
+        if self._backend is not None:
+            key = affinity_key(client, chat.body) if chat is not None and kind is Kind.AGENT else ""
+            pick, upstream = self._backend(session, kind is Kind.SIDE, key)
+            return Decision(
+                target.name, upstream, kind, why, session, client, routed, pick.backend, pick.why
+            )
         return Decision(target.name, target.upstream, kind, why, session, client, routed)
 
     def _classify(

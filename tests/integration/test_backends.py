@@ -1,0 +1,216 @@
+"""Several backends behind one proxy (issue 17, item 2; docs/scale.md#several-backends).
+
+Two real llama-servers (the primary 'main' and a launched backend 'b1', the tiny
+model, loopback, the patched build) behind one Core with the cache manager on. Four
+opencode-shaped sessions of two projects replay opencode's recorded requests
+(tests/fixtures/clients/opencode): project A as recorded, project B with its own tools
+(a project MCP server) and working directory, so its stable prefix differs.
+
+Each project's sessions must land on one backend, where the project's prefix is: from
+turn 2 every agent turn reuses ≥ 95 % of its prompt, and a second session's first turn
+≥ 90 %. Then project B's backend is killed (SIGKILL): its sessions' next turns must be
+answered by the other backend (the first request after Warmslot saw the exit
+succeeds), with the stable prefix restored there from the shared disk tier.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.cache.manager import policy_factory
+from core.config import BackendSettings
+from core.engine import Core
+from core.paths import resources_dir
+from core.server.tinymodel import make_tiny_model
+from tests.conftest import MakeCore, settings_for
+from tests.conftest import test_cache as cache_dir
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "clients" / "opencode"
+CWD = "/root/.cache/warmslot-agents/rec/opencode/work"
+JIRA = {
+    "type": "function",
+    "function": {
+        "name": "jira_search",
+        "description": "Search the billing project's Jira issues (MCP server 'jira').",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string", "description": "JQL or words"}},
+            "required": ["query"],
+        },
+    },
+}
+
+
+def _project_b(body: dict[str, Any]) -> dict[str, Any]:
+    """The same request from another project: its own MCP tool and working directory."""
+    out = copy.deepcopy(body)
+    if out.get("tools"):
+        out["tools"] = [JIRA, *out["tools"]]
+    for m in out["messages"]:
+        if isinstance(m.get("content"), str):
+            m["content"] = m["content"].replace(CWD, "/home/dev/billing")
+    return out
+
+
+def _sessions() -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """session → its turns, each (title side call or {}, agent turn)."""
+    entries = json.loads((FIXTURE / "requests.json").read_text())
+    s1 = [e for e in entries if e["step"].startswith("s1-")]
+    s2 = [e for e in entries if e["step"].startswith("s2-")]
+    title1, turns1 = s1[0]["body"], [e["body"] for e in s1[1:]]
+    title2, first2 = s2[0]["body"], s2[1]["body"]
+    # Session 2's later turns: session 1's, with session 2's own first question.
+    turns2 = [first2] + [copy.deepcopy(b) for b in turns1[1:]]
+    for b in turns2[1:]:
+        b["messages"][1] = copy.deepcopy(first2["messages"][1])
+    plan = {
+        "a1": [(title1, turns1[0]), ({}, turns1[1]), ({}, turns1[2])],
+        "a2": [(title2, turns2[0]), ({}, turns2[1]), ({}, turns2[2])],
+    }
+    plan["b1"] = [(_project_b(t) if t else {}, _project_b(b)) for t, b in plan["a1"]]
+    plan["b2"] = [(_project_b(t) if t else {}, _project_b(b)) for t, b in plan["a2"]]
+    return plan
+
+
+def _post(
+    core: Core, session: str, body: dict[str, Any]
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    assert core.proxy is not None
+    body = {**body, "stream": False, "max_tokens": 4, "temperature": 0}
+    body.pop("stream_options", None)
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "User-Agent": "opencode/1.18.33 ai-sdk/provider-utils/4.0.23 runtime/bun/1.3.14",
+            "x-session-id": session,
+            "x-session-affinity": session,
+        },
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read().decode(errors="replace")}, dict(e.headers)
+
+
+def _status(core: Core) -> dict[str, Any]:
+    st = core.server_status().result(30)
+    return {r["name"]: r for r in st["backends"]["backends"]}
+
+
+def _turn(core: Core, session: str, title: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"session": session}
+    if title:
+        status, _, headers = _post(core, session, title)
+        assert status == 200, headers
+        row["title_backend"] = headers.get("X-Warmslot-Backend")
+        assert headers.get("X-Warmslot-Kind") == "aux"
+    status, data, headers = _post(core, session, body)
+    assert status == 200, data
+    t = data["timings"]
+    prompt = int(t["cache_n"]) + int(t["prompt_n"])
+    row.update(
+        backend=headers["X-Warmslot-Backend"],
+        cache_n=int(t["cache_n"]),
+        prompt=prompt,
+        hit=int(t["cache_n"]) / prompt,
+        restored=int(headers.get("X-Warmslot-Restored", "0")),
+    )
+    return row
+
+
+def test_two_projects_stay_with_their_prefix_and_a_killed_backend_moves_its_sessions(
+    make_core: MakeCore,
+) -> None:
+    model = make_tiny_model(cache_dir() / "tiny-32k.gguf", n_ctx=32768)
+    settings = settings_for(
+        model,
+        server__slots=5,  # four agent slots: after the kill all four sessions fit on one
+        server__ctx_per_slot=24576,
+        server__chat_template_file=str(resources_dir() / "templates" / "gemma3-tools.jinja"),
+    )
+    settings.backends = [BackendSettings(name="b1")]
+    core = make_core(settings, policy_factory=policy_factory)
+    core.start(wait_ready=True, timeout=300)
+    wait_until(
+        lambda: all(r["ready"] for r in _status(core).values()),
+        300,
+        message=lambda: f"backends not ready: {_status(core)}",
+    )
+    plan = _sessions()
+    rows: list[dict[str, Any]] = []
+    for turn in range(3):
+        # Turn 1 in project order: a2 arrives while its project has one session and the
+        # other backend none, so only the prefix (not the load) sends it after a1.
+        order = ("a1", "a2", "b1", "b2") if turn == 0 else ("a1", "b1", "a2", "b2")
+        for session in order:
+            title, body = plan[session][turn]
+            rows.append({**_turn(core, session, title, body), "turn": turn + 1})
+    report = "\n".join(
+        f"turn {r['turn']} {r['session']}: {r['backend']} {r['cache_n']}/{r['prompt']} "
+        f"= {r['hit']:.1%} restored {r['restored']}"
+        for r in rows
+    )
+    print(report)
+    where = {s: {r["backend"] for r in rows if r["session"] == s} for s in plan}
+    # Each project on one backend, the two projects on different ones.
+    assert where["a1"] == where["a2"] and len(where["a1"]) == 1, report
+    assert where["b1"] == where["b2"] and len(where["b1"]) == 1, report
+    assert where["a1"] != where["b1"], report
+    for r in rows:
+        if r["turn"] >= 2:
+            assert r["hit"] >= 0.95, report
+        elif r["session"] in ("a2", "b2"):
+            assert r["hit"] >= 0.90, report
+
+    # Kill project B's backend; its sessions' next turns go to the other one.
+    (b_backend,) = where["b1"]
+    (a_backend,) = where["a1"]
+    pid = _status(core)[b_backend]["pid"]
+    assert pid
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not _status(core)[b_backend]["ready"], 30, message="the kill not seen")
+    seen_s = time.monotonic() - t0
+    moved: list[dict[str, Any]] = []
+    for session in ("b1", "b2"):
+        # One more turn on the conversation so far (turn 3's body with a new question).
+        body = copy.deepcopy(plan[session][2][1])
+        body["messages"].append({"role": "assistant", "content": "done"})
+        body["messages"].append({"role": "user", "content": "Now run the tests."})
+        moved.append({**_turn(core, session, {}, body), "turn": 4})
+        body["messages"].append({"role": "assistant", "content": "ok"})
+        body["messages"].append({"role": "user", "content": "Commit it."})
+        moved.append({**_turn(core, session, {}, body), "turn": 5})
+    report2 = "\n".join(
+        f"turn {r['turn']} {r['session']}: {r['backend']} {r['cache_n']}/{r['prompt']} "
+        f"= {r['hit']:.1%} restored {r['restored']}"
+        for r in moved
+    )
+    print(f"kill seen after {seen_s:.2f} s\n{report2}")
+    assert all(r["backend"] == a_backend for r in moved), report2
+    st = _status(core)
+    assert st[a_backend]["moved_in"] == 2, st
+    first = [r for r in moved if r["turn"] == 4]
+    # The stable prefix came from the shared disk tier (the other backend saved it), so
+    # the first turn after the move re-reads only the conversation after it.
+    assert all(r["restored"] > 0 or r["hit"] >= 0.90 for r in first), report2
+    assert all(r["hit"] >= 0.95 for r in moved if r["turn"] == 5), report2
+    # Both backends report what they served; the killed one restarts by itself.
+    wait_until(lambda: _status(core)[b_backend]["ready"], 120, message="no restart")
+    text = core.status().result(30)
+    assert text["backends"]["moved"] == 2
