@@ -301,6 +301,14 @@ class ProxySettings:
         default=600.0,
         metadata=_meta("Longest a single request may wait for llama-server.", _range(1, 86400)),
     )
+    strip_billing_header: bool = field(
+        default=True,
+        metadata=_meta(
+            "Take Claude Code's per-session attribution line (x-anthropic-billing-header) "
+            "out of /v1/messages bodies, so a new session reuses the cached system text "
+            "(docs/clients.md#claude-code). Off: forwarded as sent."
+        ),
+    )
 
 
 @dataclass

@@ -319,6 +319,7 @@ class Core:
         self.proxy.explain = functools.partial(
             explain.lookup, self.cache_managers, lambda: self.telemetry
         )
+        self.proxy.strip_billing_header = lambda: self.settings.proxy.strip_billing_header
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
             self.proxy.policy = self.policy

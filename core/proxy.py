@@ -119,6 +119,9 @@ class ProxyRequest:
     # Who sent it: the name of its API key ("" when the proxy needs none;
     # docs/security.md#serving-a-team). Never the key itself.
     user: str = ""
+    # What the proxy changed in the client's body before anything read it (the names,
+    # e.g. apis.BILLING_HEADER_EDIT); sent back in X-Warmslot-Edited, kept in explain.
+    edits: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.chat is None and self.endpoint == "chat":
@@ -358,6 +361,9 @@ class Proxy:
         self.models: Callable[[], dict[str, Any]] | None = None
         # A request's explanation by id (None: the latest), for `warmslot explain`.
         self.explain: Callable[[str | None], Awaitable[dict[str, Any] | None]] | None = None
+        # Take Claude Code's attribution line out of /v1/messages bodies (setting
+        # proxy.strip_billing_header; core.apis.strip_billing_header).
+        self.strip_billing_header: Callable[[], bool] = lambda: True
         self.counters = ProxyCounters()
         # Per model profile ("" for the primary): the cold prefill rate seen so far, which
         # prices the cached tokens in X-Warmslot-Est-Saved-Ms.
@@ -642,6 +648,13 @@ class Proxy:
         # lone surrogates) become U+FFFD here, before any of them reaches the router's
         # Decision, a session key, an event or the telemetry database (issue 19).
         headers = {safe_text(k.lower()): safe_text(v) for k, v in request.headers.items()}
+        edits: tuple[str, ...] = ()
+        # Claude Code's attribution line: its stamp changes with each session, so a new
+        # session's prompt would leave every slot at the system text's first token
+        # (docs/clients.md#claude-code).
+        strip = endpoint in ("messages", "messages-count") and self.strip_billing_header()
+        if strip and apis.strip_billing_header(body):
+            edits = (apis.BILLING_HEADER_EDIT,)
         chat = await self._chat_view(endpoint, body, len(raw))
         decision = self.router.decide(endpoint, headers, body, chat)
         if isinstance(decision, Refused):
@@ -672,8 +685,11 @@ class Proxy:
             body_bytes=len(raw),
             raw_body=raw if generation else None,
             chat=chat,
+            edits=edits,
             user=user,
         )
+        if edits:
+            req.response_headers["X-Warmslot-Edited"] = ",".join(edits)
         req.chat = chat  # None also for a chat body that failed to convert (fail-open)
         del raw  # req.raw_body holds it while it is needed
         if load_ms is not None:  # this request started llama-server and waited for it
@@ -768,6 +784,8 @@ class Proxy:
                     assert req.raw_body is not None
                     req.body = await _off_loop(parse_json, req.raw_body)
                     req.body.setdefault("cache_prompt", True)
+                    req.edits = ()  # the client's own body, unedited too
+                    req.response_headers.pop("X-Warmslot-Edited", None)
                     req.slot = None
                     req.plan = None
                     req.response_headers["X-Warmslot-Cache"] = "bypass"

@@ -402,6 +402,10 @@ def format_explanation(rec: dict[str, Any]) -> str:
         ),
         f"why: {rec.get('summary') or summary(rec)}",
     ]
+    if rec.get("edits"):
+        # The proxy's own edit of the body (core.apis.strip_billing_header): the prompt
+        # above is the edited one, not the client's bytes.
+        lines.append(f"edited by the proxy: {', '.join(rec['edits'])}")
     div = rec.get("divergence") or None
     if div and rec.get("note"):
         lines.append(f"note: {rec['note']}")

@@ -578,6 +578,7 @@ class CacheManager:
             "slot": req.slot,
             "kind": req.kind,
             "endpoint": req.endpoint,
+            "edits": list(req.edits),  # what the proxy changed in the body (e.g. billing-header)
         }
         render = render_body(chat_of(req)) if renderable(req) else None
         t = timings

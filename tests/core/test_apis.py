@@ -121,6 +121,62 @@ def test_anthropic_system_blocks_tools_and_content_blocks() -> None:
         apis.chat_view("messages", {"system": "x"})
 
 
+def test_billing_header_is_taken_out_of_the_system_text_exactly() -> None:
+    # A string system text: the line's fields go, the text running on after them stays
+    # (upstream llama.cpp PR 21793's example shape).
+    body: dict[str, Any] = {
+        "system": "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; "
+        "cch=a5145;You are Claude Code, Anthropic's official CLI for Claude.",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    removed = apis.strip_billing_header(body)
+    assert removed == [
+        "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=a5145;"
+    ]
+    assert body == {
+        "system": "You are Claude Code, Anthropic's official CLI for Claude.",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    # Blocks: a block that was only the line is dropped, one with a line end and more
+    # text keeps the text; other blocks, cache_control and all, are left as they were.
+    keep = {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}
+    body = {
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.6c5;"},
+            {"type": "text", "text": "x-anthropic-billing-header: cch=00000;\nYou are CC."},
+            keep,
+        ],
+        "messages": [],
+    }
+    assert len(apis.strip_billing_header(body)) == 2
+    assert body["system"] == [{"type": "text", "text": "You are CC."}, keep]
+    # Only a system text that starts with the line: the same words elsewhere, in a
+    # message, or in a system text that merely mentions them are the client's text.
+    for system in (
+        "Be brief. x-anthropic-billing-header: cc_version=1;",
+        [{"type": "text", "text": " x-anthropic-billing-header: cc_version=1;"}],
+        [{"type": "image", "text": "x-anthropic-billing-header: cc_version=1;"}],
+        None,
+    ):
+        body = {"messages": [{"role": "user", "content": "x-anthropic-billing-header: a=1;"}]}
+        if system is not None:
+            body["system"] = system
+        before = json.dumps(body)
+        assert apis.strip_billing_header(body) == []
+        assert json.dumps(body) == before
+    # With the line gone the chat view's system text is what follows it.
+    body = {
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=9;"},
+            {"type": "text", "text": "You are CC."},
+        ],
+        "messages": [],
+    }
+    apis.strip_billing_header(body)
+    view = apis.chat_view("messages", body)
+    assert view is not None and view.messages[0] == {"role": "system", "content": "You are CC."}
+
+
 def test_responses_items_merge_into_assistant_turns_as_the_server_does() -> None:
     body = {
         "instructions": "You are Codex.",

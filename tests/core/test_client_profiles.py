@@ -10,6 +10,7 @@ which of its calls are side calls (core/cache/prefix.py classify_aux via the rou
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -150,6 +151,35 @@ def test_claude_code_boundary_without_the_attribution_line() -> None:
     assert "gitStatus:" in tail and "Recent commits:" in tail
     # The first cut is the memory folder's line (the earliest cwd-dependent text).
     assert tail.startswith("You have a persistent file-based memory at")
+
+
+def test_claude_code_attribution_line_is_stripped_exactly_and_the_sessions_then_agree() -> None:
+    # What the proxy forwards by default (proxy.strip_billing_header): each recorded
+    # body without its attribution block, everything else byte for byte the same.
+    entries = recorded("claude-code")
+    heads = set()
+    lines = set()
+    for e in entries:
+        body = copy.deepcopy(e["body"])
+        removed = apis.strip_billing_header(body)
+        assert len(removed) == 1 and removed[0].startswith("x-anthropic-billing-header:")
+        lines.add(removed[0])
+        original = e["body"]
+        assert body["system"] == original["system"][1:]
+        assert {k: v for k, v in body.items() if k != "system"} == {
+            k: v for k, v in original.items() if k != "system"
+        }
+        # The system text is then what CLAUDE_CODE_ATTRIBUTION_HEADER=0 makes Claude
+        # Code send …
+        system = pfx.system_text(view({**e, "body": body}).body)
+        assert system == without_attribution(pfx.system_text(view(e).body))
+        cut = pfx.profile_cut("claude-cli", system, system)
+        assert cut is not None and cut[1] == "profile:claude-cli"
+        heads.add(system[: cut[0]])
+    # … so both sessions (two different stamps) share one stable head, which opens the
+    # system text.
+    assert len(lines) == 2
+    assert len(heads) == 1 and next(iter(heads)).startswith("You are a Claude agent")
 
 
 def test_claude_code_date_is_in_the_first_user_message_not_the_system_text() -> None:
