@@ -32,9 +32,10 @@ KINDS = {k.value for k in CacheEventKind}
 # `_emit(mgr, kind, …)` in core/cache/background.py takes the manager first.
 EMITTERS = ("emit", "_emit", "rewarm_in", "restore_or_rewarm")
 # Words that are cache event kinds and also something else in app/: the status key
-# of a saved state ("pinned") and the Core command ("rewarm"). They may appear, but
-# never where a kind is compared or queried.
-APP_OTHER_MEANINGS = {"pinned", "rewarm"}
+# of a saved state ("pinned"), the Core command ("rewarm") and a request explanation's
+# field ("divergence", core/cache/explain.py). They may appear, but never where a kind
+# is compared or queried.
+APP_OTHER_MEANINGS = {"pinned", "rewarm", "divergence"}
 
 
 def _files(root: Path) -> Iterator[tuple[str, ast.Module]]:

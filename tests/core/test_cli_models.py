@@ -55,7 +55,9 @@ def test_models_json_table_and_use(tree: Tree, tmp_path: Path) -> None:
     assert rows[str(tree.paths["swa"])]["needs_patched_server"] is True
     assert "not a readable GGUF" in rows[str(tree.paths["broken"])]["error"]
     assert rows[str(tree.paths["hf"])]["fits"] is True  # a tiny model fits anywhere
-    assert rows[str(tree.paths["hf"])]["fit"].startswith("fits: 2 slots × 8,192 tokens")
+    # The fit plan chooses (issue 16): 3 agent slots + the side slot, each the model's
+    # trained context (4,096 for this generated model).
+    assert rows[str(tree.paths["hf"])]["fit"].startswith("fits: 4 slots × 4,096 tokens")
 
     table = run(tree, wshome, "models", "--no-fit", "--dir", str(tree.extra))
     assert table.returncode == 0, table.stderr
@@ -75,7 +77,9 @@ def test_models_json_table_and_use(tree: Tree, tmp_path: Path) -> None:
     clients = json.loads(run(tree, wshome, "clients", "--json").stdout)
     assert clients["base_url"] == "http://127.0.0.1:8089/v1"
     assert clients["model"] == "tiny-coder-Q8_0"
-    assert [c["id"] for c in clients["clients"] if c["works"]] == ["opencode", "aider"]
+    assert [c["id"] for c in clients["clients"] if c["works"]] == [
+        "opencode", "aider", "claude-code", "codex"  # all four work (issue 15)
+    ]
 
     # A damaged file or a wrong number is refused and the setting stays.
     bad = run(tree, wshome, "models", "use", str(tree.paths["broken"]))
