@@ -24,6 +24,12 @@ does not call ``/slots`` at all (``/slots`` wakes a sleeping server).
 Every re-warm is a ``CacheEvent`` of kind ``keepalive`` with ``cache_n``,
 ``prompt_n``, ``prompt_ms`` and ``cost_tokens`` (= ``prompt_n``), so its cost is
 measured, not assumed.
+
+A re-warmed prefix that has no saved state (it was evicted, rejected, or never saved) is
+then saved from the slot that now holds it, where the server can write part of a slot
+(patch 0004, ``prefix-save-v1``): a disk write and a probe, so that the next time it is
+displaced it comes back by a restore, not by another prefill. Without the patch nothing
+is saved here (saving would mean building it again in a scratch slot).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core.cache import prefix as pfx
+from core.cache.prefix_save import PATCH_PREFIX_SAVE
 from core.cache.slots import SlotState
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, CacheEventKind
@@ -241,6 +248,7 @@ class KeepAlive:
             st.prefix_fp = info.fingerprint
             st.tokens_hint = info.n_tokens
             self.rewarmed_at[slot] = self.clock.monotonic()
+        saving = self._save_from_live(info, slot)
         self._emit(
             kind,
             reason,
@@ -253,9 +261,21 @@ class KeepAlive:
                 "prompt_n": t.prompt_n if t else None,
                 "prompt_ms": t.prompt_ms if t else None,
                 "cost_tokens": t.prompt_n if t else None,
+                "saving": saving,
             },
         )
         return t
+
+    def _save_from_live(self, info: pfx.PrefixInfo, slot: int) -> bool:
+        """Start saving `info` from `slot`, which now holds exactly it, when it has no saved
+        state and the server can save part of a slot (no prefill); whether it started."""
+        mgr = self.mgr
+        ident = mgr.identity
+        if ident is None or PATCH_PREFIX_SAVE not in ident.patches or not mgr.disk.usable:
+            return False
+        if mgr.store.for_fingerprint(info.fingerprint) is not None:
+            return False
+        return mgr.persist_soon(info, slot)
 
     def _homeless_pinned(self, held: set[str]) -> list[pfx.PrefixInfo]:
         """Pinned prefixes of this server that no slot holds."""

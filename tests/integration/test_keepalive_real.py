@@ -121,3 +121,60 @@ def test_keepalive_brings_back_a_displaced_pinned_prefix_and_costs_one_token_whe
         assert "sweep keepalive every 4 min: last run 1 actions" in status["text"]
     finally:
         core.stop()
+
+
+def test_a_rewarmed_prefix_without_a_saved_state_is_saved_from_its_slot(tmp_path: Path) -> None:
+    """Keep-alive re-prefilled a displaced prefix whose state was gone, and the next
+    displacement prefilled it again. On the patched server (0004) it is now saved from
+    the slot the re-warm filled: a disk write, no prefill (issue 16)."""
+    from core.bench.trace import make_trace
+
+    model = make_tiny_model(model_cache() / "tiny-32k.gguf", n_ctx=32768)
+    clock = FakeClock(start=time.time())
+    settings = settings_for(model, server__ctx_per_slot=8192, server__cache_ram_mib=0)
+    core = Core(Paths.under(tmp_path / "h"), settings, policy_factory=policy_factory, clock=clock)
+    core.start(wait_ready=True, timeout=120)
+    try:
+        mgr = core.policy
+        assert isinstance(mgr, CacheManager)
+
+        async def idle() -> bool:
+            return mgr.idle() and mgr.identity is not None and clock.sleepers == 4
+
+        wait_until(lambda: core.submit(idle()).result(5), 60, message="cache manager ready")
+        assert mgr.identity is not None and "prefix-save-v1" in mgr.identity.patches
+        assert core.proxy is not None
+        proxy = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
+        for r in make_trace(sessions=1, turns=1, scale=0.05, restart_before_session=None):
+            _, headers = _post(proxy, r.body, r.headers)
+        slot = int(headers["X-Warmslot-Slot"])
+        fp, n = headers["X-Warmslot-Prefix"].split(":")
+        n_prefix = int(n)
+        wait_until(lambda: core.submit(idle()).result(5), 120, message="prefix saved")
+
+        def saved() -> list[dict[str, Any]]:
+            states = core.status().result(10)["cache"]["saved"]
+            return [s for s in states if s["fingerprint"] == fp]
+
+        (state,) = saved()
+        core.evict(state["file"]).result(10)  # its state is gone; its definition stays
+        assert saved() == []
+        # Another client uses the slot directly, behind Warmslot's back.
+        assert core.supervisor is not None and core.supervisor.base_url is not None
+        _post(
+            f"{core.supervisor.base_url}/completion",
+            {"prompt": "Something else entirely, about ships.", "n_predict": 2, "id_slot": slot},
+            core.supervisor.auth_headers(),
+        )
+        core.submit(clock.advance(settings.cache.keepalive_interval_s)).result(120)
+        assert _live_tokens(core, slot) == n_prefix, "the prefix is back in its slot"
+        rows = core.query("recent_events", limit=50, category="cache", kind="keepalive")
+        (rewarm,) = rows.result(10)
+        assert rewarm["details"]["saving"] is True, rewarm
+        wait_until(lambda: core.submit(idle()).result(5) and saved(), 120, message="saved")
+        saves = core.query("recent_events", limit=50, category="cache", kind="save").result(10)
+        newest = saves[0]
+        assert newest["tokens"] == n_prefix and "no prefill" in newest["reason"], newest
+        print(f"\nre-warmed {n_prefix} tokens, then: {newest['reason']}")
+    finally:
+        core.stop()
