@@ -6,16 +6,14 @@ file on its own thread (a sqlite connection belongs to its thread) and answers
 ``status()`` from a fixed snapshot: the screenshot script, the chart benchmark
 and the tests use it to draw real query results without a running server.
 
-Commands are looked up on the core by name (``pin``, ``evict``, ``rewarm``,
-``start_server`` …); `supports(name)` says whether this core has one, so a view
-can disable a button for a command the core does not offer (yet), such as
-``build_server`` and ``cancel_build``.
+Commands go by name (``pin``, ``evict``, ``rewarm``, ``start_server`` …): a live
+core has every one of `COMMANDS`; an offline backend has only those it was given,
+and `supports(name)` lets a view disable the buttons of the others.
 
 ``server_status()`` is what the views poll: the server and cache parts of the
 status without the all-time telemetry aggregates (``Core.status()`` computes
 totals and per-client numbers over every stored request, about 1.1 s at a
-million rows). It uses ``Core.server_status()`` when the core has it and falls
-back to ``Core.status()`` otherwise.
+million rows). Both answer a `core.status.Status`.
 """
 
 from __future__ import annotations
@@ -30,12 +28,16 @@ from typing import Any, Protocol
 from app.tasks import done_future, failed_future
 from core import config as config_mod
 from core.config import Settings
+from core.engine import Core
 from core.errors import CoreStopped
+from core.status import Status
 from core.telemetry import QUERIES, Telemetry
 
-# Core methods the GUI calls when they exist (see docs/gui.md, "Core API the GUI expects").
+# The Core methods the GUI calls by name (docs/gui.md, "Core API the GUI uses").
 CACHE_COMMANDS = ("pin", "evict", "rewarm")
 BUILD_COMMANDS = ("build_server", "cancel_build")
+SERVER_COMMANDS = ("start_server", "stop_server", "restart_server")
+COMMANDS = frozenset((*CACHE_COMMANDS, *BUILD_COMMANDS, *SERVER_COMMANDS))
 
 
 class Backend(Protocol):
@@ -47,9 +49,9 @@ class Backend(Protocol):
     @property
     def running(self) -> bool: ...
 
-    def status(self) -> concurrent.futures.Future[dict[str, Any]]: ...
+    def status(self) -> concurrent.futures.Future[Status]: ...
 
-    def server_status(self) -> concurrent.futures.Future[dict[str, Any]]: ...
+    def server_status(self) -> concurrent.futures.Future[Status]: ...
 
     def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]: ...
 
@@ -63,7 +65,7 @@ class Backend(Protocol):
 class CoreBackend:
     """A `Backend` over a live Core (commands run on the core thread)."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Core) -> None:
         self.core = core
 
     @property
@@ -83,18 +85,13 @@ class CoreBackend:
         except Exception as e:  # CoreStopped raced with shutdown, or an assertion
             return failed_future(e)
 
-    def status(self) -> concurrent.futures.Future[dict[str, Any]]:
-        fut: concurrent.futures.Future[dict[str, Any]] = self._guard(self.core.status)
+    def status(self) -> concurrent.futures.Future[Status]:
+        fut: concurrent.futures.Future[Status] = self._guard(self.core.status)
         return fut
 
-    @property
-    def has_light_status(self) -> bool:
-        return self.supports("server_status")
-
-    def server_status(self) -> concurrent.futures.Future[dict[str, Any]]:
+    def server_status(self) -> concurrent.futures.Future[Status]:
         """Server and cache state without telemetry aggregates (see the module doc)."""
-        make = self.core.server_status if self.has_light_status else self.core.status
-        fut: concurrent.futures.Future[dict[str, Any]] = self._guard(make)
+        fut: concurrent.futures.Future[Status] = self._guard(self.core.server_status)
         return fut
 
     def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
@@ -102,12 +99,12 @@ class CoreBackend:
         return fut
 
     def supports(self, command: str) -> bool:
-        return callable(getattr(self.core, command, None))
+        return command in COMMANDS
 
     def command(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        fn = getattr(self.core, name, None)
-        if not callable(fn):
-            return failed_future(NotImplementedError(f"this core has no {name}()"))
+        if name not in COMMANDS:
+            return failed_future(NotImplementedError(f"the GUI does not call Core.{name}()"))
+        fn = getattr(self.core, name)
         fut: concurrent.futures.Future[Any] = self._guard(lambda: fn(*args, **kwargs))
         return fut
 
@@ -127,9 +124,10 @@ class CoreBackend:
         return done_future([])
 
 
-def status_from_telemetry(tel: Telemetry, now: float) -> dict[str, Any]:
-    """The telemetry part of `Core.status()` (totals, last hour, clients, recent)."""
+def status_from_telemetry(snapshot: Status, tel: Telemetry, now: float) -> Status:
+    """`snapshot` with the telemetry part of `Core.status()` from `tel`."""
     return {
+        **snapshot,
         "totals": tel.totals(),
         "last_hour": tel.totals(now - 3600),
         "clients": tel.per_client(),
@@ -142,20 +140,21 @@ class TelemetryBackend:
 
     Queries run on one private thread that owns the connection. ``status()``
     returns `snapshot` (server and cache parts as `Core.status()` has them)
-    merged with the telemetry part computed from the file.
+    merged with the telemetry part computed from the file; without a snapshot both
+    status calls fail (a view shows its banner) and only queries answer.
     """
 
     def __init__(
         self,
         db_path: Path,
         *,
-        snapshot: dict[str, Any] | None = None,
+        snapshot: Status | None = None,
         settings: Settings | None = None,
         clock: Callable[[], float] = time.time,
         commands: dict[str, Callable[..., Any]] | None = None,
     ) -> None:
         self.db_path = db_path
-        self.snapshot = snapshot or {}
+        self.snapshot = snapshot
         self._settings = settings or Settings()
         self.clock = clock
         self.commands = dict(commands or {})
@@ -180,14 +179,16 @@ class TelemetryBackend:
             self._local.tel = tel
         return tel
 
-    def status(self) -> concurrent.futures.Future[dict[str, Any]]:
-        def run() -> dict[str, Any]:
-            return {**self.snapshot, **status_from_telemetry(self._tel(), self.clock())}
+    def status(self) -> concurrent.futures.Future[Status]:
+        snapshot = self.snapshot
+        if snapshot is None:
+            return failed_future(CoreStopped("no status snapshot in this offline view"))
+        return self._pool.submit(lambda: status_from_telemetry(snapshot, self._tel(), self.clock()))
 
-        return self._pool.submit(run)
-
-    def server_status(self) -> concurrent.futures.Future[dict[str, Any]]:
-        return done_future(dict(self.snapshot))
+    def server_status(self) -> concurrent.futures.Future[Status]:
+        if self.snapshot is None:
+            return failed_future(CoreStopped("no status snapshot in this offline view"))
+        return done_future(self.snapshot)
 
     def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
         if name not in QUERIES:  # refused at once, as Core.query does

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from app.qt import QObject, Signal
-from core import events as events_mod
 from core.events import (
     BuildProgress,
     CacheEvent,
     Event,
     LogLine,
     Notice,
+    PressureChanged,
     PressureSample,
     RequestCompleted,
     ServerExited,
@@ -30,8 +30,6 @@ from core.events import (
 )
 
 LOG_TAIL = 2000
-# Newer cores announce level changes separately; older ones only sample.
-PressureChanged: type[Event] | None = getattr(events_mod, "PressureChanged", None)
 
 
 class Bridge(QObject):
@@ -63,7 +61,7 @@ class Bridge(QObject):
             (RequestCompleted, self.request),
             (CacheEvent, self.cache),
             (PressureSample, self.pressure),
-            *(((PressureChanged, self.pressure),) if PressureChanged is not None else ()),
+            (PressureChanged, self.pressure),
             (BuildProgress, self.build),
             (LogLine, self.log),
             (Notice, self.notice),
@@ -89,8 +87,8 @@ class Bridge(QObject):
             elif isinstance(ev, PressureSample):
                 self.last_pressure = ev
                 self.pressure_level = ev.level
-            elif PressureChanged is not None and isinstance(ev, PressureChanged):
-                self.pressure_level = str(getattr(ev, "level", ""))
+            elif isinstance(ev, PressureChanged):
+                self.pressure_level = ev.level
             elif isinstance(ev, BuildProgress):
                 self.build_state = ev
         try:

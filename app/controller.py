@@ -33,6 +33,7 @@ from core.events import (
     ServerExited,
     ServerStateChanged,
 )
+from core.status import Status, Totals, cache_of
 
 log = logging.getLogger("warmslot.gui")
 
@@ -59,7 +60,7 @@ class Controller(QObject):
     """Commands and derived state for the tray and the dashboard."""
 
     stateChanged = Signal(object)  # AppState
-    statusChanged = Signal(object)  # the latest Core.status() dict
+    statusChanged = Signal(object)  # the latest Core.status() (core.status.Status)
     notify = Signal(str, str, str)  # title, text, level (info/warning/error)
     dashboardRequested = Signal()
     settingsRequested = Signal()
@@ -77,7 +78,7 @@ class Controller(QObject):
         self.backend = backend
         self.bridge = bridge
         self.tasks = tasks
-        self.status: dict[str, Any] | None = None
+        self.status: Status | None = None
         self.core_error = ""
         self.state = AppState()
         self._progress: tuple[float, str] | None = None
@@ -183,11 +184,13 @@ class Controller(QObject):
         # Poll gently when the core is slow to answer (a huge history, a busy disk).
         took_ms = (time.monotonic() - self._status_started) * 1000
         self._poll.setInterval(int(max(STATUS_POLL_MS, 5 * took_ms)))
-        st, hour = got.get("status"), got.get("hour")
+        st: Status | BaseException = got["status"]
+        hour: Totals | BaseException = got["hour"]
         if isinstance(st, BaseException):
             log.debug("status failed: %r", st)
         else:
-            self.status = {**st, "last_hour": hour if isinstance(hour, dict) else {}}
+            # server_status() has no history; the last hour's totals come from their query.
+            self.status = {**st, "last_hour": None if isinstance(hour, BaseException) else hour}
             self.statusChanged.emit(self.status)
         self._recompute()
         if self._status_again:
@@ -362,11 +365,10 @@ class Controller(QObject):
             self.notify.emit("Warmslot", text, "error")
 
 
-def _status_pressure(status: dict[str, Any] | None) -> str:
+def _status_pressure(status: Status | None) -> str:
     """The pressure level the cache manager reports in its status, if any."""
-    cache = (status or {}).get("cache")
-    p = cache.get("pressure") if isinstance(cache, dict) else None
-    return str(p.get("level") or "") if isinstance(p, dict) else ""
+    cache = cache_of(status)
+    return cache["pressure"]["level"] if cache is not None else ""
 
 
 def _with(state: AppState, **changes: Any) -> AppState:

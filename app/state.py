@@ -1,7 +1,7 @@
 """What the tray shows, derived by plain functions from the core's status.
 
-`derive_state` turns a `Core.status()` dict (plus what the bridge knows: the last
-pressure level and a running build) into an `AppState`: one of seven tray
+`derive_state` turns a `Core.status()` value (`core.status.Status`, plus what the
+bridge knows: the last pressure level and a running build) into an `AppState`: one of seven tray
 states, the words for it and the numbers for the tooltip. No Qt here, so every
 state can be built and tested without a tray.
 """
@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+from core.events import BuildProgress
+from core.status import CacheStatus, Status, cache_error, cache_of
 
 
 class TrayState(StrEnum):
@@ -83,114 +86,112 @@ class AppState:
         return "\n".join(lines)
 
 
-def model_name(status: dict[str, Any] | None, configured: str = "") -> str:
-    srv = (status or {}).get("server") or {}
-    mdl = srv.get("model") or {}
-    path = mdl.get("path") or configured
+def model_name(status: Status | None, configured: str = "") -> str:
+    """The served model's file name (the configured one before a server resolved it)."""
+    mdl = status["server"]["model"] if status is not None else None
+    path = mdl["path"] if mdl is not None else configured
     return Path(path).name if path else ""
 
 
-def expected_warm(cache: dict[str, Any]) -> list[str]:
+def expected_warm(cache: CacheStatus) -> list[str]:
     """Fingerprints the cache manager brings back after a start (pinned first, then recent)."""
-    slots = cache.get("slots") or []
-    aux = cache.get("aux_slot")
-    primary = [s for s in slots if s.get("id") != aux] or slots
-    saved = [s for s in cache.get("saved") or [] if s.get("current")]
-    saved.sort(key=lambda s: (not s.get("pinned"), -(s.get("last_used") or 0)))
+    slots = cache["slots"]
+    primary = [s for s in slots if s["id"] != cache["aux_slot"]] or slots
+    saved = [s for s in cache["saved"] if s["current"]]
+    saved.sort(key=lambda s: (not s["pinned"], -s["last_used"]))
     n = min(len(primary), RESTORE_AT_START)
-    return [s["fingerprint"] for s in saved[:n] if s.get("fingerprint")]
+    return [s["fingerprint"] for s in saved[:n] if s["fingerprint"]]
 
 
-def cache_warmth(cache: dict[str, Any] | None) -> tuple[bool, str]:
+def cache_warmth(status: Status) -> tuple[bool, str]:
     """(warm?, why) for a ready server, from the cache inventory."""
-    if not cache:
+    if error := cache_error(status):
+        return False, f"cache status failed: {error}"
+    cache = cache_of(status)
+    if cache is None:
         return True, "no cache manager attached: plain proxy"
-    if "error" in cache:
-        return False, f"cache status failed: {cache['error']}"
-    if not cache.get("enabled", True):
+    if not cache["enabled"]:
         return False, "cache management is off (cache.enabled)"
-    boot = cache.get("boot_rewarm") or {}
-    if boot.get("state") == "running":
+    boot = cache["boot_rewarm"]
+    if boot["state"] == "running":
         return False, f"re-warming recently used prefixes: {boot['done']} of {boot['total']} done"
-    if cache.get("warming"):
+    if cache["warming"]:
         return False, "restoring or prewarming prefixes"
-    if cache.get("identity") is None:
+    if cache["identity"] is None:
         return False, "learning the server's identity"
     want = expected_warm(cache)
-    held = {s.get("prefix") for s in cache.get("slots") or [] if s.get("prefix")}
+    held = {s["prefix"] for s in cache["slots"] if s["prefix"]}
     missing = [fp for fp in want if fp not in held]
     if missing:
         return False, f"{len(want) - len(missing)} of {len(want)} saved prefixes warm"
     if want:
         return True, f"{len(want)} saved prefixes warm"
-    if boot.get("state") == "done" and boot.get("warmed"):
+    if boot["state"] == "done" and boot["warmed"]:
         return True, f"{boot['warmed']} recently used prefixes re-warmed"
     return True, "ready; prefixes warm as clients send them"
 
 
 def derive_state(
-    status: dict[str, Any] | None,
+    status: Status | None,
     *,
     core_running: bool = True,
     core_error: str = "",
     pressure: str = "",
-    build: Any | None = None,
+    build: BuildProgress | None = None,
     configured_model: str = "",
     progress: tuple[float, str] | None = None,
     can_cancel_build: bool = False,
 ) -> AppState:
-    """The tray state from a status snapshot. `build` is the last BuildProgress, if any."""
-    srv = (status or {}).get("server") or {}
-    server_state = str(srv.get("state") or "stopped")
-    last_hour = (status or {}).get("last_hour") or {}
+    """The tray state from a status snapshot (None: no core answered yet). `build` is the
+    last BuildProgress, if any."""
+    srv = status["server"] if status is not None else None
+    server_state = srv["state"] if srv is not None else "stopped"
+    last_hour = status["last_hour"] if status is not None else None
     common: dict[str, Any] = {
         "server_state": server_state,
         "model": model_name(status, configured_model),
-        "hit_rate_hour": last_hour.get("hit_ratio"),
-        "requests_hour": int(last_hour.get("requests") or 0),
+        "hit_rate_hour": last_hour["hit_ratio"] if last_hour is not None else None,
+        "requests_hour": last_hour["requests"] if last_hour is not None else 0,
         "pressure": pressure,
         "core_running": core_running,
-        "proxy_url": ((status or {}).get("warmslot") or {}).get("proxy", ""),
+        "proxy_url": status["warmslot"]["proxy"] if status is not None else "",
         "progress": progress,
         "can_cancel_build": can_cancel_build,
     }
-    building = build is not None and not getattr(build, "done", True)
     background = ""
-    if building:
+    if build is not None and not build.done:
         common["build_percent"] = float(build.percent)
-        describe = getattr(build, "describe", None)
-        common["build_step"] = describe() if callable(describe) else str(build.step)
-        if not getattr(build, "background", False):
-            return AppState(tray=TrayState.BUILDING, detail=str(build.step), **common)
+        common["build_step"] = build.describe()
+        if not build.background:
+            return AppState(tray=TrayState.BUILDING, detail=build.step, **common)
         # The patched build for the disk tier runs while the stock server serves.
         background = f"{build.purpose or 'building llama-server'}: {build.percent:.0f} %"
     if core_error:
         return AppState(tray=TrayState.ERROR, detail=core_error, **common)
     if not core_running:
         return AppState(tray=TrayState.STOPPED, detail="", **common)
-    reason = str(srv.get("reason") or "")
+    reason = srv["reason"] if srv is not None else ""
     if server_state == "failed":
         return AppState(tray=TrayState.ERROR, detail=reason or "llama-server failed", **common)
     if server_state in ("starting", "stopping"):
         return AppState(tray=TrayState.STARTING, detail=reason, **common)
-    if server_state != "ready":
+    if status is None or srv is None or server_state != "ready":
         return AppState(tray=TrayState.STOPPED, detail=reason, **common)
     warnings: list[str] = []
     if pressure in ("low", "critical"):
         warnings.append(f"memory pressure is {pressure}")
-    if int(srv.get("restarts") or 0) > 0:
+    if srv["restarts"] > 0:
         warnings.append(f"llama-server restarted {srv['restarts']}× after crashes")
-    for worker in ((status or {}).get("workers") or {}).get("workers") or []:
-        if worker.get("state") == "left out" and "not answering" in str(worker.get("note")):
-            warnings.append(f"RPC worker {worker.get('label')} is gone: running without it")
-    cache = (status or {}).get("cache")
-    if isinstance(cache, dict) and "error" in cache:
-        warnings.append(f"cache status failed: {cache['error']}")
+    for worker in status["workers"]["workers"] if status["workers"] is not None else []:
+        if worker["state"] == "left out" and "not answering" in worker["note"]:
+            warnings.append(f"RPC worker {worker['label']} is gone: running without it")
+    if error := cache_error(status):
+        warnings.append(f"cache status failed: {error}")
     if warnings:
         return AppState(
             tray=TrayState.DEGRADED, detail="; ".join(warnings), warnings=tuple(warnings), **common
         )
-    warm, why = cache_warmth(cache if isinstance(cache, dict) else None)
+    warm, why = cache_warmth(status)
     if background:
         why = f"{why}; {background}" if why else background
     return AppState(tray=TrayState.WARM if warm else TrayState.COLD, detail=why, **common)

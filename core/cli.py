@@ -26,6 +26,8 @@ from core.cache.crowding import crowding
 from core.errors import ConfigError, WarmslotError
 from core.keys import client_key
 from core.paths import Paths
+from core.status import Status, cache_of
+from core.status import from_json as status_from_json
 
 __version__ = "0.1.0"
 # Subcommands that live in their own modules; each has `register(subparsers)`.
@@ -156,7 +158,7 @@ def _policy_factory() -> Any:
 
 
 # ------------------------------------------------------------------ status
-def fetch_status(paths: Paths, timeout: float = 5.0) -> dict[str, Any] | None:
+def fetch_status(paths: Paths, timeout: float = 5.0) -> Status | None:
     """The running instance's /warmslot/status, or None when none is running."""
     try:
         runtime = json.loads(paths.runtime_file.read_text())
@@ -171,8 +173,7 @@ def fetch_status(paths: Paths, timeout: float = 5.0) -> dict[str, Any] | None:
         req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            data: dict[str, Any] = json.loads(resp.read())
-            return data
+            return status_from_json(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
 
@@ -181,75 +182,79 @@ def _pct(v: float | None) -> str:
     return "—" if v is None else f"{v * 100:.1f} %"
 
 
-def format_status(st: dict[str, Any]) -> str:
+def format_status(st: Status) -> str:
+    """`warmslot status` in words."""
     srv = st["server"]
     lines = [
         f"Warmslot  proxy {st['warmslot']['proxy']}  (pid {st['warmslot']['pid']})",
         f"llama-server: {srv['state']}" + (f" — {srv['reason']}" if srv["reason"] else ""),
     ]
-    build = st.get("build")
-    if isinstance(build, dict):
-        lines.append(f"  build   {build.get('text') or build.get('purpose') or 'starting'}")
-    if srv.get("binary"):
-        b = srv["binary"]
+    if (build := st["build"]) is not None:
+        lines.append(f"  build   {build.get('text') or build['purpose'] or 'starting'}")
+    if (b := srv["binary"]) is not None:
         lines.append(
             f"  binary  {b['path']} ({b['source']}, {b['version']}, commit {b['commit'] or '?'})"
         )
-    if srv.get("model"):
-        lines.append(f"  model   {srv['model']['path']}")
-    if srv.get("port"):
+    if (m := srv["model"]) is not None:
+        lines.append(f"  model   {m['path']}")
+    if srv["port"]:
         lines.append(
             f"  port    {srv['port']}  pid {srv['pid']}  restarts {srv['restarts']}"
-            + ("  --no-repack" if srv.get("no_repack") else "")
+            + ("  --no-repack" if srv["no_repack"] else "")
         )
-    if isinstance(st.get("workers"), dict):
+    if (workers := st["workers"]) is not None:
         from core.server.rpc import worker_lines
 
-        lines += worker_lines(st["workers"])
-    for label, key in (("all time", "totals"), ("last hour", "last_hour")):
-        t = st.get(key) or {}
-        if t:
+        lines += worker_lines(workers)
+    if (backends := st.get("backends")) is not None:
+        from core.backends import backend_lines
+
+        lines += backend_lines(backends)
+    for label, t in (("all time", st["totals"]), ("last hour", st["last_hour"])):
+        if t is not None:
+            rate = t["cold_rate"]["ms_per_token"]
             lines.append(
                 f"{label:>9}: {t['requests']} requests, {t['cached_tokens']} cached / "
                 f"{t['prompt_tokens']} new prompt tokens, hit {_pct(t['hit_ratio'])}, "
                 f"~{t['seconds_saved']:.1f} s of prefill saved"
                 + (
-                    f" (at the cold rate, {t['cold_rate']['ms_per_token']:.1f} ms/token)"
-                    if (t.get("cold_rate") or {}).get("ms_per_token")
+                    f" (at the cold rate, {rate:.1f} ms/token)"
+                    if rate
                     else " (no cold prefill measured yet)"
                 )
             )
-    if st.get("clients"):
+    if st["clients"]:
         lines.append("clients:")
         for c in st["clients"]:
             lines.append(f"  {c['client']:<16} {c['requests']:>6} req  hit {_pct(c['hit_ratio'])}")
-    if any(u.get("user") for u in st.get("users") or []):  # API keys per user
+    users = st.get("users") or []
+    if any(u["user"] for u in users):  # API keys per user
         lines.append("users (all time):")
-        for u in st["users"]:
+        for u in users:
             lines.append(
                 f"  {u['user'] or '(no key)':<16} {u['requests']:>6} req  "
                 f"{u['cached_tokens']} cached / {u['prompt_tokens']} new tokens  "
                 f"hit {_pct(u['hit_ratio'])}  prefill {u['prefill_s']:.1f} s"
             )
-    if warning := crowding(st.get("sessions") or [], st.get("cache") or {}, time.time()):
+    cache = cache_of(st)
+    if warning := crowding(st["sessions"], cache, time.time()):
         lines.append(f"warning: {warning}")
-    if st.get("sessions"):
+    if st["sessions"]:
         lines.append("sessions (last hour):")
         for r in st["sessions"][:10]:
             lines.append(
                 f"  {r['client']:<16} {(r['session'] or '(none)')[:28]:<28} {r['requests']:>5} req"
                 f"  hit {_pct(r['hit_ratio'])}  slot {r['slot']}  {r['kinds'] or ''}"
             )
-    cache = st.get("cache")
-    if isinstance(cache, dict) and cache.get("text"):
+    if cache is not None and cache["text"]:
         lines.append(cache["text"])
-    if st.get("recent_requests"):
+    if st["recent_requests"]:
         lines.append("recent requests:")
-        for r in st["recent_requests"][:5]:
+        for q in st["recent_requests"][:5]:
             lines.append(
-                f"  {r['endpoint']:<11} {r['status']} slot {r['slot']} cache_n "
-                f"{r['cache_n']} prompt_n {r['prompt_n']} "
-                f"{(r['total_ms'] or 0):.0f} ms {r['client']}"
+                f"  {q['endpoint']:<11} {q['status']} slot {q['slot']} cache_n "
+                f"{q['cache_n']} prompt_n {q['prompt_n']} "
+                f"{(q['total_ms'] or 0):.0f} ms {q['client']}"
             )
     return "\n".join(lines)
 
@@ -337,7 +342,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"running:     {'yes, ' + st['server']['state'] if st else 'no'}")
     from core.cache.inventory import doctor_lines
 
-    for line in doctor_lines(paths, settings, st):
+    for line in doctor_lines(st):
         print(line)
     return 1 if problems else 0
 

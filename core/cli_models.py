@@ -111,8 +111,8 @@ def _running_note(paths: Paths, chosen: Path) -> str:
     st = fetch_status(paths)
     if st is None:
         return "No Warmslot is running: the next start serves it."
-    served = ((st.get("server") or {}).get("model") or {}).get("path") or ""
-    pid = (st.get("warmslot") or {}).get("pid", "?")
+    served = m["path"] if (m := st["server"]["model"]) is not None else ""
+    pid = st["warmslot"]["pid"]
     if served and os.path.realpath(served) == os.path.realpath(chosen):
         return f"The running Warmslot (pid {pid}) already serves it."
     return (
@@ -159,7 +159,7 @@ def _proxy_url(paths: Paths, settings: config_mod.Settings) -> str:
     from core.cli import fetch_status
 
     st = fetch_status(paths)
-    return proxy_address(str(((st or {}).get("warmslot") or {}).get("proxy") or ""), settings)
+    return proxy_address(st["warmslot"]["proxy"] if st is not None else "", settings)
 
 
 def cmd_clients(args: argparse.Namespace) -> int:

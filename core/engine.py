@@ -45,7 +45,7 @@ from core.models import profiles
 from core.models.pool import ModelPool
 from core.paths import Paths, resources_dir
 from core.pressure import PressureMonitor, Sampler
-from core.proxy import CachePolicy, Proxy
+from core.proxy import CacheService, Proxy
 from core.server import discover, model
 from core.server.argv import LaunchInputs, build_argv, kv_relevant
 from core.server.devices import read_gpus, read_host
@@ -57,13 +57,14 @@ from core.server.rpc import WorkerSet, watch_in_use
 from core.server.rpc_fit import launch_plan
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
+from core.status import EvictResult, PinResult, RewarmResult, Status
 from core.sweeps import Outcome, Sweeps
 from core.telemetry import QUERIES, Telemetry
 
 log = logging.getLogger("warmslot.core")
 T = TypeVar("T")
 Subscriber = Callable[[Event], None]
-PolicyFactory = Callable[["Core"], CachePolicy | None]
+PolicyFactory = Callable[["Core"], CacheService | None]
 
 
 def _drop_flag(argv: list[str], flag: str) -> list[str]:
@@ -151,7 +152,7 @@ class Core:
         # cache manager (the model pool makes one per other model).
         self.upstream: Upstream | None = None
         self.proxy: Proxy | None = None
-        self.policy: CachePolicy | None = None
+        self.policy: CacheService | None = None
         self.pool: ModelPool | None = None  # only when [[models]] profiles are configured
         self.backends: BackendSet | None = None  # only with [[backends]] (docs/scale.md)
         # The one scheduler for background work, and the machine's one pressure monitor
@@ -492,10 +493,9 @@ class Core:
         if self.proxy is not None:  # 1. stop accepting requests
             await self.proxy.stop()
             await self.proxy.drain()
-        closer = getattr(self.policy, "close", None)  # 2. the cache saves what it must
-        if closer is not None:
+        if self.policy is not None:  # 2. the cache saves what it must
             try:
-                await closer()
+                await self.policy.close()
             except Exception:
                 log.exception("cache manager failed while shutting down")
         if self.backends is not None:  # 3. stop llama-server: every other backend, pooled
@@ -590,26 +590,22 @@ class Core:
         assert self.supervisor is not None
         return self.submit(self.supervisor.restart("user"))
 
-    def pin(self, filename: str, pinned: bool = True) -> concurrent.futures.Future[Any]:
+    def pin(self, filename: str, pinned: bool = True) -> concurrent.futures.Future[PinResult]:
         """Pin (never expires, never swept, kept warm) or unpin a saved state."""
-        return self._cache_command("pin", filename, pinned)
+        return self.submit(self._cache().pin(filename, pinned))
 
-    def evict(self, filename: str) -> concurrent.futures.Future[Any]:
+    def evict(self, filename: str) -> concurrent.futures.Future[EvictResult]:
         """Delete a saved state now (only files Warmslot wrote)."""
-        return self._cache_command("evict", filename)
+        return self.submit(self._cache().evict(filename))
 
-    def rewarm(self, fingerprint: str) -> concurrent.futures.Future[Any]:
+    def rewarm(self, fingerprint: str) -> concurrent.futures.Future[RewarmResult]:
         """Bring a prefix back into its slot (re-warm, or restore into a free slot)."""
-        return self._cache_command("rewarm", fingerprint)
+        return self.submit(self._cache().rewarm(fingerprint))
 
-    def _cache_command(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
-        async def run() -> Any:
-            method = getattr(self.policy, name, None)
-            if method is None:
-                raise CacheError("cache management is not attached to this core")
-            return await method(*args)
-
-        return self.submit(run())
+    def _cache(self) -> CacheService:
+        if self.policy is None:
+            raise CacheError("cache management is not attached to this core")
+        return self.policy
 
     def build_server(self) -> concurrent.futures.Future[Any]:
         """Build llama-server from source with Warmslot's patches (the pinned llama.cpp,
@@ -713,12 +709,12 @@ class Core:
             "build_id",
         )
 
-    def server_status(self) -> concurrent.futures.Future[dict[str, Any]]:
+    def server_status(self) -> concurrent.futures.Future[Status]:
         """`status()` without the telemetry history (cheap enough to poll every second)."""
         return self.submit(self._status_async(history=False))
 
-    def status(self) -> concurrent.futures.Future[dict[str, Any]]:
-        """Everything `warmslot status` and the tray show, as a JSON-able dict."""
+    def status(self) -> concurrent.futures.Future[Status]:
+        """Everything `warmslot status` and the tray show, as JSON-able typed dicts."""
         return self.submit(self._status_async())
 
     def query(self, name: str, **kwargs: Any) -> concurrent.futures.Future[Any]:
@@ -766,11 +762,11 @@ class Core:
         return self.submit(apply())
 
     # ------------------------------------------------------------ status
-    async def _status_async(self, *, history: bool = True) -> dict[str, Any]:
+    async def _status_async(self, *, history: bool = True) -> Status:
         assert self.supervisor is not None and self.proxy is not None
         tel = self.telemetry if history else None
         hour_ago = time.time() - 3600
-        out: dict[str, Any] = {
+        out: Status = {
             "warmslot": {
                 "pid": os.getpid(),
                 "started": self.started_at,
@@ -785,8 +781,8 @@ class Core:
                 else {"plan": self.fit_plan.to_dict(), "text": format_plan(self.fit_plan)},
             },
             "workers": self.workers.snapshot() if self.workers.configured else None,
-            "totals": tel.totals() if tel else {},
-            "last_hour": tel.totals(hour_ago) if tel else {},
+            "totals": tel.totals() if tel else None,
+            "last_hour": tel.totals(hour_ago) if tel else None,
             "clients": tel.per_client() if tel else [],
             "users": tel.per_user() if tel else [],
             "sessions": tel.sessions(hour_ago, limit=20) if tel else [],
@@ -809,10 +805,9 @@ class Core:
                 "routed_to_side": self.pool.routed_side,
                 "by_model": {e["name"]: e["calls"] for e in out["models"]},
             }
-        extra = getattr(self.policy, "status", None)
-        if extra is not None:
+        if self.policy is not None:
             try:
-                out["cache"] = await extra()
+                out["cache"] = await self.policy.status()
             except Exception as e:
                 log.exception("cache status failed")
                 out["cache"] = {"error": repr(e)}

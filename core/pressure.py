@@ -41,6 +41,7 @@ from core.clock import Clock
 from core.config import PressureSettings
 from core.events import Event, PressureChanged, PressureSample
 from core.server.devices import GpuInfo, read_gpus
+from core.status import PressureSnapshot
 from core.sweeps import thin_runs
 
 __all__ = [
@@ -364,7 +365,8 @@ class PressureMonitor:
             thin_runs(tel, now)  # this sweep's own (mostly uneventful) run records too
         return actions
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> PressureSnapshot:
+        """The last sample and what it caused, for status displays."""
         r = self.last
         return {
             "level": self.level,

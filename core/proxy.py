@@ -59,6 +59,7 @@ from core.proxy_headers import (
 from core.router import Decision, Refused, Router, metadata_session, session_key
 from core.server.client import STALE_RETRIES, Timings, stale_connection
 from core.server.upstream import Upstream
+from core.status import CacheStatus, EvictResult, PinResult, RewarmResult, Status
 from core.telemetry import safe_text
 
 log = logging.getLogger("warmslot.proxy")
@@ -159,6 +160,26 @@ class CachePolicy(Protocol):
 
     async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
         """Learn from a finished request (runs after the response is complete)."""
+
+
+class CacheService(CachePolicy, Protocol):
+    """What the core asks of the prefix-cache manager besides the proxy's two calls:
+    its status, the user's commands on saved states, and a clean shutdown."""
+
+    async def status(self) -> CacheStatus:
+        """The cache inventory and its background work."""
+
+    async def pin(self, filename: str, pinned: bool = True) -> PinResult:
+        """Pin (never expires, never swept, kept warm) or unpin a saved state."""
+
+    async def evict(self, filename: str) -> EvictResult:
+        """Delete a saved state now (only files Warmslot wrote)."""
+
+    async def rewarm(self, fingerprint: str) -> RewarmResult:
+        """Bring a prefix back into its slot (re-warm, or restore into a free slot)."""
+
+    async def close(self) -> None:
+        """At shutdown, the server still running: save what must be saved, then stop."""
 
 
 def error_response(
@@ -333,7 +354,7 @@ class Proxy:
         api_key: Callable[[], str],
         max_body_mb: int,
         upstream_timeout_s: float,
-        status: Callable[[], Awaitable[dict[str, Any]]],
+        status: Callable[[], Awaitable[Status]],
         extra_metrics: Callable[[], str] | None = None,
         policy: CachePolicy | None = None,
         allowed_origins: Callable[[], Sequence[str]] = lambda: (),

@@ -23,6 +23,7 @@ from typing import Any
 
 from core.clock import Clock
 from core.events import Event, SweepRun
+from core.status import SweepStatus
 
 __all__ = ["Outcome", "Sweep", "Sweeps", "clamp_interval", "thin_runs"]
 
@@ -63,7 +64,7 @@ class Sweep:
     def effective_interval(self) -> float:
         return clamp_interval(self.interval(), self.minimum)
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> SweepStatus:
         last = self.last
         return {
             "name": self.name,
@@ -181,7 +182,8 @@ class Sweeps:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[SweepStatus]:
+        """Every sweep's schedule and last run."""
         now = self.clock.time()
         return [s.snapshot(now) for s in self.sweeps.values()]
 

@@ -39,6 +39,7 @@ from core.events import (
     SettingsChanged,
     SweepRun,
 )
+from core.status import ClientRow, ColdRate, RequestRow, SessionRow, Totals, UserRow
 
 log = logging.getLogger("warmslot.telemetry")
 
@@ -620,7 +621,7 @@ class Telemetry:
             )
         ]
 
-    def totals(self, since: float | None = None) -> dict[str, Any]:
+    def totals(self, since: float | None = None) -> Totals:
         """Requests, prompt/cached tokens, hit ratio and an estimate of seconds saved."""
         since = 0.0 if since is None else since
         row = self._rows(
@@ -646,9 +647,9 @@ class Telemetry:
         row["seconds_saved"] = row["cached_tokens"] * ms / 1000.0 if ms else 0.0
         row["errors"] = row["errors"] or 0
         row["dropped_rows"] = self.dropped  # rows telemetry could not write (since start)
-        return row
+        return cast(Totals, row)  # the SELECT names every key
 
-    def cold_prefill_rate(self, since: float | None = None) -> dict[str, Any]:
+    def cold_prefill_rate(self, since: float | None = None) -> ColdRate:
         """Milliseconds per token of cold prefills: requests of at least COLD_MIN_TOKENS
         new tokens that reused under a tenth of that. None when there was none."""
         row = self._rows(
@@ -661,7 +662,7 @@ class Telemetry:
         per = row["ms"] / row["tokens"] if row["tokens"] else None
         return {"ms_per_token": per, "requests": row["requests"], "tokens": row["tokens"]}
 
-    def per_client(self, since: float | None = None) -> list[dict[str, Any]]:
+    def per_client(self, since: float | None = None) -> list[ClientRow]:
         since = 0.0 if since is None else since
         rows = self._rows(
             """SELECT client, COUNT(*) AS requests,
@@ -672,9 +673,9 @@ class Telemetry:
         for r in rows:
             total = r["cached"] + r["new"]
             r["hit_ratio"] = r["cached"] / total if total else None
-        return rows
+        return cast(list[ClientRow], rows)  # the SELECT names every key
 
-    def per_user(self, since: float | None = None) -> list[dict[str, Any]]:
+    def per_user(self, since: float | None = None) -> list[UserRow]:
         """Per API key name ("" without keys): requests, prompt (new) and cached tokens,
         prefill seconds and the latest request's time, busiest first."""
         rows = self._rows(
@@ -687,9 +688,9 @@ class Telemetry:
         for r in rows:
             total = r["cached_tokens"] + r["prompt_tokens"]
             r["hit_ratio"] = r["cached_tokens"] / total if total else None
-        return rows
+        return cast(list[UserRow], rows)  # the SELECT names every key
 
-    def sessions(self, since: float | None = None, limit: int = 200) -> list[dict[str, Any]]:
+    def sessions(self, since: float | None = None, limit: int = 200) -> list[SessionRow]:
         """One row per (client, session) seen since `since`, most recent first.
 
         `slot` is the slot of the session's latest request (SQLite takes a bare
@@ -709,10 +710,12 @@ class Telemetry:
         for r in rows:
             total = r["cached"] + r["new"]
             r["hit_ratio"] = r["cached"] / total if total else None
-        return rows
+        return cast(list[SessionRow], rows)  # the SELECT names every key
 
-    def recent_requests(self, limit: int = 50) -> list[dict[str, Any]]:
-        return self._rows("SELECT * FROM requests ORDER BY id DESC LIMIT ?", [limit])
+    def recent_requests(self, limit: int = 50) -> list[RequestRow]:
+        """The latest requests, newest first (every column of the table)."""
+        rows = self._rows("SELECT * FROM requests ORDER BY id DESC LIMIT ?", [limit])
+        return cast(list[RequestRow], rows)
 
     def recent_events(
         self,

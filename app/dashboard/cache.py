@@ -10,6 +10,7 @@ from app import fmt
 from app.controller import error_text
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import Qt, QtWidgets
+from core.status import SavedRow, SlotRow, Status, cache_error, cache_of
 
 NEEDS = {
     "pin": "Core.pin(filename, pinned) → Future",
@@ -21,8 +22,8 @@ NEEDS = {
 CONVERSATION = "conversation"  # a saved state's "kind" (core.cache.conversations)
 
 
-def is_conversation(state: dict[str, Any]) -> bool:
-    return state.get("kind") == CONVERSATION
+def is_conversation(state: SavedRow) -> bool:
+    return state["kind"] == CONVERSATION
 
 
 def ttl_seconds(settings: Any, ttl_class: str) -> float | None:
@@ -30,19 +31,22 @@ def ttl_seconds(settings: Any, ttl_class: str) -> float | None:
     return float(value) if value is not None else None
 
 
-def expiry_text(state: dict[str, Any], settings: Any, now: float) -> str:
-    """Time to expiry: the core's own figure (`expires_in_s`) when it gives one."""
+def expiry_text(state: SlotRow | SavedRow, settings: Any, now: float) -> str:
+    """Time to expiry: the core's own figure (`expires_in_s`) when it gives one, else a
+    saved state's TTL from its last use (a status taken without the index database)."""
     if state.get("pinned"):
         return "never (pinned)"
     if "expires_in_s" in state:
         left = state["expires_in_s"]
         if left is None:
             return "never"
-    else:
+    elif isinstance(last_used := state.get("last_used"), float | int) and last_used:
         ttl = ttl_seconds(settings, str(state.get("ttl_class", "")))
-        if ttl is None or not state.get("last_used"):
+        if ttl is None:
             return "—"
-        left = state["last_used"] + ttl - now
+        left = last_used + ttl - now
+    else:
+        return "—"
     return "due now" if left <= 0 else f"in {fmt.duration(left)}"
 
 
@@ -147,8 +151,8 @@ class CacheTab(Tab):
         self.action_label = QtWidgets.QLabel("")
         self.action_label.setStyleSheet("color: #555;")
         self.outer.addWidget(self.action_label)
-        self._saved_rows: list[dict[str, Any]] = []
-        self._conversation_rows: list[dict[str, Any]] = []
+        self._saved_rows: list[SavedRow] = []
+        self._conversation_rows: list[SavedRow] = []
         self._update_buttons()
         self._update_prefix_button()
         self._update_conversation_buttons()
@@ -158,12 +162,12 @@ class CacheTab(Tab):
 
     # ------------------------------------------------------------ drawing
     def apply(self, results: dict[str, Any]) -> None:
-        st = results.get("status")
+        st: Status | None = results.get("status")
         if st is None:
             return
-        cache = st.get("cache")
-        if not isinstance(cache, dict) or "slots" not in cache:
-            why = cache.get("error") if isinstance(cache, dict) else None
+        cache = cache_of(st)
+        if cache is None:
+            why = cache_error(st)
             self.summary.setText(
                 f"Cache status failed: {why}"
                 if why
@@ -180,56 +184,56 @@ class CacheTab(Tab):
             return
         now = self.ctx.clock()
         settings = self.ctx.backend.settings
-        disk = cache.get("disk_tier") or {}
-        used = sum(int(s.get("bytes") or 0) for s in cache.get("saved") or [])
-        paused = cache.get("paused") or []
+        disk = cache["disk_tier"]
+        used = sum(s["bytes"] for s in cache["saved"])
+        paused = cache["paused"]
         self.summary.setText(
-            f"Cache {'on' if cache.get('enabled', True) else 'off'} · server identity "
-            f"{cache.get('identity') or '—'} · disk tier "
-            f"{'on' if disk.get('usable') else 'off'}: {disk.get('reason', '—')} · "
-            f"{len(cache.get('saved') or [])} saved states, {fmt.size(used)}"
+            f"Cache {'on' if cache['enabled'] else 'off'} · server identity "
+            f"{cache['identity'] or '—'} · disk tier "
+            f"{'on' if disk['usable'] else 'off'}: {disk['reason'] or '—'} · "
+            f"{len(cache['saved'])} saved states, {fmt.size(used)}"
             + (
                 f"<br><span style='color:#873800'>Paused: {'; '.join(paused)}</span>"
                 if paused
                 else ""
             )
         )
-        aux = cache.get("aux_slot")
+        aux = cache["aux_slot"]
         fill(
             self.slots,
             [
                 [
                     s["id"],
                     "side calls" if s["id"] == aux else "primary",
-                    s.get("session") or "—",
-                    s.get("prefix") or "—",
-                    s.get("tokens", 0),
-                    s.get("inflight", 0),
-                    s.get("kind") or "—",
+                    s["session"] or "—",
+                    s["prefix"] or "—",
+                    s["tokens"],
+                    s["inflight"],
+                    s["kind"] or "—",
                     f"{s['ttl_class']}, {expiry_text(s, settings, now)}"
-                    if s.get("ttl_class")
+                    if "ttl_class" in s
                     else "—",
                 ]
                 for s in cache["slots"]
             ],
         )
         keep = self.selected_file()
-        states = list(cache.get("saved") or [])
+        states = cache["saved"]
         self._saved_rows = [s for s in states if not is_conversation(s)]
         fill(
             self.saved,
             [
                 [
                     s["file"],
-                    s.get("fingerprint", ""),
-                    s.get("tokens"),
-                    fmt.size(s.get("bytes")),
-                    s.get("ttl_class", ""),
+                    s["fingerprint"],
+                    s["tokens"],
+                    fmt.size(s["bytes"]),
+                    s["ttl_class"],
                     expiry_text(s, settings, now),
-                    "yes" if s.get("pinned") else "no",
-                    s.get("verified") or "—",
-                    fmt.ago(s.get("last_used"), now),
-                    "yes" if s.get("current") else "no",
+                    "yes" if s["pinned"] else "no",
+                    s["verified"] or "—",
+                    fmt.ago(s["last_used"], now),
+                    "yes" if s["current"] else "no",
                 ]
                 for s in self._saved_rows
             ],
@@ -240,46 +244,46 @@ class CacheTab(Tab):
                 if s["file"] == keep:
                     self.saved.selectRow(r)
         keep_prefix = self.selected_prefix()
-        held = {s.get("prefix"): s["id"] for s in cache["slots"] if s.get("prefix")}
+        held = {s["prefix"]: s["id"] for s in cache["slots"] if s["prefix"]}
         fill(
             self.prefixes,
             [
                 [
-                    p.get("fingerprint", ""),
-                    p.get("client", ""),
-                    p.get("tokens"),
-                    fmt.pct(p.get("share"), 0),
-                    p.get("source", ""),
-                    held.get(p.get("fingerprint"), "—"),
+                    p["fingerprint"],
+                    p["client"],
+                    p["tokens"],
+                    fmt.pct(p["share"], 0),
+                    p["source"],
+                    held.get(p["fingerprint"], "—"),
                 ]
-                for p in cache.get("prefixes") or []
+                for p in cache["prefixes"]
             ],
         )
         if keep_prefix:
-            for r, p in enumerate(cache.get("prefixes") or []):
-                if p.get("fingerprint") == keep_prefix:
+            for r, p in enumerate(cache["prefixes"]):
+                if p["fingerprint"] == keep_prefix:
                     self.prefixes.selectRow(r)
         self._fill_conversations([s for s in states if is_conversation(s)], settings, now)
         self._update_buttons()
         self._update_prefix_button()
         self._update_conversation_buttons()
 
-    def _fill_conversations(self, rows: list[dict[str, Any]], settings: Any, now: float) -> None:
+    def _fill_conversations(self, rows: list[SavedRow], settings: Any, now: float) -> None:
         keep = self.selected_conversation()
         self._conversation_rows = rows
         fill(
             self.conversations,
             [
                 [
-                    s.get("client") or "—",
-                    s.get("session") or "—",
-                    s.get("tokens"),
-                    fmt.size(s.get("bytes")),
-                    fmt.ago(s.get("created"), now),
-                    fmt.ago(s.get("last_used"), now),
+                    s["client"] or "—",
+                    s["session"] or "—",
+                    s["tokens"],
+                    fmt.size(s["bytes"]),
+                    fmt.ago(s["created"], now),
+                    fmt.ago(s["last_used"], now),
                     expiry_text(s, settings, now),
-                    "yes" if s.get("pinned") else "no",
-                    "yes" if s.get("current") else "no",
+                    "yes" if s["pinned"] else "no",
+                    "yes" if s["current"] else "no",
                     s["file"],
                 ]
                 for s in rows
@@ -299,14 +303,14 @@ class CacheTab(Tab):
         item = self.saved.item(rows[0].row(), 0)
         return str(item.data(Qt.ItemDataRole.UserRole)) if item is not None else None
 
-    def _selected_state(self) -> dict[str, Any] | None:
+    def _selected_state(self) -> SavedRow | None:
         name = self.selected_file()
         return next((s for s in self._saved_rows if s["file"] == name), None)
 
     def _update_buttons(self) -> None:
         sel = self._selected_state()
         backend = self.ctx.backend
-        self.pin_button.setText("Unpin" if sel and sel.get("pinned") else "Pin")
+        self.pin_button.setText("Unpin" if sel and sel["pinned"] else "Pin")
         for button, cmd in (
             (self.pin_button, "pin"),
             (self.evict_button, "evict"),
@@ -321,14 +325,14 @@ class CacheTab(Tab):
             else:
                 button.setEnabled(True)
                 button.setToolTip("")
-        if sel is not None and not sel.get("current"):
+        if sel is not None and not sel["current"]:
             self.rewarm_button.setEnabled(False)
             self.rewarm_button.setToolTip("Saved for another server build, model or flags")
 
     def _toggle_pin(self) -> None:
         sel = self._selected_state()
         if sel is not None:
-            self._run("pin", sel["file"], not sel.get("pinned"))
+            self._run("pin", sel["file"], not sel["pinned"])
 
     def _rewarm_saved(self) -> None:
         sel = self._selected_state()
@@ -343,13 +347,13 @@ class CacheTab(Tab):
         item = self.conversations.item(rows[0].row(), 0)
         return str(item.data(Qt.ItemDataRole.UserRole)) if item is not None else None
 
-    def _selected_conversation_state(self) -> dict[str, Any] | None:
+    def _selected_conversation_state(self) -> SavedRow | None:
         name = self.selected_conversation()
         return next((s for s in self._conversation_rows if s["file"] == name), None)
 
     def _update_conversation_buttons(self) -> None:
         sel = self._selected_conversation_state()
-        self.conversation_pin_button.setText("Unpin" if sel and sel.get("pinned") else "Pin")
+        self.conversation_pin_button.setText("Unpin" if sel and sel["pinned"] else "Pin")
         for button, cmd in (
             (self.conversation_pin_button, "pin"),
             (self.conversation_evict_button, "evict"),
@@ -371,7 +375,7 @@ class CacheTab(Tab):
     def _toggle_conversation_pin(self) -> None:
         sel = self._selected_conversation_state()
         if sel is not None:
-            self._run("pin", sel["file"], not sel.get("pinned"))
+            self._run("pin", sel["file"], not sel["pinned"])
 
     def selected_prefix(self) -> str | None:
         rows = self.prefixes.selectionModel().selectedRows()

@@ -9,6 +9,7 @@ from app import fmt
 from app.charts import SERIES_COLORS, TimeChart
 from app.dashboard.base import Request, Tab, ViewContext
 from app.qt import QtWidgets
+from core.status import Status, cache_of
 
 WINDOWS = {"15 minutes": 900, "1 hour": 3600, "6 hours": 6 * 3600, "24 hours": 86400}
 MAX_POINTS = 1200
@@ -177,19 +178,17 @@ class MemoryTab(Tab):
             f"{last['ram_available_pct']:.0f} % · swap {last['swap_used_pct']:.0f} %"
         )
 
-    def apply_disk(self, status: dict[str, Any]) -> None:
-        cache = status.get("cache") if isinstance(status.get("cache"), dict) else None
-        if not cache or "saved" not in cache:
+    def apply_disk(self, status: Status) -> None:
+        cache = cache_of(status)
+        if cache is None:
             self.disk_bar.setValue(0)
             self.disk_label.setText("No cache inventory (the cache manager is not running).")
             return
         n = len(cache["saved"])
-        disk = cache.get("disk") or {}
-        used = disk.get("used_bytes")
-        if used is None:
-            used = sum(int(s.get("bytes") or 0) for s in cache["saved"])
-        cap = disk.get("cap_bytes") or cache.get("disk_cap_bytes")
-        source = disk.get("cap_source", "")
+        disk = cache.get("disk")  # absent without the index database
+        used = disk["used_bytes"] if disk else sum(s["bytes"] for s in cache["saved"])
+        cap: int | None = disk["cap_bytes"] if disk else None
+        source = disk["cap_source"] if disk else ""
         if cap is None:
             mb = self.ctx.backend.settings.cache.disk_cap_mb
             cap = mb * 2**20 if mb else None

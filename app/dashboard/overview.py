@@ -13,6 +13,7 @@ from app.dialogs import text_box
 from app.icons import state_icon
 from app.qt import Qt, QtWidgets, Signal
 from app.state import AppState, TrayState, derive_state
+from core.status import Status, Totals, cache_of
 
 
 class Card(QtWidgets.QFrame):
@@ -44,14 +45,15 @@ class Card(QtWidgets.QFrame):
         self.sub.setText(sub)
 
 
-def saved_basis(totals: dict[str, Any]) -> str:
+def saved_basis(totals: Totals) -> str:
     """How "prefill time saved" was priced, in words for the tile."""
-    rate = totals.get("cold_rate") or {}
-    if not rate.get("ms_per_token"):
+    rate = totals["cold_rate"]
+    ms = rate["ms_per_token"]
+    if not ms:
         return "no cold prefill measured yet"
     n = rate["requests"]
     return (
-        f"cached tokens × cold prefill rate {rate['ms_per_token']:.1f} ms/token "
+        f"cached tokens × cold prefill rate {ms:.1f} ms/token "
         f"({n:,} cold request{'' if n == 1 else 's'})"
     )
 
@@ -220,16 +222,14 @@ class OverviewTab(Tab):
             self.progress.hide()
 
     def apply(self, results: dict[str, Any]) -> None:
-        st = results.get("status")
+        st: Status | None = results.get("status")
+        hour: Totals | None = results.get("hour")
         if st is not None:
             self._facts(st)
             if self.ctx.controller is None:
-                self.show_state(derive_state({**st, "last_hour": results.get("hour") or {}}))
-        hour = results.get("hour")
+                self.show_state(derive_state({**st, "last_hour": hour}))
         if hour is not None:
-            self.cards["hit_hour"].set(
-                fmt.pct(hour.get("hit_ratio")), f"{hour.get('requests', 0)} requests"
-            )
+            self.cards["hit_hour"].set(fmt.pct(hour["hit_ratio"]), f"{hour['requests']} requests")
         day = results.get("day")
         if day is not None:
             since, until = self.day_window
@@ -242,10 +242,10 @@ class OverviewTab(Tab):
                 self.day.set_line("hit rate", pts)
             else:
                 self.day.show_message("No requests in the last 24 hours.")
-        today = results.get("today")
+        today: Totals | None = results.get("today")
         if today is not None:
             self.cards["hit_today"].set(
-                fmt.pct(today.get("hit_ratio")),
+                fmt.pct(today["hit_ratio"]),
                 f"{fmt.count(today['cached_tokens'])} of "
                 f"{fmt.count(today['cached_tokens'] + today['prompt_tokens'])} prompt tokens",
             )
@@ -253,57 +253,55 @@ class OverviewTab(Tab):
                 fmt.count(today["cached_tokens"]), f"{today['cached_tokens']:,} tokens"
             )
             self.cards["saved_today"].set(
-                fmt.duration(today.get("seconds_saved") or 0.0), saved_basis(today)
+                fmt.duration(today["seconds_saved"]), saved_basis(today)
             )
             self.cards["requests_today"].set(f"{today['requests']:,}")
             self.cards["errors_today"].set(f"{today['errors']:,}")
 
-    def _facts(self, st: dict[str, Any]) -> None:
-        srv = st.get("server") or {}
-        mdl = srv.get("model") or {}
-        b = srv.get("binary") or {}
+    def _facts(self, st: Status) -> None:
+        srv = st["server"]
+        mdl, b = srv["model"], srv["binary"]
         self.facts["model"].setText(
-            f"{mdl['path']}  ({fmt.size(mdl.get('size'))}, {mdl.get('source', '?')})"
-            if mdl
+            f"{mdl['path']}  ({fmt.size(mdl['size'])}, {mdl['source']})"
+            if mdl is not None
             else "not resolved yet"
         )
         self.facts["build"].setText(
-            f"{b.get('version', '?')} · commit {b.get('commit') or '?'} · {b.get('source', '?')}"
-            f"\n{b.get('path', '')}"
-            if b
+            f"{b['version']} · commit {b['commit'] or '?'} · {b['source']}\n{b['path']}"
+            if b is not None
             else "not resolved yet"
         )
-        proxy = (st.get("warmslot") or {}).get("proxy", "")
+        proxy = st["warmslot"]["proxy"]
         self.facts["proxy"].setText(f"{proxy}/v1" if proxy else "—")
-        cache = st.get("cache") if isinstance(st.get("cache"), dict) else {}
-        slots = cache.get("slots") or []
-        if slots:
-            warm = sum(1 for s in slots if s.get("prefix"))
-            aux = cache.get("aux_slot")
+        cache = cache_of(st)
+        slots = cache["slots"] if cache is not None else []
+        if cache is not None and slots:
+            warm = sum(1 for s in slots if s["prefix"])
+            aux = cache["aux_slot"]
             self.facts["slots"].setText(
                 f"{len(slots)} slots, {warm} holding a known prefix"
                 + (f"; slot {aux} reserved for side calls" if aux is not None else "")
             )
         else:
             self.facts["slots"].setText("—")
-        state = srv.get("state", "stopped")
-        extra = f", pid {srv['pid']}, port {srv['port']}" if srv.get("pid") else ""
+        extra = f", pid {srv['pid']}, port {srv['port']}" if srv["pid"] else ""
         self.facts["server"].setText(
-            f"{state}{extra}; restarts {srv.get('restarts', 0)}"
-            + (f" — {srv['reason']}" if srv.get("reason") else "")
+            f"{srv['state']}{extra}; restarts {srv['restarts']}"
+            + (f" — {srv['reason']}" if srv["reason"] else "")
         )
-        disk = cache.get("disk_tier") or {}
-        self.facts["disk"].setText(
-            ("on — " if disk.get("usable") else "off — ") + disk.get("reason", "") if disk else "—"
-        )
-        p = cache.get("pressure") if isinstance(cache.get("pressure"), dict) else {}
-        paused = cache.get("paused") or []
-        if p:
-            causes = "; ".join(p.get("causes") or [])
-            self.facts["pressure"].setText(
-                f"{p.get('level', '?')}"
-                + (f" ({causes})" if causes else "")
-                + (f" — paused: {'; '.join(paused)}" if paused else "")
-            )
-        else:
+        if cache is None:
+            self.facts["disk"].setText("—")
             self.facts["pressure"].setText("— (no samples yet)")
+            return
+        disk = cache["disk_tier"]
+        self.facts["disk"].setText(("on — " if disk["usable"] else "off — ") + disk["reason"])
+        p, paused = cache["pressure"], cache["paused"]
+        if p["sampled_at"] is None:
+            self.facts["pressure"].setText("— (no samples yet)")
+            return
+        causes = "; ".join(p["causes"])
+        self.facts["pressure"].setText(
+            p["level"]
+            + (f" ({causes})" if causes else "")
+            + (f" — paused: {'; '.join(paused)}" if paused else "")
+        )

@@ -10,6 +10,7 @@ from app import fmt
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import Qt, QtGui, QtWidgets
 from core.events import BuildProgress, LogLine
+from core.status import ExitInfo, ServerStatus, Status
 
 LOG_BLOCKS = 2000
 LEVEL_COLORS = {"error": "#c92a2a", "warn": "#e67700", "warning": "#e67700"}
@@ -133,37 +134,36 @@ class ServerTab(Tab):
 
     def apply(self, results: dict[str, Any]) -> None:
         if "status" in results:
-            self.apply_status(results["status"].get("server") or {})
+            status: Status = results["status"]
+            self.apply_status(status["server"])
         if "runs" in results:
             self.apply_runs(results["runs"])
 
-    def apply_status(self, srv: dict[str, Any]) -> None:
-        state = srv.get("state", "stopped")
+    def apply_status(self, srv: ServerStatus) -> None:
         self.facts["state"].setText(
-            f"<b>{state}</b>" + (f" — {srv['reason']}" if srv.get("reason") else "")
+            f"<b>{srv['state']}</b>" + (f" — {srv['reason']}" if srv["reason"] else "")
         )
         self.facts["process"].setText(
-            f"pid {srv['pid']}, port {srv['port']}, run {srv.get('run_id', '')}"
-            if srv.get("pid")
+            f"pid {srv['pid']}, port {srv['port']}, run {srv['run_id']}"
+            if srv["pid"]
             else "not running"
         )
-        b = srv.get("binary") or {}
-        self.facts["binary"].setText(f"{b['path']} ({b.get('source', '?')})" if b else "—")
+        b = srv["binary"]
+        self.facts["binary"].setText(f"{b['path']} ({b['source']})" if b else "—")
         self.facts["version"].setText(
-            f"{b.get('version', '?')}, commit {b.get('commit') or '?'}"
-            + (", --no-repack active" if srv.get("no_repack") else "")
+            f"{b['version']}, commit {b['commit'] or '?'}"
+            + (", --no-repack active" if srv["no_repack"] else "")
             if b
             else "—"
         )
-        m = srv.get("model") or {}
-        self.facts["model"].setText(f"{m['path']} ({fmt.size(m.get('size'))})" if m else "—")
+        m = srv["model"]
+        self.facts["model"].setText(f"{m['path']} ({fmt.size(m['size'])})" if m else "—")
         self.facts["restarts"].setText(
-            f"{srv.get('restarts', 0)} in a row now; " + exits_summary(srv.get("exits") or [])
+            f"{srv['restarts']} in a row now; " + exits_summary(srv["exits"])
         )
-        argv = srv.get("argv") or []
-        self.argv.setPlainText(shlex.join(argv) if argv else "")
-        fit = srv.get("fit")
-        text = str(fit.get("text") or "") if isinstance(fit, dict) else ""
+        self.argv.setPlainText(shlex.join(srv["argv"]) if srv["argv"] else "")
+        fit = srv["fit"]
+        text = fit["text"] if fit is not None else ""
         if text != self.fit.toPlainText():
             self.fit.setPlainText(text)
         self.fit.setPlaceholderText(
@@ -226,13 +226,13 @@ _OUTCOMES = {
 }
 
 
-def exits_summary(exits: list[dict[str, Any]]) -> str:
+def exits_summary(exits: list[ExitInfo]) -> str:
     """"2 exits since Warmslot started: 2 failed starts" — every exit counted by kind."""
     if not exits:
         return "no exits since Warmslot started"
     kinds: dict[tuple[str, str], int] = {}
     for e in exits:
-        outcome = str(e.get("outcome") or "unknown")
+        outcome = e["outcome"] or "unknown"
         words = _OUTCOMES.get(outcome, (outcome, outcome))
         kinds[words] = kinds.get(words, 0) + 1
     parts = ", ".join(f"{n} {one if n == 1 else many}" for (one, many), n in kinds.items())

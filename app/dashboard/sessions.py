@@ -9,6 +9,7 @@ from app import fmt
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import QtWidgets
 from core.cache.crowding import crowding
+from core.status import SessionRow, cache_of
 
 SINCE = {"last hour": 3600, "last 24 hours": 86400, "last 7 days": 7 * 86400}
 
@@ -50,15 +51,16 @@ class SessionsTab(Tab):
             stretch=1,
         )
         self.outer.addWidget(self.table, 1)
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[SessionRow] = []
 
     def requests(self) -> dict[str, Request]:
         since = self.ctx.clock() - float(self.since.currentData())
         return {"sessions": ("sessions", {"since": since}), "status": ("status", {})}
 
     def apply(self, results: dict[str, Any]) -> None:
-        cache = (results.get("status") or {}).get("cache") or {}
-        in_slot = {s["session"]: s["id"] for s in cache.get("slots") or [] if s.get("session")}
+        cache = cache_of(results.get("status"))
+        slots = cache["slots"] if cache is not None else []
+        in_slot = {s["session"]: s["id"] for s in slots if s["session"]}
         if "sessions" in results:
             self.rows = results["sessions"]
         now = self.ctx.clock()
@@ -68,7 +70,7 @@ class SessionsTab(Tab):
                 [
                     r["client"],
                     r["session"] or "(none)",
-                    r.get("kinds") or "",
+                    r["kinds"] or "",
                     r["requests"],
                     fmt.pct(r["hit_ratio"]),
                     r["cached"],

@@ -259,6 +259,8 @@ def run(
             sup, proxy = core.supervisor, core.proxy
             assert sup is not None and proxy is not None and sup.port is not None
             snap = sup.snapshot()
+            served = snap["binary"]
+            assert served is not None  # resolved: the server is ready
             if progress is not None:
                 progress(f"llama-server ready (pid {sup.pid}); {requests} rounds per case")
             cases = measure(
@@ -276,9 +278,9 @@ def run(
         "cache_manager": with_cache,
         "machine": machine(),
         "server": {
-            "binary": snap["binary"]["path"],
-            "version": snap["binary"]["version"],
-            "commit": snap["binary"]["commit"],
+            "binary": served["path"],
+            "version": served["version"],
+            "commit": served["commit"],
             "argv": snap["argv"],
         },
         "model": {"path": model, "bytes": os.path.getsize(model)},

@@ -36,6 +36,7 @@ from core.config import Settings
 from core.errors import CacheError
 from core.events import CacheEvent, CacheEventKind
 from core.pressure import PressureMonitor
+from core.status import CacheStatus, EvictResult, PinResult, RewarmResult, SavedRow, SlotRow
 from core.sweeps import Outcome, Sweeps
 
 if TYPE_CHECKING:
@@ -57,7 +58,6 @@ __all__ = [
     "Background",
     "evict",
     "expiry_text",
-    "extend_status",
     "format_background",
     "pin",
     "rewarm",
@@ -178,7 +178,7 @@ def _record(mgr: CacheHost, filename: str) -> StateRecord:
     return rec
 
 
-async def pin(mgr: CacheHost, filename: str, pinned: bool) -> dict[str, Any]:
+async def pin(mgr: CacheHost, filename: str, pinned: bool) -> PinResult:
     """Pin (never expires, never swept, kept warm) or unpin a saved state."""
     rec = _record(mgr, filename)
     mgr.store.set_pinned(filename, pinned)
@@ -196,7 +196,7 @@ async def pin(mgr: CacheHost, filename: str, pinned: bool) -> dict[str, Any]:
     return {"file": filename, "fingerprint": rec.fingerprint[:16], "pinned": pinned}
 
 
-async def evict(mgr: CacheHost, filename: str) -> dict[str, Any]:
+async def evict(mgr: CacheHost, filename: str) -> EvictResult:
     """Delete a saved state (file and index row) now."""
     rec = _record(mgr, filename)
     try:
@@ -234,7 +234,7 @@ def _find_prefix(mgr: CacheHost, fingerprint: str) -> pfx.PrefixInfo:
     return matches[0]
 
 
-async def rewarm(mgr: Managed, fingerprint: str) -> dict[str, Any]:
+async def rewarm(mgr: Managed, fingerprint: str) -> RewarmResult:
     """Bring a prefix into its slot now: re-warm it there, or restore it into a free slot."""
     if mgr.client is None or mgr.identity is None:
         raise CacheError("llama-server is not ready")
@@ -266,46 +266,37 @@ async def rewarm(mgr: Managed, fingerprint: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- status
-def extend_status(mgr: Managed, out: dict[str, Any]) -> None:
-    """Add pressure, paused behaviours, sweeps, TTLs and expiries to a status dict."""
-    out["pressure"] = mgr.pressure.snapshot()
-    out["paused"] = list(mgr.pressure.paused().values())
-    out["sweeps"] = mgr.sweeps.status() if mgr.sweeps is not None else []
-    out["keepalive"] = {"last": mgr.keepalive.last}
-    if mgr.has_db:  # the index lives in the telemetry database
-        mgr.retention.annotate(out)
-
-
-def format_background(st: dict[str, Any]) -> str:
+def format_background(st: CacheStatus) -> str:
     """Lines for `warmslot status`: pressure, what is paused, each sweep's last run."""
-    p = st.get("pressure") or {}
+    p = st["pressure"]
     lines = []
-    level = p.get("level", "nominal")
-    ram = p.get("ram_available_pct")
+    ram = p["ram_available_pct"]
     lines.append(
-        f"  pressure: {level}"
-        + (f" ({'; '.join(p['causes'])})" if p.get("causes") else "")
+        f"  pressure: {p['level']}"
+        + (f" ({'; '.join(p['causes'])})" if p["causes"] else "")
         + (f"; RAM {ram:.1f} % available" if ram is not None else "")
     )
-    lines.extend(f"    {text}" for text in st.get("paused", []))
+    lines.extend(f"    {text}" for text in st["paused"])
     disk = st.get("disk")
     if disk:
-        unknown = disk.get("unknown_files_left_alone") or 0
+        unknown = disk["unknown_files_left_alone"]
         lines.append(
             f"  disk: {disk['used_bytes'] / 1e6:.1f} MB of {disk['cap_bytes'] / 1e6:.0f} MB cap "
             f"({disk['cap_source']})"
             + (f"; {unknown} files Warmslot did not write left alone" if unknown else "")
         )
-    for s in st.get("sweeps", []):
-        if s["running_for_s"] is not None:
-            state = f"running for {human_age(s['running_for_s'])}"
+    for s in st["sweeps"]:
+        running, nxt_s = s["running_for_s"], s["next_in_s"]
+        if running is not None:
+            state = f"running for {human_age(running)}"
         elif s["last_start"] is None:
             state = "not run yet"
         else:
-            state = f"last run {s['last_actions']} actions in {s['last_duration_s'] * 1000:.0f} ms"
+            took = (s["last_duration_s"] or 0.0) * 1000
+            state = f"last run {s['last_actions']} actions in {took:.0f} ms"
             if s["last_error"]:
                 state += f", FAILED: {s['last_error']}"
-        nxt = "" if s["next_in_s"] is None else f", next in {human_age(s['next_in_s'])}"
+        nxt = "" if nxt_s is None else f", next in {human_age(nxt_s)}"
         lines.append(
             f"  sweep {s['name']} every {human_age(s['interval_s'])}: {state}{nxt}"
             + (f" ({s['failures']} failures)" if s["failures"] else "")
@@ -313,7 +304,7 @@ def format_background(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def expiry_text(entry: dict[str, Any]) -> str:
+def expiry_text(entry: SlotRow | SavedRow) -> str:
     """ ", long TTL, expires in 42 min" for a slot or saved entry that has the keys."""
     if "expires_in_s" not in entry:
         return ""

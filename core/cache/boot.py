@@ -38,6 +38,7 @@ from core.cache import prefix as pfx
 from core.cache.store import StateRecord
 from core.errors import UpstreamError
 from core.events import CacheEventKind
+from core.status import BootRewarmStatus
 
 __all__ = ["BootRewarm", "BootStep", "Emit"]
 
@@ -97,7 +98,7 @@ class BootRewarm:
         """Steps finished, whatever their outcome."""
         return self.warmed + self.skipped + self.failed
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> BootRewarmStatus:
         """The progress for `status()`."""
         run = self._running
         return {

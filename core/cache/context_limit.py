@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from core.events import CacheEventKind
+from core.status import ContextHitRow, ContextLimitsStatus
 
 if TYPE_CHECKING:
     from core.server.client import LlamaClient, Timings
@@ -139,7 +140,7 @@ class ContextLimits:
     """Context hits seen lately (newest first), for events and the status."""
 
     n_ctx_slot: int | None = None  # the running server's context per slot
-    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=10))
+    recent: deque[ContextHitRow] = field(default_factory=lambda: deque(maxlen=10))
     total: int = 0
     server_of: object = None  # the server identity `n_ctx_slot` was read for
 
@@ -222,6 +223,6 @@ class ContextLimits:
             }
         )
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ContextLimitsStatus:
         """For `warmslot status` and the dashboard."""
         return {"n_ctx_slot": self.n_ctx_slot, "total": self.total, "recent": list(self.recent)[:5]}

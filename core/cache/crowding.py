@@ -8,28 +8,29 @@ the dashboard's Sessions tab say so.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+
+from core.status import CacheStatus, SessionRow
 
 ACTIVE_S = 600  # an agent session counts as active when it sent a request this recently
 
 
-def agent_slots(cache: Mapping[str, Any]) -> int | None:
+def agent_slots(cache: CacheStatus | None) -> int | None:
     """How many slots serve agents (all but the side-call slot); None when unknown."""
-    slots = cache.get("slots")
-    if not isinstance(slots, list) or not slots:
+    if not cache or not cache["slots"]:
         return None
-    return len(slots) - (1 if cache.get("aux_slot") is not None else 0)
+    return len(cache["slots"]) - (1 if cache["aux_slot"] is not None else 0)
 
 
-def crowding(sessions: Sequence[Mapping[str, Any]], cache: Mapping[str, Any], now: float) -> str:
+def crowding(sessions: Sequence[SessionRow], cache: CacheStatus | None, now: float) -> str:
     """A warning when more agent sessions were active lately than there are agent slots
-    ("" otherwise). `sessions` are telemetry's `sessions` rows, `cache` the cache status."""
+    ("" otherwise). `sessions` are telemetry's `sessions` rows, `cache` the cache status
+    (None without one)."""
     slots = agent_slots(cache)
     active = [
         r
         for r in sessions
-        if r["session"] and "agent" in (r.get("kinds") or "") and now - r["last_seen"] < ACTIVE_S
+        if r["session"] and "agent" in (r["kinds"] or "") and now - r["last_seen"] < ACTIVE_S
     ]
     if slots is None or len(active) <= slots:
         return ""

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from core.cache import background as bg
+from core.status import BootRewarmStatus, CacheStatus, Status, cache_of
 
 
-def format_inventory(st: dict[str, Any]) -> str:
-    lines = [f"WARNING: {st['template_warning']}"] if st.get("template_warning") else []
+def format_inventory(st: CacheStatus) -> str:
+    """The inventory in words: slots, prefixes, saved states, the last divergence."""
+    lines = [f"WARNING: {st['template_warning']}"] if st["template_warning"] else []
     lines += [
         f"cache: identity {st['identity']}; disk tier "
         f"{'on' if st['disk_tier']['usable'] else 'off'} — {st['disk_tier']['reason']}"
     ]
-    for route, why in (st.get("unmanaged_apis") or {}).items():
+    for route, why in st["unmanaged_apis"].items():
         lines.append(f"  {route}: forwarded unmanaged (accounting only) — {why}")
-    boot = boot_rewarm_text(st.get("boot_rewarm"))
+    boot = boot_rewarm_text(st["boot_rewarm"])
     if boot:
         lines.append(f"  {boot}")
     for s in st["slots"]:
@@ -32,8 +33,8 @@ def format_inventory(st: dict[str, Any]) -> str:
         )
     for r in st["saved"][:10]:
         what = "saved"
-        if r.get("kind") == "conversation":  # core.cache.conversations
-            what = f"conversation of {r.get('client') or '—'} session {r.get('session') or '—'}"
+        if r["kind"] == "conversation":  # core.cache.conversations
+            what = f"conversation of {r['client'] or '—'} session {r['session'] or '—'}"
         lines.append(
             f"  {what} {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
             f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {r['verified']}"
@@ -42,16 +43,15 @@ def format_inventory(st: dict[str, Any]) -> str:
     if st["divergences"]:
         d = st["divergences"][0]
         lines.append(f"  last divergence ({d['client']}): {d['reason']}")
-        if d.get("where"):
-            w = d["where"]
+        if (w := d["where"]) is not None:
             lines.append(
                 f"    at token {w.get('token_index')}: …{w['before'][-40:]!r} "
                 f"then {w['old'][:40]!r} → {w['new'][:40]!r}"
             )
-    if st.get("restore_shortfalls"):
+    if st["restore_shortfalls"]:
         lines.append(f"  last restore that did not pay: {st['restore_shortfalls'][0]['text']}")
-    limits = st.get("context_limits") or {}
-    if limits.get("recent"):
+    limits = st["context_limits"]
+    if limits["recent"]:
         lines.append(
             f"  requests that hit the slot's context: {limits['total']}; last: "
             f"{limits['recent'][0]['text']}"
@@ -59,39 +59,36 @@ def format_inventory(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def boot_rewarm_text(boot: dict[str, Any] | None) -> str:
+def boot_rewarm_text(boot: BootRewarmStatus | None) -> str:
     """The boot re-warm's progress in words ("" before a server has started)."""
-    if not boot or boot.get("state") == "idle":
+    if not boot or boot["state"] == "idle":
         return ""
     total = boot["total"]
     if boot["state"] == "running":
-        now = f" (slot {boot['current_slot']} now)" if boot.get("current_slot") is not None else ""
+        now = f" (slot {boot['current_slot']} now)" if boot["current_slot"] is not None else ""
         return (
             f"re-warming recently used prefixes after the server start: "
             f"{boot['done']} of {total} done{now}"
         )
     if total == 0:
         return "boot re-warm: no known prefixes to re-warm after the server start"
-    when = boot.get("finished_at")
+    when, began = boot["finished_at"], boot["started_at"]
     at = time.strftime(" at %H:%M:%S", time.localtime(when)) if when else ""
-    took = ""
-    if when and boot.get("started_at"):
-        took = f" in {when - boot['started_at']:.1f} s"
+    took = f" in {when - began:.1f} s" if when and began else ""
     extra = [
-        f"{boot[k]} {word}"
-        for k, word in (("skipped", "skipped"), ("failed", "failed"))
-        if boot.get(k)
+        f"{n} {word}" for n, word in ((boot["skipped"], "skipped"), (boot["failed"], "failed")) if n
     ]
     return f"boot re-warm finished{at}{took}: {boot['warmed']} of {total} prefixes warm" + (
         f", {', '.join(extra)}" if extra else ""
     )
 
 
-def doctor_lines(paths: Any, settings: Any, status: dict[str, Any] | None) -> list[str]:
+def doctor_lines(status: Status | None) -> list[str]:
     """Lines for `warmslot doctor`: the chat template check of the running server."""
-    cache = (status or {}).get("cache") or {}
-    warning = cache.get("template_warning")
-    apis = [f"apis:        ✘ {r}: {why}" for r, why in (cache.get("unmanaged_apis") or {}).items()]
+    cache = cache_of(status)
+    warning = cache["template_warning"] if cache is not None else None
+    unmanaged = cache["unmanaged_apis"] if cache is not None else {}
+    apis = [f"apis:        ✘ {r}: {why}" for r, why in unmanaged.items()]
     if warning:
         return [
             *apis,

@@ -69,6 +69,15 @@ from core.proxy import ProxyRequest
 from core.router import Kind
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
+from core.status import (
+    CacheStatus,
+    Divergence,
+    DivergenceWhere,
+    EvictResult,
+    PinResult,
+    RewarmResult,
+    Shortfall,
+)
 from core.sweeps import Sweeps
 
 log = logging.getLogger("warmslot.cache")
@@ -115,8 +124,8 @@ class CacheManager:
         self.prefix_owners: dict[str, str] = {}
         self.identity: ServerIdentity | None = None
         self.disk = DiskTier(False, "server not started yet")
-        self.divergences: deque[dict[str, Any]] = deque(maxlen=20)
-        self.restore_shortfalls: deque[dict[str, Any]] = deque(maxlen=10)
+        self.divergences: deque[Divergence] = deque(maxlen=20)
+        self.restore_shortfalls: deque[Shortfall] = deque(maxlen=10)
         self.explainer = Explainer(self.publish)  # why each request reused what it did
         # APIs whose requests the running server does not let the cache manage, once
         # told about (core.apis.unmanaged_reason).
@@ -602,9 +611,9 @@ class CacheManager:
         self._record_divergence(req, reason, where, t)
 
     def _record_divergence(
-        self, req: ProxyRequest, reason: str, where: dict[str, Any] | None, t: Timings
+        self, req: ProxyRequest, reason: str, where: DivergenceWhere | None, t: Timings
     ) -> None:
-        entry = {
+        entry: Divergence = {
             "ts": time.time(),
             "request_id": req.request_id,
             "client": req.client,
@@ -948,7 +957,7 @@ class CacheManager:
         ready = self._ready_task is None or self._ready_task.done()
         return ready and not self._jobs and not any(lk.locked() for lk in self._locks.values())
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> CacheStatus:
         """Cache inventory: slots, saved states, prefixes, last divergences."""
         slots_live: dict[int, int] = {}
         client = self.client
@@ -957,7 +966,7 @@ class CacheManager:
                 slots_live = {s.id: s.n_prompt_tokens for s in await client.slots()}
         ident = self.launch_id if self.identity else None
         states = self.store.all() if self.has_db else []
-        out: dict[str, Any] = {
+        out: CacheStatus = {
             "enabled": self.settings.cache.enabled,
             "identity": ident,
             "disk_tier": {"usable": self.disk.usable, "reason": self.disk.reason},
@@ -1021,23 +1030,29 @@ class CacheManager:
             # True while the restore / prewarm after a (re)start still runs.
             "warming": self._ready_task is not None and not self._ready_task.done(),
             "boot_rewarm": self.boot.snapshot(),
+            "pressure": self.pressure.snapshot(),
+            "paused": list(self.pressure.paused().values()),
+            "sweeps": self.sweeps.status() if self.sweeps is not None else [],
+            "keepalive": {"last": self.keepalive.last},
+            "text": "",
         }
-        bg.extend_status(self, out)
+        if self.has_db:  # the index lives in the telemetry database
+            self.retention.annotate(out)  # TTL classes, expiries, the disk's use
         out["text"] = format_inventory(out) + "\n" + bg.format_background(out)
         if recent := format_recent(out["explained"]):
             out["text"] += "\n" + recent
         return out
 
     # ------------------------------------------------------------ commands
-    async def pin(self, filename: str, pinned: bool = True) -> dict[str, Any]:
+    async def pin(self, filename: str, pinned: bool = True) -> PinResult:
         """Pin or unpin a saved state (pinned: never expires or swept, kept warm)."""
         return await bg.pin(self, filename, pinned)
 
-    async def evict(self, filename: str) -> dict[str, Any]:
+    async def evict(self, filename: str) -> EvictResult:
         """Delete a saved state now; refuses names Warmslot did not write."""
         return await bg.evict(self, filename)
 
-    async def rewarm(self, fingerprint: str) -> dict[str, Any]:
+    async def rewarm(self, fingerprint: str) -> RewarmResult:
         """Re-warm a prefix in its slot, or restore/prewarm it into a free slot."""
         return await bg.rewarm(self, fingerprint)
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.status import DivergenceWhere
+
 # Markers that start the volatile tail of a system prompt, per client profile, keyed
 # by the client name of its User-Agent. Learned from real traffic: the recorded
 # requests in tests/fixtures/clients/ and what each client sends (docs/clients.md).
@@ -190,7 +192,7 @@ def derived_session(client: str, body: dict[str, Any]) -> str:
     return "derived-" + h.hexdigest()[:16]
 
 
-def divergence(old: str, new: str, context: int = 60) -> dict[str, Any] | None:
+def divergence(old: str, new: str, context: int = 60) -> DivergenceWhere | None:
     """Where two rendered prompts first differ, with the text around it."""
     i = common_prefix_len(old, new)
     if i == len(old) and i <= len(new):

@@ -71,6 +71,7 @@ from core.cache.retention_plan import MIB, Eviction, Plan, human_age, plan_disk_
 from core.cache.store import StateRecord, safe_name
 from core.config import TTL_CLASSES, CacheSettings
 from core.events import CacheEvent, CacheEventKind
+from core.status import BackoffRow, CacheStatus
 from core.sweeps import Outcome
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ class SaveBackoff:
     def succeeded(self, fp: str) -> None:
         self._state.pop(fp, None)
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[BackoffRow]:
         """Prefixes whose saves are backing off now, for the cache status."""
         now = self.clock()
         return [
@@ -636,29 +637,26 @@ class Retention:
             return None
         return rec.last_used + self.ttl(rec.ttl_class) - now
 
-    def annotate(self, out: dict[str, Any]) -> None:
+    def annotate(self, out: CacheStatus) -> None:
         """Add TTL classes and time to expiry to a `CacheManager.status()` dict."""
         now, mono = self.clock.time(), self.clock.monotonic()
         by_name = {r.filename: r for r in self.mgr.store.all()}
-        for entry in out.get("saved", []):
-            rec = by_name.get(entry.get("file", ""))
+        for entry in out["saved"]:
+            rec = by_name.get(entry["file"])
             if rec is not None:
                 exp = self.expiry(rec, now)
                 entry["expires_in_s"] = None if exp is None else round(exp, 1)
                 entry["age_s"] = round(now - rec.last_used, 1)
-        for entry in out.get("slots", []):
-            st = (
-                self.mgr.slots.slots[entry["id"]]
-                if entry["id"] < len(self.mgr.slots.slots)
-                else None
-            )
+        for slot in out["slots"]:
+            held = self.mgr.slots.slots
+            st = held[slot["id"]] if slot["id"] < len(held) else None
             if st is None or not st.session:
                 continue
             cls = self.session_class(st.id, st.last_kind)
             idle = mono - st.last_used
-            entry["ttl_class"] = cls
-            entry["idle_s"] = round(idle, 1)
-            entry["expires_in_s"] = round(self.session_limit(cls) - idle, 1)
+            slot["ttl_class"] = cls
+            slot["idle_s"] = round(idle, 1)
+            slot["expires_in_s"] = round(self.session_limit(cls) - idle, 1)
         total = sum(r.bytes for r in by_name.values())
         out["disk"] = {
             "used_bytes": total,

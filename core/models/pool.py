@@ -29,6 +29,7 @@ from core.router import Decision, Router, Target
 from core.server import devices, model
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
+from core.status import ModelRow
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
@@ -424,8 +425,9 @@ class ModelPool:
             ],
         }
 
-    def status(self) -> list[dict[str, Any]]:
-        out = []
+    def status(self) -> list[ModelRow]:
+        """One row per model: its server's state, load, calls and the last decision."""
+        out: list[ModelRow] = []
         now = self.clock.monotonic()
         for e in self.entries.values():
             p = e.profile

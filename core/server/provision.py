@@ -33,6 +33,7 @@ from core.events import BuildProgress, Event, Notice
 from core.paths import Paths
 from core.server import discover
 from core.server.discover import Checker, Discovery, ServerBinary
+from core.status import BuildStatus
 
 __all__ = ["NO_BINARY_PURPOSE", "PATCHED_PURPOSE", "Provisioner", "needs_checkpoint_patch"]
 
@@ -209,7 +210,7 @@ class Provisioner:
         self._cancel.set()
         return True
 
-    def status(self) -> dict[str, Any] | None:
+    def status(self) -> BuildStatus | None:
         """The running build for status and the tray, or None."""
         ev = self.progress
         if ev is None:

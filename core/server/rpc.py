@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import os
 import re
@@ -33,12 +32,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from core.config import WorkerSettings
 from core.errors import WarmslotError
+from core.status import WorkerCheckRow, WorkerRow, WorkersStatus
 
 __all__ = [
     "RPC_SERVER_NAME",
@@ -104,7 +103,7 @@ class WorkerCheck:
     elapsed_ms: float = 0.0
     checked_at: float = field(default_factory=time.time)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> WorkerCheckRow:
         """JSON-able form for status and doctor."""
         return {
             "name": self.worker.name,
@@ -112,7 +111,16 @@ class WorkerCheck:
             "label": self.worker.label,
             "ok": self.ok,
             "problem": self.problem,
-            "devices": [asdict(d) for d in self.devices],
+            "devices": [
+                {
+                    "name": d.name,
+                    "endpoint": d.endpoint,
+                    "worker": d.worker,
+                    "total_bytes": d.total_bytes,
+                    "free_bytes": d.free_bytes,
+                }
+                for d in self.devices
+            ],
             "elapsed_ms": round(self.elapsed_ms, 1),
             "checked_at": self.checked_at,
         }
@@ -317,12 +325,12 @@ class WorkerSet:
                 out.append(f"{w.label}: {problem}")
         return out
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> WorkersStatus:
         """State for status displays and the tray: each worker's last check and role."""
         with self._lock:
             checks = {c.worker.endpoint: c for c in self._checks}
             lost, in_use, waiting = dict(self._lost), set(self.in_use), self.waiting_for
-        rows = []
+        rows: list[WorkerRow] = []
         for w in self._workers():
             c = checks.get(w.endpoint)
             if w.endpoint in in_use:
@@ -336,9 +344,15 @@ class WorkerSet:
                 state = "available"
             else:
                 state = "unchecked" if c is None else "unreachable"
-            row = c.to_dict() if c is not None else {"label": w.label, "endpoint": w.endpoint}
-            row["state"] = state
-            row["note"] = lost.get(w.endpoint, "")
+            note = lost.get(w.endpoint, "")
+            row: WorkerRow = {
+                "label": w.label,
+                "endpoint": w.endpoint,
+                "state": state,
+                "note": note,
+            }
+            if c is not None:
+                row = {**c.to_dict(), "state": state, "note": note}
             rows.append(row)
         return {"workers": rows, "waiting_for": list(waiting)}
 
@@ -368,9 +382,9 @@ async def watch_in_use(
             await restart("worker " + "; ".join(gone))
 
 
-def worker_lines(snapshot: Mapping[str, Any]) -> list[str]:
+def worker_lines(snapshot: WorkersStatus) -> list[str]:
     """Status lines for the workers (`warmslot status`)."""
-    rows = snapshot.get("workers") or []
+    rows = snapshot["workers"]
     if not rows:
         return []
     lines = ["workers (llama.cpp RPC):"]
@@ -379,9 +393,8 @@ def worker_lines(snapshot: Mapping[str, Any]) -> list[str]:
             f"{d['name']} {d['free_bytes'] / (1 << 30):.1f} GiB free"
             for d in r.get("devices") or []
         )
-        extra = r.get("note") or r.get("problem") or devs
+        extra = r["note"] or r.get("problem") or devs
         lines.append(f"  {r['label']:<32} {r['state']:<12} {extra}")
-    with contextlib.suppress(KeyError, TypeError):
-        if snapshot["waiting_for"]:
-            lines.append("  waiting for: " + ", ".join(snapshot["waiting_for"]))
+    if snapshot["waiting_for"]:
+        lines.append("  waiting for: " + ", ".join(snapshot["waiting_for"]))
     return lines

@@ -47,6 +47,7 @@ from core.server import logparse, process, rpc
 from core.server.argv import LaunchInputs, build_argv
 from core.server.discover import ServerBinary
 from core.server.model import ModelFile
+from core.status import ServerSnapshot
 
 log = logging.getLogger("warmslot.server")
 
@@ -252,7 +253,7 @@ class Supervisor:
             await self._http.close()
             self._http = None
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ServerSnapshot:
         """State for status displays."""
         r = self.resolved
         return {

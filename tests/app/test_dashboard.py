@@ -26,6 +26,7 @@ from app.qt import Qt, QtGui, QtWidgets
 from core.cache.crowding import crowding
 from core.events import BuildProgress, LogLine
 from tests.app.conftest import NOW
+from tests.fixtures.status_shapes import complete
 
 
 def approx_points(pts: list[tuple[float, float]]) -> Any:
@@ -290,20 +291,21 @@ def test_server_tab_fit_plan_and_exits(qtbot: Any, offline: Any) -> None:
     tab = ServerTab(offline)
     qtbot.addWidget(tab)
     plan = "  device        weights   KV+state\n  CPU (host)    241 MiB     18 MiB"
+    failed = {"outcome": "start_failed", "ts": 0.0, "returncode": 1, "signal": None,
+              "requested_by": "", "last_lines": []}  # fmt: skip
     tab.apply_status(
-        {
-            "state": "failed",
-            "fit": {"plan": {}, "text": plan},
-            "exits": [{"outcome": "start_failed"}, {"outcome": "start_failed"}],
-        }
-    )
+        complete(
+            {"server": {"state": "failed", "pid": None, "restarts": 0,
+                        "fit": {"plan": {}, "text": plan}, "exits": [failed, failed]}}
+        )["server"]
+    )  # fmt: skip
     assert tab.fit.toPlainText() == plan
     assert QtGui.QFontInfo(tab.fit.font()).fixedPitch()
     assert tab.fit.lineWrapMode() is QtWidgets.QPlainTextEdit.LineWrapMode.NoWrap
     assert tab.facts["restarts"].text() == (
         "0 in a row now; 2 exits since Warmslot started: 2 failed starts"
     )
-    tab.apply_status({"state": "stopped"})
+    tab.apply_status(complete({"server": {"state": "stopped", "pid": None}})["server"])
     assert tab.fit.toPlainText() == "" and "warmslot fit" in tab.fit.placeholderText()
     assert (
         exits_summary([{"outcome": "crashed"}, {"outcome": "requested"}, {"outcome": "crashed"}])
@@ -368,7 +370,7 @@ def test_crowding_warning_when_agents_outnumber_agent_slots() -> None:
     assert crowding(two, {"aux_slot": None, "slots": [{"id": 0}, {"id": 1}]}, now) == ""
     stale = [dict(two[0]), {**two[1], "last_seen": now - 3600}]
     assert crowding(stale, cache, now) == ""  # the other one left an hour ago
-    assert crowding(two, {}, now) == ""  # no cache status: nothing to say
+    assert crowding(two, None, now) == ""  # no cache status: nothing to say
 
 
 def test_requests_tab_rows_and_details(qtbot: Any, offline: Any, expected: Any) -> None:

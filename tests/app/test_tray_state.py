@@ -31,11 +31,12 @@ from app.state import AppState, TrayState, derive_state
 from core.events import BuildProgress
 from tests.app.conftest import NOW
 from tests.fixtures import demo_data as demo
+from tests.fixtures.status_shapes import complete
 
 ALWAYS = (DASHBOARD, SETTINGS, LOGS, QUIT, CHOOSE_MODEL, CLIENT_SETUP)
 
 
-def ready_status(**cache_changes: Any) -> dict[str, Any]:
+def ready_status(**cache_changes: Any) -> Any:
     st = demo.status(NOW)
     st["last_hour"] = {"hit_ratio": 0.875, "requests": 40}
     st["cache"].update(cache_changes)
@@ -135,10 +136,10 @@ def test_tooltip_has_model_hit_rate_and_pressure() -> None:
 def test_derive_states() -> None:
     assert derive_state(None, core_running=False).tray is TrayState.STOPPED
     assert derive_state(None, core_running=False, core_error="port taken").tray is TrayState.ERROR
-    stopped = {"server": {"state": "stopped"}}
+    stopped = complete({"server": {"state": "stopped"}})
     assert derive_state(stopped).tray is TrayState.STOPPED
-    assert derive_state({"server": {"state": "starting"}}).tray is TrayState.STARTING
-    failed = derive_state({"server": {"state": "failed", "reason": "no binary"}})
+    assert derive_state(complete({"server": {"state": "starting"}})).tray is TrayState.STARTING
+    failed = derive_state(complete({"server": {"state": "failed", "reason": "no binary"}}))
     assert (failed.tray, failed.detail) == (TrayState.ERROR, "no binary")
     building = derive_state(stopped, build=BuildProgress(build_id="b", percent=30, step="cmake"))
     assert (building.tray, building.build_percent) == (TrayState.BUILDING, 30.0)
@@ -184,5 +185,5 @@ def test_a_lost_rpc_worker_degrades_the_tray_and_a_wait_shows_why() -> None:
     st["workers"]["workers"][1]["note"] = "not needed: the model fits on the main host"
     assert derive_state(st).tray is TrayState.WARM
     reason = "waiting for worker b (10.0.0.3:50052) (connection refused): the model does not fit"
-    waiting = derive_state({"server": {"state": "starting", "reason": reason}})
+    waiting = derive_state(complete({"server": {"state": "starting", "reason": reason}}))
     assert (waiting.tray, waiting.detail) == (TrayState.STARTING, reason)

@@ -173,11 +173,11 @@ def test_worker_set_names_a_lost_worker_and_waits_when_the_rest_is_too_small(
     assert "waiting for: a (10.0.0.2:50052), b (10.0.0.2:50053)" in text
     # `warmslot status` prints the same lines.
     from core.cli import format_status
+    from tests.fixtures.status_shapes import complete
 
     shown = format_status(
-        {"warmslot": {"proxy": "http://127.0.0.1:8089", "pid": 1},
-         "server": {"state": "starting", "reason": "waiting"}, "workers": snap}
-    )  # fmt: skip
+        complete({"server": {"state": "starting", "reason": "waiting"}, "workers": snap})
+    )
     assert "workers (llama.cpp RPC):" in shown and text.splitlines()[-1] in shown
 
 

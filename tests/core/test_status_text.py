@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from core.cli import format_status
+from tests.fixtures.status_shapes import complete
 
 
 def test_sessions_and_the_crowding_warning() -> None:
@@ -15,14 +16,10 @@ def test_sessions_and_the_crowding_warning() -> None:
         {"client": "opencode", "session": "ses_b", "requests": 3, "hit_ratio": 0.3, "slot": 0,
          "kinds": "agent", "last_seen": now - 40},
     ]  # fmt: skip
-    base = {
-        "warmslot": {"proxy": "http://127.0.0.1:8089", "pid": 1},
-        "server": {"state": "ready", "reason": ""},
-        "sessions": sessions,
-    }
+    base = {"server": {"state": "ready", "reason": ""}, "sessions": sessions}
     one_agent_slot = {"slots": [{"id": 0}, {"id": 1}], "aux_slot": 1}
-    text = format_status({**base, "cache": one_agent_slot})
+    text = format_status(complete({**base, "cache": one_agent_slot}))
     assert "sessions (last hour):" in text and "ses_a" in text and "ses_b" in text
     assert "warning: 2 agent sessions were active" in text and "1 agent slot:" in text
     roomy = {"slots": [{"id": 0}, {"id": 1}, {"id": 2}], "aux_slot": 2}
-    assert "warning:" not in format_status({**base, "cache": roomy})
+    assert "warning:" not in format_status(complete({**base, "cache": roomy}))

@@ -342,7 +342,7 @@ def test_messages_on_a_stock_server_go_through_unmanaged_and_accounted(
     assert "forwarded unmanaged" in _status(core)["text"]
     from core.cache.inventory import doctor_lines
 
-    doctor = doctor_lines(core.paths, core.settings, core.status().result(30))
+    doctor = doctor_lines(core.status().result(30))
     assert any("drops id_slot on /v1/messages" in line for line in doctor), doctor
 
 

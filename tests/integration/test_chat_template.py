@@ -80,7 +80,7 @@ def test_template_that_drops_tools_is_reported(tmp_path: Path, gemma_model: Path
         assert "WARNING" in status["cache"]["text"]
         from core.cache.inventory import doctor_lines
 
-        assert "✘" in doctor_lines(core.paths, core.settings, status)[0]
+        assert "✘" in doctor_lines(status)[0]
         notices = core.query("recent_events", category="notice").result(10)
         assert any("dropped" in n["reason"] for n in notices)
     finally:
