@@ -15,6 +15,8 @@ recorder only.
         --model ~/.cache/warmslot-tests/tiny.gguf
     # against a running Warmslot (its proxy's address):
     python scripts/record_agents.py run codex --out /tmp/rec --upstream http://127.0.0.1:8089
+    # what Warmslot did with each request of a run through it:
+    python scripts/record_agents.py summary /tmp/rec/claude/requests.jsonl
     # trimmed fixtures for tests/fixtures/clients/<client>/:
     python scripts/record_agents.py trim /tmp/rec/claude/requests.jsonl \\
         tests/fixtures/clients/claude-cli
@@ -575,6 +577,29 @@ def trim(args: argparse.Namespace) -> int:
     return 0
 
 
+def summary(args: argparse.Namespace) -> int:
+    """One line per POST of a run through Warmslot, from its X-Warmslot-* response headers
+    (the tests/fixtures/clients/*/through-warmslot*.txt files)."""
+    for line in Path(args.requests).read_text().splitlines():
+        e = json.loads(line) if line.strip() else {}
+        if e.get("method") != "POST":
+            continue
+        h = {
+            k.lower()[len("x-warmslot-") :]: v
+            for k, v in e.get("response_headers", {}).items()
+            if k.lower().startswith("x-warmslot-")
+        }
+        cached, read = int(h.get("cached-tokens") or 0), int(h.get("prefilled-tokens") or 0)
+        total = cached + read
+        print(
+            e["seq"], e["step"], e.get("status"), h.get("kind"), "slot", h.get("slot"),
+            h.get("cache"), f"cached {cached} / {total} = {cached / max(1, total):.1%}",
+            "prefix", h.get("prefix"), "sess", (h.get("session") or "")[:14],
+            "restored", h.get("restored"), "edited", h.get("edited", "-"),
+        )  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -594,9 +619,13 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("trim", help="write trimmed fixtures from a requests.jsonl")
     tr.add_argument("requests")
     tr.add_argument("dest")
+    sm = sub.add_parser("summary", help="one line per request of a run, from X-Warmslot-*")
+    sm.add_argument("requests")
     args = parser.parse_args(argv)
     if args.cmd == "trim":
         return trim(args)
+    if args.cmd == "summary":
+        return summary(args)
     if args.upstream is None and not (args.server and args.model):
         parser.error("run needs --upstream, or --server and --model")
     return asyncio.run(run_client(args))
