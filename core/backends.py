@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -36,6 +36,7 @@ from core.proxy import Route
 from core.router import Decision, Router, Target
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
+from core.status import BackendRow, BackendsStatus
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
@@ -45,9 +46,7 @@ __all__ = [
     "PRIMARY",
     "Backend",
     "BackendHost",
-    "BackendRow",
     "BackendSet",
-    "BackendsStatus",
     "backend_lines",
     "server_settings",
 ]
@@ -56,33 +55,6 @@ log = logging.getLogger("warmslot.backends")
 PRIMARY = "main"  # the primary server's name as a backend
 HEALTH_S = 2.0  # seconds between checks of a remote backend
 HEALTH_TIMEOUT_S = 2.0
-
-
-class BackendRow(TypedDict):
-    """One backend in status (the shape `core.status` describes too)."""
-
-    name: str  # 'main' for the primary server
-    where: str  # "launched here", or the remote's URL
-    ready: bool
-    state: str
-    port: int | None
-    pid: int | None
-    inflight: int
-    active_sessions: int
-    calls: dict[str, int]  # "agent" / "aux" → requests admitted
-    moved_in: int  # sessions that moved here from a backend that failed
-    errors: int
-    prompt_tokens: int
-    cached_tokens: int
-    hit_ratio: float | None
-
-
-class BackendsStatus(TypedDict):
-    """`/warmslot/status`'s ``backends`` (only with ``[[backends]]``)."""
-
-    backends: list[BackendRow]
-    sessions: int  # sessions remembered
-    moved: int  # sessions moved off a backend that failed
 
 
 class BackendHost(EngineParts, Protocol):
@@ -398,10 +370,11 @@ def backend_lines(st: BackendsStatus) -> list[str]:
     for r in st["backends"]:
         hit = "—" if r["hit_ratio"] is None else f"{r['hit_ratio'] * 100:.1f} %"
         calls = r["calls"]
+        state = "ready" if r["ready"] else r["state"][:60]  # why, when it is not
         lines.append(
-            f"  {r['name']:<12} {r['state'][:48]:<14} {r['where'][:32]:<16}"
+            f"  {r['name']:<10} {state:<6} {r['where'][:40]:<14}"
             f" {r['inflight']} in flight  {r['active_sessions']} sessions"
-            f"  {calls.get('agent', 0)}+{calls.get('aux', 0)} req  hit {hit}"
+            f"  {calls.get('agent', 0)} agent + {calls.get('aux', 0)} side req  hit {hit}"
             + (f"  {r['moved_in']} moved in" if r["moved_in"] else "")
         )
     return lines

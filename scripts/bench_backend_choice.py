@@ -88,5 +88,6 @@ def _with_backends(
         f"a backend failing {down_ms:.2f} ms"
     )
 
+
 if __name__ == "__main__":
     main()

@@ -26,14 +26,16 @@ from typing import Any
 
 import pytest
 
+from core.backends import backend_lines
 from core.cache.manager import policy_factory
 from core.config import BackendSettings
 from core.engine import Core
+from core.events import RequestCompleted
 from core.paths import resources_dir
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import EventLog, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -212,5 +214,64 @@ def test_two_projects_stay_with_their_prefix_and_a_killed_backend_moves_its_sess
     assert all(r["hit"] >= 0.95 for r in moved if r["turn"] == 5), report2
     # Both backends report what they served; the killed one restarts by itself.
     wait_until(lambda: _status(core)[b_backend]["ready"], 120, message="no restart")
-    text = core.status().result(30)
-    assert text["backends"]["moved"] == 2
+    full = core.status().result(30)
+    assert full["backends"]["moved"] == 2
+    lines = backend_lines(full["backends"])
+    print("\n".join(lines))
+    assert lines[0] == "backends (4 sessions, 2 moved):", lines
+    assert any(line.split()[0] == a_backend and "2 moved in" in line for line in lines), lines
+    assert core.proxy is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{core.proxy.port}/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    assert f'warmslot_backend_sessions_moved_in_total{{backend="{a_backend}"}} 2' in metrics
+    assert f'warmslot_backend_ready{{backend="{b_backend}"}} 1' in metrics
+    assert f'warmslot_backend_requests_total{{backend="{b_backend}",kind="aux"}}' in metrics
+
+
+def _simple(core: Core, session: str, system: str, user: str) -> tuple[int, dict[str, str]]:
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    status, _, headers = _post(core, session, body)
+    return status, headers
+
+
+def test_a_remote_warmslot_backend_serves_until_it_goes_away(make_core: MakeCore) -> None:
+    remote = make_core(policy_factory=policy_factory)
+    served = EventLog()
+    remote.subscribe(served.append, (RequestCompleted,))
+    remote.start(wait_ready=True, timeout=300)
+    assert remote.proxy is not None
+    settings = settings_for(Path(remote.settings.server.model))
+    url = f"http://127.0.0.1:{remote.proxy.port}"
+    settings.backends = [BackendSettings(name="far", url=url)]
+    core = make_core(settings, policy_factory=policy_factory)
+    core.start(wait_ready=True, timeout=300)
+    # Its /health is checked every 2 s: ready once the remote Warmslot answers 200.
+    wait_until(lambda: _status(core)["far"]["ready"], 30, message=lambda: str(_status(core)))
+    assert _status(core)["far"]["where"] == url
+    head = "You are a careful assistant for project {}. " + "Follow the house rules. " * 20
+    status, h1 = _simple(core, "s-one", head.format("one"), "hello")
+    assert status == 200 and h1["X-Warmslot-Backend"] == "main"
+    status, h2 = _simple(core, "s-two", head.format("two"), "hello")
+    assert status == 200 and h2["X-Warmslot-Backend"] == "far"
+    status, h3 = _simple(core, "s-two", head.format("two"), "hello again")
+    assert status == 200 and h3["X-Warmslot-Backend"] == "far"
+    # The remote Warmslot served both, in a slot of its own cache manager, as the same
+    # session (the client's session header went through).
+    done = wait_until(
+        lambda: len(served.of(RequestCompleted)) == 2 and served.of(RequestCompleted), 30
+    )
+    assert {e.session for e in done} == {"s-two"} and all(e.slot is not None for e in done)
+
+    remote.stop()
+    wait_until(lambda: not _status(core)["far"]["ready"], 30, message="remote still ready")
+    assert "unreachable" in _status(core)["far"]["state"]
+    status, h4 = _simple(core, "s-two", head.format("two"), "and again")
+    assert status == 200 and h4["X-Warmslot-Backend"] == "main"
+    st = core.server_status().result(30)
+    assert st["backends"]["moved"] == 1
+    rows = {r["name"]: r for r in st["backends"]["backends"]}
+    assert rows["far"]["calls"]["agent"] == 2 and rows["main"]["moved_in"] == 1
