@@ -81,8 +81,11 @@ class Pick:
 
 def affinity_key(client: str, body: dict[str, Any]) -> str:
     """The stable prefix's text as a short hash ("" when a request has neither tools
-    nor system text: nothing to be affine to)."""
-    system = pfx.system_text(body)
+    nor system text: nothing to be affine to, or its messages are not readable)."""
+    try:
+        system = pfx.system_text(body)
+    except (AttributeError, TypeError):  # not a list of message objects: no affinity
+        return ""
     tools = body.get("tools")
     if not system and not tools:
         return ""

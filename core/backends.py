@@ -176,9 +176,16 @@ class BackendSet:
     def choose(self, session: str, side: bool, key: str) -> tuple[Pick, Upstream | None]:
         """The router's backend chooser (`core.router.BackendChooser`)."""
         views = [b.view() for b in self.backends.values()]
-        pick = self.affinity.choose(
-            views, session=session, side=side, key=key, now=time.monotonic()
-        )
+        try:
+            pick = self.affinity.choose(
+                views, session=session, side=side, key=key, now=time.monotonic()
+            )
+        except Exception as e:  # fail open: the request still goes to a backend
+            log.exception("choosing a backend failed; the first ready one serves")
+            self.core.emit(Notice(level="warning", text=f"choosing a backend failed: {e!r}"))
+            first = next((b for b in self.backends.values() if b.ready), None)
+            name = first.name if first is not None else PRIMARY
+            pick = Pick(name, f"backend choice failed ({e!r}): the first ready backend")
         if pick.moved_from:
             self.backends[pick.backend].moved_in += 1
             log.info("session %s moved: %s", session[:24], pick.why)

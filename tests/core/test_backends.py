@@ -9,9 +9,11 @@ import pytest
 
 from core import config
 from core.backend_choice import Affinity, BackendView, affinity_key
-from core.backends import server_settings
+from core.backends import BackendSet, server_settings
 from core.errors import ConfigError
-from core.router import Kind, Router, Target
+from core.events import ServerStateChanged
+from core.router import Decision, Kind, Router, Target
+from core.server.supervisor import ServerState
 from core.server.upstream import Upstream
 
 TOOLS_A = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
@@ -48,6 +50,7 @@ def test_the_affinity_key_is_the_stable_prefix_text() -> None:
     other["messages"][0]["content"] = "You are another agent.\n<env>x</env>"  # type: ignore[index]
     assert affinity_key("opencode", other) != a1
     assert affinity_key("opencode", {"messages": [{"role": "user", "content": "x"}]}) == ""
+    assert affinity_key("opencode", {"messages": ["not a message"], "tools": TOOLS_A}) == ""
 
 
 # ------------------------------------------------------------------ the rule
@@ -228,3 +231,97 @@ def test_backends_with_models_or_workers_are_refused() -> None:
         config.settings_from_dict(
             {"backends": [{"name": "b"}], "models": [{"name": "m", "role": "text"}]}
         )
+
+
+# ------------------------------------------------------------------ the backend set
+
+
+class _Server:
+    """The primary's supervisor as the backend set reads it (state, pid, port)."""
+
+    def __init__(self) -> None:
+        self.state = ServerState.READY
+        self.state_reason = ""
+        self.pid: int | None = 4242
+        self.port: int | None = 1234
+        self.name = ""
+
+
+class _Host:
+    """The engine as the backend set uses it, with no server launched."""
+
+    def __init__(self, settings: config.Settings) -> None:
+        self.settings = settings
+        self.supervisor = _Server()
+        self.upstream = Upstream(lambda: "http://127.0.0.1:9")
+        self.policy = None
+        self.events: list[object] = []
+        self.subscribers: list[object] = []
+
+    def subscribe(self, callback: object, types: object = None) -> object:
+        self.subscribers.append(callback)
+        return lambda: None
+
+    def emit(self, event: object) -> None:
+        self.events.append(event)
+        for cb in self.subscribers:
+            cb(event)  # type: ignore[operator]
+
+
+def _set() -> tuple[_Host, BackendSet]:
+    settings = config.settings_from_dict(
+        {"backends": [{"name": "far", "url": "http://127.0.0.1:9"}]}
+    )
+    host = _Host(settings)
+    return host, BackendSet(host)  # type: ignore[arg-type]
+
+
+def _decision(backends: BackendSet, session: str, key: str = "K") -> Decision:
+    pick, upstream = backends.choose(session, False, key)
+    return Decision(
+        "", upstream, Kind.AGENT, "test", session, "opencode", False, pick.backend, pick.why
+    )
+
+
+def test_the_primary_leaving_ready_moves_its_sessions() -> None:
+    host, backends = _set()
+    backends.backends["far"].remote_ok = True
+    assert _decision(backends, "s1").backend == "main"
+    assert _decision(backends, "s2", "other project").backend == "far"
+    host.emit(ServerStateChanged(state="starting", previous="ready", model=""))
+    assert backends.affinity.orphans == {"s1": "main"}
+    host.supervisor.state = ServerState.READY  # back at once: s1 still moves (cool-down)
+    moved = _decision(backends, "s1")
+    assert moved.backend == "far" and "moved from backend 'main'" in moved.backend_why
+    assert backends.backends["far"].moved_in == 1
+
+
+async def test_admission_counts_and_refuses_a_backend_that_is_not_ready() -> None:
+    _, backends = _set()
+    d = _decision(backends, "s1")  # main: the remote is not checked yet
+    route = await backends.route(d)
+    assert route.error == "" and route.upstream is backends.backends["main"].upstream
+    assert backends.backends["main"].inflight == 1
+    assert route.release is not None
+    route.release()
+    assert backends.backends["main"].inflight == 0
+    far = Decision("", None, Kind.AGENT, "test", "s9", "x", False, "far")
+    refused = await backends.route(far)
+    assert refused.status == 503 and "backend 'far' is not ready" in refused.error
+    rows = {r["name"]: r for r in backends.status()["backends"]}
+    assert rows["main"]["calls"] == {"agent": 1, "aux": 0} and not rows["far"]["ready"]
+    assert 'warmslot_backend_ready{backend="far"} 0' in backends.metrics()
+    assert 'warmslot_backend_requests_total{backend="main",kind="agent"} 1' in backends.metrics()
+
+
+def test_a_failing_choice_fails_open_to_the_first_ready_backend() -> None:
+    host, backends = _set()
+
+    def broken(*_a: object, **_k: object) -> object:
+        raise RuntimeError("bug")
+
+    backends.affinity.choose = broken  # type: ignore[method-assign]
+    pick, upstream = backends.choose("s1", False, "K")
+    assert pick.backend == "main" and upstream is backends.backends["main"].upstream
+    assert "backend choice failed" in pick.why
+    assert any("choosing a backend failed" in getattr(e, "text", "") for e in host.events)
