@@ -9,7 +9,7 @@ import pytest
 import tomlkit
 
 from core import config
-from core.config import SCHEMA, Settings
+from core.config import SCHEMA, Settings, migrations
 from core.errors import ConfigError
 
 
@@ -246,8 +246,8 @@ def two_migrations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         ran.append(2)
         return _slots_from_parallel(doc)
 
-    monkeypatch.setattr(config, "SCHEMA_VERSION", 3)
-    monkeypatch.setattr(config, "MIGRATIONS", {1: m1, 2: m2})
+    monkeypatch.setattr(migrations, "SCHEMA_VERSION", 3)
+    monkeypatch.setattr(migrations, "MIGRATIONS", {1: m1, 2: m2})
     return ran
 
 
