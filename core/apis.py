@@ -133,7 +133,8 @@ _BILLING = "x-anthropic-billing-header:"
 def _billing_normalized(text: str) -> str:
     # Claude Code opens its system prompt with a billing line whose `cch=xxxxx` stamp
     # changes on every request; llama-server overwrites it with "fffff" so the prefix
-    # cache gets past it (upstream llama.cpp PR 21793). The view must render the same.
+    # cache gets past it (upstream llama.cpp PR 21793,
+    # docs/llama-server-facts.md#anthropic-billing-header). The view must render the same.
     if not text.startswith(_BILLING):
         return text
     at = text.find("cch=", len(_BILLING))
