@@ -185,6 +185,12 @@ def derive_state(
     for worker in status["workers"]["workers"] if status["workers"] is not None else []:
         if worker["state"] == "left out" and "not answering" in worker["note"]:
             warnings.append(f"RPC worker {worker['label']} is gone: running without it")
+    backends = status.get("backends")  # several backends (docs/scale.md#several-backends)
+    for b in backends["backends"] if backends is not None else []:
+        if not b["ready"] and b["name"] != "main":  # main's state is the server's own
+            warnings.append(
+                f"backend {b['name']} is not ready ({b['state']}): sessions go elsewhere"
+            )
     if error := cache_error(status):
         warnings.append(f"cache status failed: {error}")
     if warnings:

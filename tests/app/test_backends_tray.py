@@ -1,0 +1,46 @@
+"""The tray with several backends: one that is not ready degrades it, and says which
+(docs/scale.md#several-backends)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.state import TrayState, derive_state
+from tests.app.conftest import NOW
+from tests.fixtures import demo_data as demo
+
+
+def _row(name: str, ready: bool, state: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "where": "launched here",
+        "ready": ready,
+        "state": state,
+        "port": None,
+        "pid": None,
+        "inflight": 0,
+        "active_sessions": 0,
+        "calls": {"agent": 0, "aux": 0},
+        "moved_in": 0,
+        "errors": 0,
+        "prompt_tokens": 0,
+        "cached_tokens": 0,
+        "hit_ratio": None,
+    }
+
+
+def test_a_backend_that_is_not_ready_degrades_the_tray() -> None:
+    st: Any = demo.status(NOW)
+    healthy = derive_state(st).tray
+    st["backends"] = {
+        "backends": [_row("main", True, "ready"), _row("gpu1", True, "ready")],
+        "sessions": 2,
+        "moved": 0,
+    }
+    assert derive_state(st).tray is healthy
+    st["backends"]["backends"][1] = _row("gpu1", False, "starting — restart 1 in 0.5 s")
+    lost = derive_state(st)
+    assert (lost.tray, lost.detail) == (
+        TrayState.DEGRADED,
+        "backend gpu1 is not ready (starting — restart 1 in 0.5 s): sessions go elsewhere",
+    )
