@@ -15,12 +15,14 @@ import sqlite3
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import Any, cast
 
 from core import config as config_mod
 from core.cache.explain import format_explanation, from_row
 from core.keys import client_key
 from core.paths import Paths
+from core.status import Explanation
+from core.telemetry_rows import ExplanationRow
 
 
 class NotFound(Exception):
@@ -29,7 +31,7 @@ class NotFound(Exception):
 
 def fetch_explanation(
     paths: Paths, request_id: str | None, timeout: float = 10.0
-) -> dict[str, Any] | None:
+) -> Explanation | None:
     """The running instance's explanation of `request_id` (the latest when None); None
     when no instance runs; raises NotFound (its message) when it has none."""
     try:
@@ -46,7 +48,8 @@ def fetch_explanation(
         req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            data: dict[str, Any] = json.loads(resp.read())
+            # Our own endpoint's JSON, built from the same type (core.status).
+            data: Explanation = json.loads(resp.read())
             return data
     except urllib.error.HTTPError as e:
         if e.code == 404:
@@ -60,7 +63,7 @@ def fetch_explanation(
         return None
 
 
-def from_database(paths: Paths, request_id: str | None) -> dict[str, Any] | None:
+def from_database(paths: Paths, request_id: str | None) -> Explanation | None:
     """The explanation as the telemetry database recorded it (read-only), or None."""
     db = paths.telemetry_db
     if not db.exists():
@@ -79,7 +82,8 @@ def from_database(paths: Paths, request_id: str | None) -> dict[str, Any] | None
         return None
     finally:
         conn.close()
-    return from_row(dict(row)) if row is not None else None
+    # Every column of the explanations table (core.telemetry_rows.ExplanationRow).
+    return from_row(cast(ExplanationRow, dict(row))) if row is not None else None
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

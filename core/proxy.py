@@ -59,7 +59,14 @@ from core.proxy_headers import (
 from core.router import Decision, Refused, Router, metadata_session, session_key
 from core.server.client import STALE_RETRIES, Timings, stale_connection
 from core.server.upstream import Upstream
-from core.status import CacheStatus, EvictResult, PinResult, RewarmResult, Status
+from core.status import (
+    CacheStatus,
+    EvictResult,
+    Explanation,
+    PinResult,
+    RewarmResult,
+    Status,
+)
 from core.telemetry import safe_text
 
 log = logging.getLogger("warmslot.proxy")
@@ -381,7 +388,7 @@ class Proxy:
         self.on_demand: Callable[[], Awaitable[None]] | None = None
         self.models: Callable[[], dict[str, Any]] | None = None
         # A request's explanation by id (None: the latest), for `warmslot explain`.
-        self.explain: Callable[[str | None], Awaitable[dict[str, Any] | None]] | None = None
+        self.explain: Callable[[str | None], Awaitable[Explanation | None]] | None = None
         # Take Claude Code's attribution line out of /v1/messages bodies (setting
         # proxy.strip_billing_header; core.apis.strip_billing_header).
         self.strip_billing_header: Callable[[], bool] = lambda: True

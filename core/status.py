@@ -474,6 +474,60 @@ class DiskUsage(TypedDict):
     quarantined: dict[str, str]
 
 
+class ExplainedRequest(TypedDict):
+    """The request an explanation is about (core.cache.explain)."""
+
+    request_id: str
+    client: str
+    session: str | None
+    slot: int | None
+    kind: NotRequired[str]  # the keys below: kept in memory, not in the database
+    endpoint: NotRequired[str]
+    edits: NotRequired[list[str]]  # what the proxy changed in the body (core.apis)
+
+
+class ExplainedSection(TypedDict):
+    """A section of a rendered prompt: the system text, a tool, a message."""
+
+    name: str
+    start: int  # its first token
+    n_tokens: int
+
+
+class ExplainedDivergence(TypedDict):
+    """Where a prompt left its slot's previous one."""
+
+    token: int
+    section: str
+    offset: int  # tokens into the section
+    old_section: str
+    before: str  # the text before it, and what followed in the old and the new prompt
+    old: str
+    new: str
+
+
+class Explanation(ExplainedRequest):
+    """Why a request reused what it did: `GET /warmslot/explain`, `warmslot explain`,
+    `status["cache"]["explained"]` (there without `sections`)."""
+
+    ts: float
+    n_tokens: int
+    cache_n: int
+    prompt_n: int
+    previous_tokens: int | None  # the slot's previous prompt; None when none was known
+    divergence: ExplainedDivergence | None
+    lost_tokens: int  # cached tokens thrown away
+    cost_s: float | None  # their prefill at the measured cold rate
+    summary: str
+    compute_ms: float
+    sections: NotRequired[list[ExplainedSection]]
+    ms_per_token: NotRequired[float | None]  # kept in memory, not in the database
+    note: NotRequired[str]
+    id: NotRequired[int]  # the keys below: read back from the database
+    div_token: NotRequired[int | None]
+    div_section: NotRequired[str]
+
+
 class CacheStatus(TypedDict):
     """`Status.cache`: the prefix-cache manager's inventory and background work."""
 
@@ -487,7 +541,7 @@ class CacheStatus(TypedDict):
     divergences: list[Divergence]
     restore_shortfalls: list[Shortfall]
     prefix_saves: dict[str, Any]  # core.cache.prefix_save counts
-    explained: list[dict[str, Any]]  # core.cache.explain, the latest with a divergence
+    explained: list[Explanation]  # the latest that found a divergence, without sections
     context_limits: ContextLimitsStatus
     template_warning: str | None
     unmanaged_apis: dict[str, str]  # route → why it is forwarded unmanaged

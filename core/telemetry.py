@@ -13,7 +13,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -40,6 +40,15 @@ from core.events import (
     SweepRun,
 )
 from core.status import ClientRow, ColdRate, RequestRow, SessionRow, Totals, UserRow
+from core.telemetry_rows import (
+    EventRow,
+    ExplanationRow,
+    HitRateRow,
+    PressureRow,
+    ServerRunRow,
+    SweepRunRow,
+    TtfbMedians,
+)
 
 log = logging.getLogger("warmslot.telemetry")
 
@@ -252,8 +261,8 @@ def _escaped_only(value: str) -> bool:
     return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in value)
 
 
-def _clean(row: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _clean(row: Mapping[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for k, v in row.items():
         if isinstance(v, bool):
             v = int(v)
@@ -277,8 +286,9 @@ class Telemetry:
         self._conn.execute("PRAGMA synchronous=NORMAL")
         migrations.apply(self.db)
         self._clock = clock
-        self._pending: dict[str, list[dict[str, Any]]] = {}
-        self._upserts: list[tuple[str, dict[str, Any], str]] = []
+        # Rows to write, per table: any values (one SQLite cannot store is dropped, counted).
+        self._pending: dict[str, list[dict[str, object]]] = {}
+        self._upserts: list[tuple[str, dict[str, object], str]] = []
         self._last_flush = clock()
         # Rows that could not be written and were dropped (since this object was made),
         # and the causes already logged (each once).
@@ -288,7 +298,8 @@ class Telemetry:
         self._logged: set[str] = set()
 
     # --------------------------------------------------------------- writing
-    def add(self, table: str, row: dict[str, Any]) -> None:
+    def add(self, table: str, row: Mapping[str, object]) -> None:
+        """Buffer one row for `table` (written by `flush`, at the latest every BATCH rows)."""
         self._pending.setdefault(table, []).append(_clean(row))
         held = sum(len(v) for v in self._pending.values())
         if held >= BATCH:
@@ -300,7 +311,8 @@ class Telemetry:
             del rows[:over]
             self._drop(over, table, "BufferFull: the database could not be written")
 
-    def upsert(self, table: str, row: dict[str, Any], pk: str) -> None:
+    def upsert(self, table: str, row: Mapping[str, object], pk: str) -> None:
+        """Buffer an insert-or-replace of one row of `table` by its key column `pk`."""
         self._upserts.append((table, _clean(row), pk))
         if len(self._upserts) > MAX_PENDING:
             del self._upserts[0]
@@ -361,8 +373,8 @@ class Telemetry:
 
     def _keep_unwritten(
         self,
-        pending: dict[str, list[dict[str, Any]]],
-        upserts: list[tuple[str, dict[str, Any], str]],
+        pending: dict[str, list[dict[str, object]]],
+        upserts: list[tuple[str, dict[str, object], str]],
         first: int,
     ) -> None:
         """Buffer again every write from index `first` on (inserts, then upserts)."""
@@ -602,24 +614,24 @@ class Telemetry:
 
     def hit_rate(
         self, bucket: str = "minute", since: float | None = None, until: float | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[HitRateRow]:
         """Per time bucket: requests, prompt tokens, cached tokens and hit ratio."""
         size = BUCKETS[bucket]
         since = self._clock() - 3600 if since is None else since
         until = self._clock() if until is None else until
-        return [
-            {**r, "hit_ratio": (r["cached"] / r["total"]) if r["total"] else None}
-            for r in self._rows(
-                f"""SELECT CAST(ts / {size} AS INTEGER) * {size} AS bucket,
-                           COUNT(*) AS requests,
-                           COALESCE(SUM(cache_n), 0) AS cached,
-                           COALESCE(SUM(prompt_n), 0) AS new,
-                           COALESCE(SUM(cache_n), 0) + COALESCE(SUM(prompt_n), 0) AS total
-                    FROM requests WHERE ts >= ? AND ts < ? AND prompt_n IS NOT NULL
-                    GROUP BY bucket ORDER BY bucket""",
-                [since, until],
-            )
-        ]
+        rows = self._rows(
+            f"""SELECT CAST(ts / {size} AS INTEGER) * {size} AS bucket,
+                       COUNT(*) AS requests,
+                       COALESCE(SUM(cache_n), 0) AS cached,
+                       COALESCE(SUM(prompt_n), 0) AS new,
+                       COALESCE(SUM(cache_n), 0) + COALESCE(SUM(prompt_n), 0) AS total
+                FROM requests WHERE ts >= ? AND ts < ? AND prompt_n IS NOT NULL
+                GROUP BY bucket ORDER BY bucket""",
+            [since, until],
+        )
+        for r in rows:
+            r["hit_ratio"] = r["cached"] / r["total"] if r["total"] else None
+        return cast(list[HitRateRow], rows)  # the SELECT names every key
 
     def totals(self, since: float | None = None) -> Totals:
         """Requests, prompt/cached tokens, hit ratio and an estimate of seconds saved."""
@@ -723,7 +735,8 @@ class Telemetry:
         category: str | None = None,
         kind: str | None = None,
         since: float | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[EventRow]:
+        """The latest events (of a category, of a kind, since a time), newest first."""
         where = ["ts >= ?"]
         params: list[Any] = [0.0 if since is None else since]
         if category:
@@ -737,40 +750,42 @@ class Telemetry:
             f"SELECT * FROM events WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT ?", params
         )
         for r in rows:
-            r["details"] = json.loads(r["details"]) if r.get("details") else {}
-        return rows
+            r["details"] = json.loads(r["details"]) if r["details"] else {}
+        return cast(list[EventRow], rows)  # every column of the table
 
-    def server_runs(self, limit: int = 20) -> list[dict[str, Any]]:
+    def server_runs(self, limit: int = 20) -> list[ServerRunRow]:
+        """The latest runs of llama-server, newest first."""
         rows = self._rows("SELECT * FROM server_runs ORDER BY started DESC LIMIT ?", [limit])
         for r in rows:
-            r["argv"] = json.loads(r["argv"]) if r.get("argv") else []
-            r["last_lines"] = json.loads(r["last_lines"]) if r.get("last_lines") else []
-        return rows
+            r["argv"] = json.loads(r["argv"]) if r["argv"] else []
+            r["last_lines"] = json.loads(r["last_lines"]) if r["last_lines"] else []
+        return cast(list[ServerRunRow], rows)  # every column of the table
 
-    def sweep_runs(self, sweep: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    def sweep_runs(self, sweep: str | None = None, limit: int = 50) -> list[SweepRunRow]:
         """The latest runs of the background sweeps (or of one), newest first."""
         where, params = ("WHERE name = ?", [sweep]) if sweep else ("", [])
         rows = self._rows(
             f"SELECT * FROM sweeps {where} ORDER BY id DESC LIMIT ?", [*params, limit]
         )
         for r in rows:
-            r["details"] = json.loads(r["details"]) if r.get("details") else {}
-        return rows
+            r["details"] = json.loads(r["details"]) if r["details"] else {}
+        return cast(list[SweepRunRow], rows)  # every column of the table
 
-    def pressure_series(self, since: float | None = None) -> list[dict[str, Any]]:
+    def pressure_series(self, since: float | None = None) -> list[PressureRow]:
+        """Pressure samples since `since` (default: the last hour), oldest first."""
         since = self._clock() - 3600 if since is None else since
         rows = self._rows("SELECT * FROM pressure WHERE ts >= ? ORDER BY ts", [since])
         for r in rows:
-            r["gpus"] = json.loads(r["gpus"]) if r.get("gpus") else []
-        return rows
+            r["gpus"] = json.loads(r["gpus"]) if r["gpus"] else []
+        return cast(list[PressureRow], rows)  # every column of the table
 
-    def ttfb(self, since: float | None = None) -> dict[str, Any]:
+    def ttfb(self, since: float | None = None) -> TtfbMedians:
         """Medians for warm (mostly cached) and cold requests: prefill time (`prompt_ms`,
         keys ``warm_prefill``/``cold_prefill``) and the time to first byte of streamed
         requests (``warm``/``cold``). A non-streamed response's first byte comes after
         the whole generation, which hides what the cache saved (issue 18)."""
         since = 0.0 if since is None else since
-        out: dict[str, Any] = {}
+        out: dict[str, float | int | None] = {}
         for name, cond in (("warm", "cache_n > prompt_n"), ("cold", "cache_n <= prompt_n")):
             for key, column, extra in (
                 (name, "ttfb_ms", "AND stream = 1"),
@@ -786,15 +801,16 @@ class Telemetry:
                 ]
                 out[key] = vals[len(vals) // 2] if vals else None
                 out[f"{key}_n"] = len(vals)
-        return out
+        return cast(TtfbMedians, out)  # the loops above write every key
 
-    def explanations(self, limit: int = 50, diverged: bool = False) -> list[dict[str, Any]]:
+    def explanations(self, limit: int = 50, diverged: bool = False) -> list[ExplanationRow]:
         """The latest explanations (core.cache.explain), newest first; `diverged`: only
         those that left their slot's previous prompt. Sections and divergence as JSON text."""
         where = "WHERE div_token IS NOT NULL" if diverged else ""
-        return self._rows(f"SELECT * FROM explanations {where} ORDER BY id DESC LIMIT ?", [limit])
+        rows = self._rows(f"SELECT * FROM explanations {where} ORDER BY id DESC LIMIT ?", [limit])
+        return cast(list[ExplanationRow], rows)  # every column of the table
 
-    def explanation(self, request_id: str | None = None) -> dict[str, Any] | None:
+    def explanation(self, request_id: str | None = None) -> ExplanationRow | None:
         """One request's explanation (the latest when `request_id` is None)."""
         if request_id is None:
             rows = self._rows("SELECT * FROM explanations ORDER BY id DESC LIMIT 1")
@@ -803,4 +819,4 @@ class Telemetry:
                 "SELECT * FROM explanations WHERE request_id = ? ORDER BY id DESC LIMIT 1",
                 [request_id],
             )
-        return rows[0] if rows else None
+        return cast(ExplanationRow, rows[0]) if rows else None  # every column of the table

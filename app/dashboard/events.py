@@ -10,6 +10,7 @@ from app import fmt
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import QtGui, QtWidgets
 from core.events import CacheEventKind
+from core.telemetry_rows import EventRow
 
 CATEGORIES = ["all", "cache", "server", "pressure", "notice", "build", "settings"]
 # The cache event kinds the kind filter offers (any other can be typed in).
@@ -110,8 +111,8 @@ class EventsTab(Tab):
         self.outer.addWidget(self.details)
         self.count_label = QtWidgets.QLabel("")
         self.outer.addWidget(self.count_label)
-        self.rows: list[dict[str, Any]] = []
-        self.shown: list[dict[str, Any]] = []
+        self.rows: list[EventRow] = []
+        self.shown: list[EventRow] = []
 
     def requests(self) -> dict[str, Request]:
         kw: dict[str, Any] = {"limit": LIMIT}
@@ -136,7 +137,7 @@ class EventsTab(Tab):
         self.shown = [
             r
             for r in self.rows
-            if not needle or needle in (r.get("reason") or "").lower() or needle in r["kind"]
+            if not needle or needle in (r["reason"] or "").lower() or needle in r["kind"]
         ]
         fill(
             self.table,
@@ -145,11 +146,11 @@ class EventsTab(Tab):
                     fmt.clock(r["ts"], with_date=True),
                     r["category"],
                     r["kind"],
-                    r.get("reason") or "",
-                    r.get("slot"),
-                    r.get("tokens"),
-                    fmt.size(r["bytes"]) if r.get("bytes") is not None else "",
-                    r.get("fingerprint") or "",
+                    r["reason"] or "",
+                    r["slot"],
+                    r["tokens"],
+                    fmt.size(r["bytes"]) if r["bytes"] is not None else "",
+                    r["fingerprint"] or "",
                 ]
                 for r in self.shown
             ],
@@ -168,6 +169,6 @@ class EventsTab(Tab):
             return
         r = self.shown[rows[0].row()]
         self.details.setPlainText(
-            f"{r['category']}/{r['kind']}: {r.get('reason') or ''}\n"
-            + json.dumps(r.get("details") or {}, indent=1, default=str)
+            f"{r['category']}/{r['kind']}: {r['reason'] or ''}\n"
+            + json.dumps(r["details"], indent=1, default=str)
         )

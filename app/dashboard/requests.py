@@ -13,13 +13,15 @@ from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import QtWidgets
 from core.cache.explain import from_row
 from core.events import CacheEventKind
+from core.status import Explanation, RequestRow
+from core.telemetry_rows import EventRow, ExplanationRow
 
 LIMIT = 200
 
 
-def hit_ratio(r: dict[str, Any]) -> float | None:
-    total = (r.get("cache_n") or 0) + (r.get("prompt_n") or 0)
-    return (r.get("cache_n") or 0) / total if total else None
+def hit_ratio(r: RequestRow) -> float | None:
+    cached, new = r["cache_n"] or 0, r["prompt_n"] or 0
+    return cached / (cached + new) if cached + new else None
 
 
 class RequestsTab(Tab):
@@ -59,9 +61,9 @@ class RequestsTab(Tab):
         self.details.setMaximumHeight(150)
         self.details.setPlaceholderText("Select a request to see all its fields.")
         self.outer.addWidget(self.details)
-        self.rows: list[dict[str, Any]] = []
-        self.divergences: dict[str, dict[str, Any]] = {}
-        self.explained: dict[str, dict[str, Any]] = {}
+        self.rows: list[RequestRow] = []
+        self.divergences: dict[str, EventRow] = {}
+        self.explained: dict[str, Explanation] = {}
 
     def requests(self) -> dict[str, Request]:
         return {
@@ -75,13 +77,13 @@ class RequestsTab(Tab):
 
     def apply(self, results: dict[str, Any]) -> None:
         if "divergences" in results:
+            events: list[EventRow] = results["divergences"]
             self.divergences = {
-                str(e["details"].get("request_id")): e
-                for e in results["divergences"]
-                if e.get("details", {}).get("request_id")
+                str(e["details"]["request_id"]): e for e in events if e["details"].get("request_id")
             }
         if "explained" in results:
-            self.explained = {str(e["request_id"]): from_row(e) for e in results["explained"]}
+            rows: list[ExplanationRow] = results["explained"]
+            self.explained = {e["request_id"]: from_row(e) for e in rows}
         if "requests" not in results:
             return
         self.rows = results["requests"]
@@ -90,23 +92,27 @@ class RequestsTab(Tab):
             [
                 [
                     fmt.clock(r["ts"]),
-                    r.get("client") or "",
-                    r.get("session") or "",
-                    r.get("kind") or "",
-                    r.get("status"),
-                    r.get("slot"),
-                    r.get("cache_n"),
-                    r.get("prompt_n"),
+                    r["client"] or "",
+                    r["session"] or "",
+                    r["kind"] or "",
+                    r["status"],
+                    r["slot"],
+                    r["cache_n"],
+                    r["prompt_n"],
                     fmt.pct(hit_ratio(r)),
-                    fmt.duration((r["prompt_ms"] or 0) / 1000) if r.get("prompt_ms") else "—",
-                    fmt.duration(r["ttfb_ms"] / 1000) if r.get("ttfb_ms") else "—",
-                    ("cache broke: " if r.get("request_id") in self.divergences else "")
-                    + (r.get("error") or ""),
-                    (self.explained.get(str(r.get("request_id"))) or {}).get("summary", ""),
+                    fmt.duration(r["prompt_ms"] / 1000) if r["prompt_ms"] else "—",
+                    fmt.duration(r["ttfb_ms"] / 1000) if r["ttfb_ms"] else "—",
+                    ("cache broke: " if r["request_id"] in self.divergences else "")
+                    + (r["error"] or ""),
+                    self._summary(r["request_id"]),
                 ]
                 for r in self.rows
             ],
         )
+
+    def _summary(self, request_id: str) -> str:
+        rec = self.explained.get(request_id)
+        return rec["summary"] if rec is not None else ""
 
     def _show_details(self) -> None:
         picked = self.table.selectionModel().selectedRows()
@@ -116,25 +122,26 @@ class RequestsTab(Tab):
             return
         r = self.rows[picked[0].row()]
         text = json.dumps(r, indent=1, default=str)
-        div = self.divergences.get(str(r.get("request_id")))
+        div = self.divergences.get(r["request_id"])
         if div is not None:
             text = f"Divergence: {div['reason']}\n\n{text}"
         self.details.setPlainText(text)
-        rec = self.explained.get(str(r.get("request_id")))
+        rec = self.explained.get(r["request_id"])
         if rec is not None:
             self.show_why(rec)
 
-    def show_why(self, rec: dict[str, Any]) -> None:
+    def show_why(self, rec: Explanation) -> None:
         """The request's explanation as a tree: why, then its sections (the one where it
         diverged marked and selected)."""
         self.why.clear()
         top = QtWidgets.QTreeWidgetItem(
-            [f"why: {rec.get('summary') or '—'}", "", f"{rec.get('n_tokens', 0):,}", ""]
+            [f"why: {rec['summary'] or '—'}", "", f"{rec['n_tokens']:,}", ""]
         )
         self.why.addTopLevelItem(top)
-        div = rec.get("divergence") or None
+        div = rec["divergence"]
         for s in rec.get("sections") or []:
-            inside = bool(div) and s["start"] <= div["token"] < s["start"] + max(1, s["n_tokens"])
+            end = s["start"] + max(1, s["n_tokens"])
+            inside = div is not None and s["start"] <= div["token"] < end
             mark = f"← diverged at token {div['token']:,}" if inside and div else ""
             item = QtWidgets.QTreeWidgetItem(
                 [s["name"], f"{s['start']:,}", f"{s['n_tokens']:,}", mark]

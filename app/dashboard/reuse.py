@@ -12,7 +12,9 @@ from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.dashboard.buckets import BucketCache
 from app.qt import QtWidgets
 from core.events import CacheEventKind
+from core.status import ClientRow
 from core.telemetry import BUCKETS
+from core.telemetry_rows import EventRow, TtfbMedians
 
 # bucket → (label, window in seconds)
 WINDOWS: dict[str, tuple[str, int]] = {
@@ -35,16 +37,15 @@ def window(bucket: str, now: float) -> tuple[float, float, int]:
     return float(since), now, size
 
 
-def ttfb_bars(t: dict[str, Any]) -> list[tuple[str, float]]:
+def ttfb_bars(t: TtfbMedians) -> list[tuple[str, float]]:
     """(label, median ms) bars: prefill warm/cold, then streamed first byte warm/cold."""
-    bars = []
-    for key, what in (("prefill", "prefill"), ("", "first byte")):
-        for temp in ("warm", "cold"):
-            name = f"{temp}_{key}" if key else temp
-            n = t.get(f"{name}_n") or 0
-            if n:
-                bars.append((f"{what} {temp} (n={n:,})", round(t[name] or 0.0, 1)))
-    return bars
+    medians = (
+        ("prefill warm", t["warm_prefill"], t["warm_prefill_n"]),
+        ("prefill cold", t["cold_prefill"], t["cold_prefill_n"]),
+        ("first byte warm", t["warm"], t["warm_n"]),
+        ("first byte cold", t["cold"], t["cold_n"]),
+    )
+    return [(f"{what} (n={n:,})", round(ms or 0.0, 1)) for what, ms, n in medians if n]
 
 
 class ReuseTab(Tab):
@@ -177,38 +178,38 @@ class ReuseTab(Tab):
             f"({fmt.pct(total_c / total if total else None)})"
         )
 
-    def apply_ttfb(self, t: dict[str, Any]) -> None:
+    def apply_ttfb(self, t: TtfbMedians) -> None:
         """Prefill time warm vs cold (what the cache saves), then the first byte of streamed
         requests warm vs cold; a non-streamed first byte includes generation and is left out."""
-        if not t.get("warm_prefill_n") and not t.get("cold_prefill_n"):
+        if not t["warm_prefill_n"] and not t["cold_prefill_n"]:
             self.ttfb.show_message("No requests with timings in this window yet.")
             return
         self.ttfb.show_chart()
         self.ttfb.set_bars(ttfb_bars(t))
 
-    def apply_clients(self, rows: list[dict[str, Any]]) -> None:
-        rows = [r for r in rows if r["hit_ratio"] is not None][:TOP_CLIENTS]
-        if not rows:
+    def apply_clients(self, rows: list[ClientRow]) -> None:
+        rated = [(r, ratio) for r in rows if (ratio := r["hit_ratio"]) is not None][:TOP_CLIENTS]
+        if not rated:
             self.clients.show_message("No client has sent a request in this window yet.")
             return
         self.clients.show_chart()
         self.clients.set_bars(
             [
-                (f"{r['client'] or '?'} ({r['requests']:,})", round(r["hit_ratio"] * 100, 1))
-                for r in rows
+                (f"{r['client'] or '?'} ({r['requests']:,})", round(ratio * 100, 1))
+                for r, ratio in rated
             ]
         )
 
-    def apply_divergences(self, rows: list[dict[str, Any]]) -> None:
+    def apply_divergences(self, rows: list[EventRow]) -> None:
         fill(
             self.divergences,
             [
                 [
                     fmt.clock(r["ts"], with_date=True),
-                    (r.get("details") or {}).get("client", ""),
-                    r.get("slot"),
-                    r.get("tokens"),
-                    r.get("reason", ""),
+                    str(r["details"].get("client", "")),
+                    r["slot"],
+                    r["tokens"],
+                    r["reason"] or "",
                 ]
                 for r in rows
             ],

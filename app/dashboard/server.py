@@ -11,6 +11,7 @@ from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import Qt, QtGui, QtWidgets
 from core.events import BuildProgress, LogLine
 from core.status import ExitInfo, ServerStatus, Status
+from core.telemetry_rows import ServerRunRow
 
 LOG_BLOCKS = 2000
 LEVEL_COLORS = {"error": "#c92a2a", "warn": "#e67700", "warning": "#e67700"}
@@ -171,19 +172,19 @@ class ServerTab(Tab):
             "before). The flags are in the command line above."
         )
 
-    def apply_runs(self, runs: list[dict[str, Any]]) -> None:
+    def apply_runs(self, runs: list[ServerRunRow]) -> None:
         fill(
             self.runs,
             [
                 [
-                    fmt.clock(r.get("started"), with_date=True),
-                    fmt.duration(r["ended"] - r["started"]) if r.get("ended") else "running",
-                    r.get("attempt") or "",
-                    r.get("outcome") or ("running" if not r.get("ended") else "?"),
-                    f"signal {r['signal']}" if r.get("signal") else r.get("returncode"),
-                    r.get("requested_by") or "",
-                    r.get("pid"),
-                    r.get("port"),
+                    fmt.clock(r["started"], with_date=True),
+                    fmt.duration(ended - r["started"]) if (ended := r["ended"]) else "running",
+                    r["attempt"] or "",
+                    r["outcome"] or ("running" if not r["ended"] else "?"),
+                    f"signal {r['signal']}" if r["signal"] else r["returncode"],
+                    r["requested_by"] or "",
+                    r["pid"],
+                    r["port"],
                 ]
                 for r in runs
             ],

@@ -27,6 +27,12 @@ from typing import Any, Protocol
 from core.cache import prefix as pfx
 from core.events import Event, RequestExplained
 from core.proxy_headers import PrefillRate
+from core.status import (
+    ExplainedRequest,
+    ExplainedSection,
+    Explanation,
+)
+from core.telemetry_rows import ExplanationRow
 
 log = logging.getLogger("warmslot.cache.explain")
 
@@ -188,10 +194,10 @@ class SlotPrompt:
 
     ids: list[int]
     pieces: list[bytes]
-    sections: list[dict[str, Any]]
+    sections: list[ExplainedSection]
 
 
-def section_at(sections: list[dict[str, Any]], token: int) -> dict[str, Any] | None:
+def section_at(sections: list[ExplainedSection], token: int) -> ExplainedSection | None:
     """The section holding token index `token`."""
     starts = [s["start"] for s in sections]
     k = bisect.bisect_right(starts, token) - 1
@@ -202,9 +208,9 @@ def _text(pieces: list[bytes]) -> str:
     return b"".join(pieces).decode("utf-8", errors="replace")
 
 
-def summary(rec: dict[str, Any]) -> str:
+def summary(rec: Explanation) -> str:
     """One line: where the request left the slot's previous prompt, and what it cost."""
-    div = rec.get("divergence")
+    div = rec["divergence"]
     if div is None:
         head = rec.get("note") or "no divergence"
     else:
@@ -213,9 +219,10 @@ def summary(rec: dict[str, Any]) -> str:
             f"tokens into it): …{div['before'][-30:]!r} then {div['old'][:30]!r} → "
             f"{div['new'][:30]!r}"
         )
-    tail = f"; {rec['lost_tokens']:,} cached tokens thrown away" if rec.get("lost_tokens") else ""
-    if rec.get("cost_s") is not None and rec.get("lost_tokens"):
-        tail += f", ~{rec['cost_s']:.1f} s of prefill at {rec['ms_per_token']:.2f} ms/token"
+    lost, cost, rate = rec["lost_tokens"], rec["cost_s"], rec.get("ms_per_token")
+    tail = f"; {lost:,} cached tokens thrown away" if lost else ""
+    if cost is not None and lost:
+        tail += f", ~{cost:.1f} s of prefill" + (f" at {rate:.2f} ms/token" if rate else "")
     return head + tail
 
 
@@ -225,7 +232,7 @@ class Explainer:
 
     def __init__(self, publish: Callable[[Event], None]) -> None:
         self._publish = publish
-        self.recent: deque[dict[str, Any]] = deque(maxlen=KEEP)
+        self.recent: deque[Explanation] = deque(maxlen=KEEP)
         self.rate = PrefillRate()
         self.previous: dict[int, SlotPrompt] = {}  # by slot
         self._lock = asyncio.Lock()
@@ -243,17 +250,17 @@ class Explainer:
     async def explain(
         self,
         client: Tokenizer,
-        request: dict[str, Any],
+        request: ExplainedRequest,
         render: dict[str, Any] | None,
         cache_n: int,
         prompt_n: int,
         prompt_ms: float | None,
-    ) -> dict[str, Any] | None:
+    ) -> Explanation | None:
         """Explain one completed request (`request`: request_id, client, session, slot,
         kind, endpoint). `render` is its chat body for `/apply-template` (None: it cannot
         be rendered, and the slot's previous prompt is forgotten). Never raises."""
         self.rate.feed(cache_n, prompt_n, prompt_ms)
-        slot = request.get("slot")
+        slot = request["slot"]
         if render is None or self._waiting >= MAX_WAITING:
             self.skipped += render is not None
             if isinstance(slot, int):
@@ -264,7 +271,7 @@ class Explainer:
             async with self._lock:
                 return await self._explain(client, request, render, cache_n, prompt_n)
         except Exception as e:  # explaining never breaks anything; the slot is forgotten
-            log.warning("could not explain request %s: %r", request.get("request_id"), e)
+            log.warning("could not explain request %s: %r", request["request_id"], e)
             if isinstance(slot, int):
                 self.previous.pop(slot, None)
             return None
@@ -274,11 +281,11 @@ class Explainer:
     async def _explain(
         self,
         client: Tokenizer,
-        request: dict[str, Any],
+        request: ExplainedRequest,
         render: dict[str, Any],
         cache_n: int,
         prompt_n: int,
-    ) -> dict[str, Any]:
+    ) -> Explanation:
         t0 = time.perf_counter()
         rendered = await client.apply_template(render)
         toks = await client.tokenize_pieces(rendered, add_special=True)
@@ -286,16 +293,19 @@ class Explainer:
         pieces = [p for _, p in toks]
         parts = spans(render, rendered)
         starts = TokenMap(rendered, pieces).tokens_at(s.start for s in parts)
-        sections = []
+        sections: list[ExplainedSection] = []
         for k, (span, first) in enumerate(zip(parts, starts, strict=True)):
             last = starts[k + 1] if k + 1 < len(starts) else len(ids)
             if span.start == 0:
                 first = 0  # the tokens before the text (BOS) are the first section's
             sections.append({"name": span.name, "start": first, "n_tokens": max(0, last - first)})
-        slot = request.get("slot")
-        before = self.previous.get(slot) if isinstance(slot, int) else None
-        rec: dict[str, Any] = {
-            **request,
+        slot = request["slot"]
+        before = self.previous.get(slot) if slot is not None else None
+        rec: Explanation = {
+            "request_id": request["request_id"],
+            "client": request["client"],
+            "session": request["session"],
+            "slot": slot,
             "ts": time.time(),
             "n_tokens": len(ids),
             "cache_n": cache_n,
@@ -306,14 +316,23 @@ class Explainer:
             "ms_per_token": self.rate.ms_per_token,
             "cost_s": None,
             "note": "",
+            "summary": "",
+            "compute_ms": 0.0,
         }
+        if "kind" in request:
+            rec["kind"] = request["kind"]
+        if "endpoint" in request:
+            rec["endpoint"] = request["endpoint"]
+        if "edits" in request:
+            rec["edits"] = request["edits"]
         if before is None:
             rec["note"] = "no earlier prompt of this slot to compare with"
         else:
             i = pfx.common_prefix_len(before.ids, ids)
             if i < len(before.ids) and i < len(ids):
-                new_sec = section_at(sections, i) or {"name": "?", "start": 0}
-                old_sec = section_at(before.sections, i) or {"name": "?", "start": 0}
+                unknown: ExplainedSection = {"name": "?", "start": 0, "n_tokens": 0}
+                new_sec = section_at(sections, i) or unknown
+                old_sec = section_at(before.sections, i) or unknown
                 rec["divergence"] = {
                     "token": i,
                     "section": new_sec["name"],
@@ -334,9 +353,10 @@ class Explainer:
                     "slot no longer held the previous prompt (another request, a restore, "
                     "or a sliding-window checkpoint before that point)"
                 )
-        if rec["lost_tokens"] and rec["ms_per_token"] is not None:
-            rec["cost_s"] = round(rec["lost_tokens"] * rec["ms_per_token"] / 1000, 3)
-        if isinstance(slot, int):
+        rate = self.rate.ms_per_token
+        if rec["lost_tokens"] and rate is not None:
+            rec["cost_s"] = round(rec["lost_tokens"] * rate / 1000, 3)
+        if slot is not None:
             self.previous[slot] = SlotPrompt(ids, pieces, sections)
         if len(sections) > MAX_SECTIONS:
             sections = sections[:1] + sections[-(MAX_SECTIONS - 1) :]
@@ -347,66 +367,68 @@ class Explainer:
         self._publish(event_of(rec))
         return rec
 
-    def find(self, request_id: str | None) -> dict[str, Any] | None:
+    def find(self, request_id: str | None) -> Explanation | None:
         """A kept explanation by request id (the latest when None)."""
         if request_id is None:
             return self.recent[0] if self.recent else None
         return next((r for r in self.recent if r["request_id"] == request_id), None)
 
-    def status(self, n: int = 5) -> list[dict[str, Any]]:
+    def status(self, n: int = 5) -> list[Explanation]:
         """The last `n` explanations that found a divergence, without their sections."""
-        out = []
+        out: list[Explanation] = []
         for r in self.recent:
-            if r.get("divergence") is not None:
-                out.append({k: v for k, v in r.items() if k != "sections"})
+            if r["divergence"] is not None:
+                short = r.copy()
+                short.pop("sections", None)
+                out.append(short)
                 if len(out) >= n:
                     break
         return out
 
 
-def event_of(rec: dict[str, Any]) -> RequestExplained:
+def event_of(rec: Explanation) -> RequestExplained:
     """The telemetry event of an explanation."""
-    div = rec.get("divergence") or {}
+    div = rec["divergence"]
     return RequestExplained(
-        request_id=str(rec["request_id"]),
-        client=str(rec.get("client") or ""),
-        session=str(rec.get("session") or ""),
-        slot=rec.get("slot"),
-        n_tokens=int(rec["n_tokens"]),
-        cache_n=int(rec["cache_n"]),
-        prompt_n=int(rec["prompt_n"]),
-        previous_tokens=rec.get("previous_tokens"),
-        div_token=div.get("token"),
-        div_section=str(div.get("section") or ""),
-        lost_tokens=int(rec.get("lost_tokens") or 0),
-        cost_s=rec.get("cost_s"),
-        summary=str(rec.get("summary") or ""),
+        request_id=rec["request_id"],
+        client=rec["client"] or "",
+        session=rec["session"] or "",
+        slot=rec["slot"],
+        n_tokens=rec["n_tokens"],
+        cache_n=rec["cache_n"],
+        prompt_n=rec["prompt_n"],
+        previous_tokens=rec["previous_tokens"],
+        div_token=div["token"] if div is not None else None,
+        div_section=div["section"] if div is not None else "",
+        lost_tokens=rec["lost_tokens"],
+        cost_s=rec["cost_s"],
+        summary=rec["summary"],
         sections=json.dumps(rec.get("sections") or []),
-        divergence=json.dumps(rec.get("divergence")),
-        compute_ms=float(rec.get("compute_ms") or 0.0),
+        divergence=json.dumps(div),
+        compute_ms=rec["compute_ms"],
     )
 
 
-def format_explanation(rec: dict[str, Any]) -> str:
+def format_explanation(rec: Explanation) -> str:
     """`warmslot explain`'s text: the request, its sections with token counts, and the
     divergence."""
     lines = [
-        f"request {rec['request_id']}  client {rec.get('client') or '?'}  slot "
-        f"{rec.get('slot')}  session {(rec.get('session') or '—')[:32]}",
+        f"request {rec['request_id']}  client {rec['client'] or '?'}  slot "
+        f"{rec['slot']}  session {(rec['session'] or '—')[:32]}",
         f"prompt: {rec['n_tokens']:,} tokens; the server reused {rec['cache_n']:,} and read "
         f"{rec['prompt_n']:,}"
         + (
             f"; the slot's previous prompt had {rec['previous_tokens']:,}"
-            if rec.get("previous_tokens") is not None
+            if rec["previous_tokens"] is not None
             else ""
         ),
-        f"why: {rec.get('summary') or summary(rec)}",
+        f"why: {rec['summary'] or summary(rec)}",
     ]
     if rec.get("edits"):
         # The proxy's own edit of the body (core.apis.strip_billing_header): the prompt
         # above is the edited one, not the client's bytes.
         lines.append(f"edited by the proxy: {', '.join(rec['edits'])}")
-    div = rec.get("divergence") or None
+    div = rec["divergence"]
     if div and rec.get("note"):
         lines.append(f"note: {rec['note']}")
     lines.append("sections:")
@@ -418,23 +440,39 @@ def format_explanation(rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def from_row(row: dict[str, Any]) -> dict[str, Any]:
+def from_row(row: ExplanationRow) -> Explanation:
     """An explanation as telemetry stored it, in the in-memory shape."""
-    out = dict(row)
-    out["sections"] = json.loads(row.get("sections") or "[]")
-    out["divergence"] = json.loads(row.get("divergence") or "null")
-    return out
+    return {
+        "id": row["id"],
+        "request_id": row["request_id"],
+        "client": row["client"],
+        "session": row["session"],
+        "slot": row["slot"],
+        "ts": row["ts"],
+        "n_tokens": row["n_tokens"],
+        "cache_n": row["cache_n"],
+        "prompt_n": row["prompt_n"],
+        "previous_tokens": row["previous_tokens"],
+        "div_token": row["div_token"],
+        "div_section": row["div_section"],
+        "lost_tokens": row["lost_tokens"],
+        "cost_s": row["cost_s"],
+        "summary": row["summary"],
+        "compute_ms": row["compute_ms"],
+        "sections": json.loads(row["sections"] or "[]"),
+        "divergence": json.loads(row["divergence"] or "null"),
+    }
 
 
-def format_recent(explained: list[dict[str, Any]], n: int = 3) -> str:
+def format_recent(explained: list[Explanation], n: int = 3) -> str:
     """`warmslot status`'s lines: the last few requests that left their slot's prompt."""
     if not explained:
         return ""
     lines = ["  last divergences (warmslot explain ID for the sections):"]
     for r in explained[:n]:
         lines.append(
-            f"    {r['request_id']} {r.get('client') or '?'} slot {r.get('slot')}: "
-            f"{r.get('summary') or summary(r)}"
+            f"    {r['request_id']} {r['client'] or '?'} slot {r['slot']}: "
+            f"{r['summary'] or summary(r)}"
         )
     return "\n".join(lines)
 
@@ -444,14 +482,14 @@ class _HasExplainer(Protocol):
 
 
 class _Queries(Protocol):
-    def explanation(self, request_id: str | None = None) -> dict[str, Any] | None: ...
+    def explanation(self, request_id: str | None = None) -> ExplanationRow | None: ...
 
 
 async def lookup(
     managers: Callable[[], Iterable[_HasExplainer]],
     telemetry: Callable[[], _Queries | None],
     request_id: str | None,
-) -> dict[str, Any] | None:
+) -> Explanation | None:
     """A request's explanation (the latest when `request_id` is None): from the cache
     managers' memory, else from the telemetry database; None when there is none."""
     kept = [r for m in managers() if (r := m.explainer.find(request_id)) is not None]

@@ -74,6 +74,7 @@ from core.status import (
     Divergence,
     DivergenceWhere,
     EvictResult,
+    ExplainedRequest,
     PinResult,
     RewarmResult,
     Shortfall,
@@ -580,7 +581,7 @@ class CacheManager:
         client = self.client
         if client is None or req.plan is None:
             return
-        request = {
+        request: ExplainedRequest = {
             "request_id": req.request_id,
             "client": req.client,
             "session": req.plan.session,

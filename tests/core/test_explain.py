@@ -153,7 +153,7 @@ async def test_extension_is_no_divergence_and_a_restore_forgets_the_slot() -> No
     b = {"messages": [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]}
     srv.rendered[json.dumps(a, sort_keys=True)] = "U:one|"
     srv.rendered[json.dumps(b, sort_keys=True)] = "U:one|U:two|"
-    req = {"request_id": "x", "slot": 1}
+    req = {"request_id": "x", "client": "cc", "session": None, "slot": 1}
     await ex.explain(srv, req, a, 0, 7, None)
     rec = await ex.explain(srv, req, b, 7, 6, None)
     assert rec is not None and rec["divergence"] is None and "extends" in rec["note"]
@@ -369,7 +369,13 @@ def test_explain_reads_the_database_when_no_warmslot_runs(
     rec = {
         "request_id": "old-one",
         "client": "cc",
+        "session": "s",
         "slot": 1,
+        "ts": 1.0,
+        "previous_tokens": 30,
+        "cost_s": None,
+        "summary": "",
+        "compute_ms": 1.0,
         "n_tokens": 50,
         "cache_n": 10,
         "prompt_n": 40,
