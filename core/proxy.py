@@ -680,7 +680,7 @@ class Proxy:
         # Claude Code's attribution line: its stamp changes with each session, so a new
         # session's prompt would leave every slot at the system text's first token
         # (docs/clients.md#claude-code).
-        strip = endpoint in ("messages", "messages-count") and self.strip_billing_header()
+        strip = endpoint == "messages" and self.strip_billing_header()
         if strip and apis.strip_billing_header(body):
             edits = (apis.BILLING_HEADER_EDIT,)
         chat = await self._chat_view(endpoint, body, len(raw))
