@@ -26,8 +26,9 @@ from core.status import DivergenceWhere
 # files), MCP instructions (they change every turn) and the skills list.
 # Claude Code's attribution line ("x-anthropic-billing-header: cc_version=…") opens its
 # system text and its stamp changes with each session, not each turn: no marker for it
-# (a cut at 0 leaves no prefix for a system-first template); sessions' common prefix
-# gets past it only to the stamp. CLAUDE_CODE_ATTRIBUTION_HEADER=0 leaves it out.
+# (a cut at 0 leaves no prefix for a system-first template). The proxy takes the line
+# out of the body before anything reads it (core.apis.strip_billing_header), so the
+# profile sees the system text without it.
 _CLAUDE_CODE = (
     # The memory folder is named after the working directory.
     "You have a persistent file-based memory at",
