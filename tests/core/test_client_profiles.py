@@ -117,7 +117,8 @@ def test_claude_code_attribution_line_differs_between_sessions() -> None:
     (sys1, cut1), (sys2, cut2) = cut_of("claude-cli", s1), cut_of("claude-cli", s2)
     # The attribution line opens the system text and its cc_version stamp differs
     # between the two sessions (the same within one) — so the head before the first
-    # cut differs too: the README's CLAUDE_CODE_ATTRIBUTION_HEADER=0 removes the line.
+    # cut differs too: the proxy takes the line out (core.apis.strip_billing_header),
+    # as CLAUDE_CODE_ATTRIBUTION_HEADER=0 makes Claude Code leave it out.
     assert sys1.startswith("x-anthropic-billing-header:")
     assert cut1 is not None and cut2 is not None and sys1[:cut1] != sys2[:cut2]
     stamp = re.compile(r"cc_version=([^;]+);")
