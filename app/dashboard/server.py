@@ -9,6 +9,7 @@ from typing import Any
 from app import fmt
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import Qt, QtGui, QtWidgets
+from core.backends import backend_lines
 from core.events import BuildProgress, LogLine
 from core.status import ExitInfo, ServerStatus, Status
 from core.telemetry_rows import ServerRunRow
@@ -37,6 +38,7 @@ class ServerTab(Tab):
             ("version", "Build"),
             ("model", "Model"),
             ("restarts", "Restarts"),
+            ("backends", "Backends"),  # with [[backends]] (docs/scale.md#several-backends)
         ):
             w = QtWidgets.QLabel("—")
             w.setWordWrap(True)
@@ -137,6 +139,12 @@ class ServerTab(Tab):
         if "status" in results:
             status: Status = results["status"]
             self.apply_status(status["server"])
+            backends = status.get("backends")
+            self.facts["backends"].setText(
+                "\n".join(line.strip() for line in backend_lines(backends)[1:])
+                if backends is not None
+                else "one (the llama-server above)"
+            )
         if "runs" in results:
             self.apply_runs(results["runs"])
 

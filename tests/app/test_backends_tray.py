@@ -44,3 +44,21 @@ def test_a_backend_that_is_not_ready_degrades_the_tray() -> None:
         TrayState.DEGRADED,
         "backend gpu1 is not ready (starting — restart 1 in 0.5 s): sessions go elsewhere",
     )
+
+
+def test_the_server_tab_lists_the_backends(qtbot: Any, offline: Any) -> None:
+    from app.dashboard.server import ServerTab
+
+    tab = ServerTab(offline)
+    qtbot.addWidget(tab)
+    st: Any = demo.status(NOW)
+    tab.apply({"status": st})
+    assert tab.facts["backends"].text() == "one (the llama-server above)"
+    st["backends"] = {
+        "backends": [_row("main", True, "ready"), _row("gpu1", False, "starting")],
+        "sessions": 2,
+        "moved": 1,
+    }
+    tab.apply({"status": st})
+    lines = tab.facts["backends"].text().split("\n")
+    assert [line.split()[:2] for line in lines] == [["main", "ready"], ["gpu1", "starting"]]
