@@ -275,3 +275,28 @@ def test_a_remote_warmslot_backend_serves_until_it_goes_away(make_core: MakeCore
     assert st["backends"]["moved"] == 1
     rows = {r["name"]: r for r in st["backends"]["backends"]}
     assert rows["far"]["calls"]["agent"] == 2 and rows["main"]["moved_in"] == 1
+
+
+def test_killing_the_primary_moves_its_sessions_to_another_backend(make_core: MakeCore) -> None:
+    settings = settings_for(Path(make_tiny_model(cache_dir() / "tiny.gguf")), server__slots=3)
+    settings.backends = [BackendSettings(name="b1")]
+    core = make_core(settings, policy_factory=policy_factory)
+    core.start(wait_ready=True, timeout=300)
+    wait_until(lambda: all(r["ready"] for r in _status(core).values()), 300)
+    head = "You are a careful assistant for project {}. " + "Follow the house rules. " * 20
+    status, h1 = _simple(core, "s-main", head.format("one"), "hello")
+    assert status == 200 and h1["X-Warmslot-Backend"] == "main"
+    status, h2 = _simple(core, "s-b1", head.format("two"), "hello")
+    assert status == 200 and h2["X-Warmslot-Backend"] == "b1"
+    pid = _status(core)["main"]["pid"]
+    assert pid
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not _status(core)["main"]["ready"], 30, message="the kill not seen")
+    status, h3 = _simple(core, "s-main", head.format("one"), "hello again")
+    assert status == 200 and h3["X-Warmslot-Backend"] == "b1", h3
+    # The primary restarts by itself (its supervisor) and takes no session back.
+    wait_until(lambda: _status(core)["main"]["ready"], 120, message="main did not restart")
+    status, h4 = _simple(core, "s-main", head.format("one"), "and again")
+    assert status == 200 and h4["X-Warmslot-Backend"] == "b1"
+    st = core.server_status().result(30)
+    assert st["backends"]["moved"] == 1 and st["server"]["state"] == "ready"
