@@ -63,6 +63,7 @@ from core.status import (
     CacheStatus,
     EvictResult,
     Explanation,
+    ModelList,
     PinResult,
     RewarmResult,
     Status,
@@ -386,7 +387,7 @@ class Proxy:
         # Starts a stopped llama-server and returns once it is ready or could not start
         # (single-model mode; the model pool loads on demand itself).
         self.on_demand: Callable[[], Awaitable[None]] | None = None
-        self.models: Callable[[], dict[str, Any]] | None = None
+        self.models: Callable[[], ModelList] | None = None
         # A request's explanation by id (None: the latest), for `warmslot explain`.
         self.explain: Callable[[str | None], Awaitable[Explanation | None]] | None = None
         # Take Claude Code's attribution line out of /v1/messages bodies (setting

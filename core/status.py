@@ -291,6 +291,31 @@ class ModelRow(TypedDict):
     last_decision: NotRequired[str]
 
 
+class ModelListEntry(TypedDict):
+    """One model in `GET /v1/models` (OpenAI's shape, with Warmslot's own part)."""
+
+    id: str
+    object: str  # "model"
+    owned_by: str
+    warmslot: dict[str, str | bool]  # role, loaded
+
+
+class ModelList(TypedDict):
+    """`GET /v1/models`: every configured model, loaded or not."""
+
+    object: str  # "list"
+    data: list[ModelListEntry]
+
+
+class PoolDecision(TypedDict):
+    """One of the model pool's last decisions (load, unload, refusal …)."""
+
+    ts: float
+    kind: str
+    model: str
+    reason: str
+
+
 class ModelCalls(TypedDict):
     """Calls routed per model (with a model pool)."""
 

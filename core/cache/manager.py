@@ -25,7 +25,7 @@ import sqlite3
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from core import apis
 from core.cache import background as bg
@@ -82,6 +82,15 @@ from core.status import (
 from core.sweeps import Sweeps
 
 log = logging.getLogger("warmslot.cache")
+
+
+class UnloadSaves(TypedDict):
+    """What `CacheManager.save_for_unload` saved before the model's server goes."""
+
+    saved: int  # prefixes saved now
+    on_disk: int  # states of this server's identity on disk afterwards
+    reason: str  # the disk tier's state, in words
+    conversations: NotRequired[dict[str, object]]  # core.cache.conversations.save_all
 
 SCRATCH_WAIT_S = 120.0  # longest a background save waits for the scratch slot to be idle
 # A new session takes another session's idle slot holding its prefix (that session's
@@ -1064,7 +1073,7 @@ class CacheManager:
             with contextlib.suppress(Exception):
                 await asyncio.shield(task)
 
-    async def save_for_unload(self, timeout: float = 120.0) -> dict[str, Any]:
+    async def save_for_unload(self, timeout: float = 120.0) -> UnloadSaves:
         """Before the server is unloaded: finish the saves under way, then save every prefix
         its slots hold that is not on disk yet (only when the disk tier is valid)."""
         await self.warmed()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,7 +29,7 @@ from core.router import Decision, Router, Target
 from core.server import devices, model
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
-from core.status import ModelRow
+from core.status import ModelList, ModelRow, PoolDecision
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
@@ -101,7 +101,7 @@ class ModelPool:
         self._ops = asyncio.Lock()  # one load or unload at a time
         self._loading: dict[str, asyncio.Task[Entry]] = {}
         self.entries: dict[str, Entry] = {}
-        self.decisions: list[dict[str, Any]] = []
+        self.decisions: list[PoolDecision] = []
         self.routed_side = 0
         for prof in profiles.profiles(core.settings):
             e = Entry(prof, last_used=self.clock.monotonic())
@@ -131,13 +131,13 @@ class ModelPool:
     def primary(self) -> Entry:
         return next(e for e in self.entries.values() if e.profile.primary)
 
-    def _emit(self, kind: str, name: str, reason: str, numbers: dict[str, Any]) -> None:
+    def _emit(self, kind: str, name: str, reason: str, numbers: Mapping[str, object]) -> None:
         self.decisions.append(
             {"ts": self.clock.time(), "kind": kind, "model": name, "reason": reason}
         )
         del self.decisions[:-50]
         log.info("model %s: %s — %s", name, kind, reason)
-        self.core.emit(ModelEvent(kind=kind, model=name, reason=reason, numbers=numbers))
+        self.core.emit(ModelEvent(kind=kind, model=name, reason=reason, numbers=dict(numbers)))
 
     def _make_server(self, prof: Profile) -> Supervisor:
         core = self.core
@@ -301,7 +301,7 @@ class ModelPool:
             await self._unload_locked(e, reason, {})
             return True
 
-    async def _unload_locked(self, e: Entry, reason: str, numbers: dict[str, Any]) -> None:
+    async def _unload_locked(self, e: Entry, reason: str, numbers: Mapping[str, object]) -> None:
         name = e.profile.name
         assert e.inflight == 0, "never unload a model with requests in flight"
         fp = e.footprint.as_dict() if e.footprint else {}
@@ -309,7 +309,7 @@ class ModelPool:
         if e.manager is not None and self.core.settings.pool.save_before_unload:
             try:
                 saved = await e.manager.save_for_unload()
-                self._emit("saved_before_unload", name, str(saved.get("reason", "")), saved)
+                self._emit("saved_before_unload", name, saved["reason"], saved)
             except Exception as exc:
                 log.exception("saving %s before unload failed", name)
                 self._emit("saved_before_unload", name, f"failed: {exc!r}", {})
@@ -410,7 +410,7 @@ class ModelPool:
         return Route(model=name, upstream=e.upstream, policy=policy, release=release)
 
     # ------------------------------------------------------------ status
-    def models_list(self) -> dict[str, Any]:
+    def models_list(self) -> ModelList:
         """The body of GET /v1/models: every profile, loaded or not."""
         return {
             "object": "list",
