@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from core.config import Settings
 from core.paths import Paths
@@ -139,13 +139,50 @@ class _Side:
         self.conn.close()
 
 
+class CaseReport(TypedDict):
+    """One case of the report: times (ms) by percentile, direct and through the proxy."""
+
+    case: str
+    n: int
+    direct_ms: dict[str, float]  # p50, p90, p99, mean
+    proxy_ms: dict[str, float]
+    added_ms: dict[str, float]
+    ratio_p50: float | None
+    paired_median_added_ms: float
+
+
+class ServedBy(TypedDict):
+    binary: str
+    version: str
+    commit: str
+    argv: list[str]
+
+
+class ModelSize(TypedDict):
+    path: str
+    bytes: int
+
+
+class OverheadReport(TypedDict):
+    """`warmslot bench overhead --json`."""
+
+    requests_per_case: int
+    cache_manager: bool
+    machine: dict[str, Any]  # machine(): cpu, cpus, system, python, ram_gib, load_avg
+    server: ServedBy
+    model: ModelSize
+    cases: list[CaseReport]
+    goal_p50_added_ms: float
+    goal_met: bool
+
+
 @dataclass
 class CaseResult:
     name: str
     direct: list[float] = field(default_factory=list)
     proxy: list[float] = field(default_factory=list)
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> CaseReport:
         d, p = summarize(self.direct), summarize(self.proxy)
         paired = sorted(b - a for a, b in zip(self.direct, self.proxy, strict=True))
         return {
@@ -168,7 +205,7 @@ def measure(
     cases: Sequence[Case] = CASES,
     progress: Callable[[str], None] | None = None,
     direct_auth: dict[str, str] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[CaseReport]:
     """Interleave `requests` rounds of every case against both targets (`direct_auth`:
     the headers llama-server's key needs, `Supervisor.auth_headers`)."""
     sides = {
@@ -235,8 +272,8 @@ def run(
     threads: int = 0,
     with_cache: bool = False,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Start a Core on `model`, measure, stop it; returns the report as a dict."""
+) -> OverheadReport:
+    """Start a Core on `model`, measure, stop it; returns the report."""
     from core.engine import Core
 
     settings = Settings()
@@ -290,7 +327,7 @@ def run(
     }
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_report(report: OverheadReport) -> str:
     def trio(d: dict[str, float], sign: bool = False) -> str:
         fmt = "{:+.2f}" if sign else "{:.2f}"
         return " / ".join(fmt.format(d[f"p{p}"]) for p in PERCENTILES)

@@ -269,6 +269,10 @@ def test_bench_overhead_json(tiny_model: Path, home: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
+    from core.bench.overhead import OverheadReport
+    from tests.fixtures.status_shapes import shape_errors
+
+    assert shape_errors(report, OverheadReport, "report") == []  # the declared shape
     assert [c["case"] for c in report["cases"]] == [
         "completion, n_predict 1",
         "chat, non-streamed",
