@@ -10,75 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from core import config as config_mod
-from core.config import ServerSettings
 from core.paths import Paths
 from core.server.devices import read_gpus, read_host
-from core.server.fit import FitRequest, format_plan, plan
+from core.server.fit import format_plan, plan
 from core.server.gguf_facts import read_facts
+from core.server.launch import request_from_settings
 
-__all__ = ["cmd_fit", "doctor_lines", "register", "request_from_settings"]
-
-# extra_args flags that pin a planner choice: flag → (FitRequest field, parser).
-_PINNING_FLAGS: dict[str, tuple[str, Any]] = {
-    "-ngl": ("n_gpu_layers", int),
-    "--gpu-layers": ("n_gpu_layers", int),
-    "--n-gpu-layers": ("n_gpu_layers", int),
-    "-ctk": ("cache_type_k", str),
-    "--cache-type-k": ("cache_type_k", str),
-    "-ctv": ("cache_type_v", str),
-    "--cache-type-v": ("cache_type_v", str),
-    "-ub": ("n_ubatch", int),
-    "--ubatch-size": ("n_ubatch", int),
-    "-ctxcp": ("ctx_checkpoints", int),
-    "--ctx-checkpoints": ("ctx_checkpoints", int),
-    "--swa-checkpoints": ("ctx_checkpoints", int),
-    "-cms": ("checkpoint_min_step", int),
-    "--checkpoint-min-step": ("checkpoint_min_step", int),
-    "-fa": ("flash_attn", lambda v: v != "off"),
-    "--flash-attn": ("flash_attn", lambda v: v != "off"),
-}
-_SWITCHES = {
-    "--swa-full": ("swa_full", True),
-    "-kvu": ("kv_unified", True),
-    "--kv-unified": ("kv_unified", True),
-}
-
-
-def request_from_settings(
-    server: ServerSettings, *, auto: bool = False, extra_args: Sequence[str] | None = None
-) -> FitRequest:
-    """The `FitRequest` the settings imply: configured values are pinned.
-
-    With `auto`, slots, context per slot and RAM cache are left to the planner.
-    Flags in ``server.extra_args`` that the planner would choose (``-ngl``,
-    ``-ctk`` …) are pinned too, since llama-server will receive them anyway.
-    ``-ngl all``/``auto`` leave the layer count to the planner.
-    """
-    pins: dict[str, Any] = {}
-    if not auto:
-        pins.update(
-            slots=server.slots, ctx_per_slot=server.ctx_per_slot, cache_ram_mib=server.cache_ram_mib
-        )
-    args = list(server.extra_args if extra_args is None else extra_args)
-    for i, token in enumerate(args):
-        flag, _, inline = token.partition("=")
-        if flag in _SWITCHES:
-            key, value = _SWITCHES[flag]
-            pins[key] = value
-        elif flag in _PINNING_FLAGS:
-            raw = inline or (args[i + 1] if i + 1 < len(args) else "")
-            key, parse = _PINNING_FLAGS[flag]
-            try:
-                pins[key] = parse(raw)
-            except ValueError:
-                continue  # e.g. -ngl all: the planner decides
-    return FitRequest(**pins)
-
+__all__ = ["cmd_fit", "doctor_lines", "register"]
 
 def doctor_lines(settings: config_mod.Settings, model_path: Path, paths: Paths) -> list[str]:
     """What `warmslot doctor` says about the fit plan: slots and context per slot, why,

@@ -19,7 +19,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -35,7 +34,6 @@ from core.build import BuildRequest
 from core.cache import explain
 from core.cache.background import Background
 from core.cache.manager import CacheManager
-from core.cli_fit import request_from_settings
 from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings
 from core.errors import CacheError, CoreStopped, WarmslotError
@@ -43,18 +41,14 @@ from core.events import Event, Notice, ServerStateChanged, SettingsChanged
 from core.keys import KeyRing, keys_file, local_key_file, user_metrics, write_local_key
 from core.models import profiles
 from core.models.pool import ModelPool
-from core.paths import Paths, resources_dir
+from core.paths import Paths
 from core.pressure import PressureMonitor, Sampler
 from core.proxy import CacheService, Proxy
-from core.server import discover, model
-from core.server.argv import LaunchInputs, build_argv, kv_relevant
-from core.server.devices import read_gpus, read_host
-from core.server.fit import FitPlan, format_plan, plan_argv
-from core.server.fit import plan as plan_fit
-from core.server.gguf_facts import read_facts
+from core.server import discover
+from core.server.fit import FitPlan, format_plan
+from core.server.launch import resolve_launch
 from core.server.provision import PATCHED_PURPOSE, Provisioner
 from core.server.rpc import WorkerSet, watch_in_use
-from core.server.rpc_fit import launch_plan
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
 from core.status import EvictResult, PinResult, RewarmResult, Status
@@ -65,63 +59,6 @@ log = logging.getLogger("warmslot.core")
 T = TypeVar("T")
 Subscriber = Callable[[Event], None]
 PolicyFactory = Callable[["Core"], CacheService | None]
-
-
-def _drop_flag(argv: list[str], flag: str) -> list[str]:
-    """`argv` without `flag` and its value."""
-    out: list[str] = []
-    skip = False
-    for token in argv:
-        if skip:
-            skip = False
-        elif token == flag:
-            skip = True
-        else:
-            out.append(token)
-    return out
-
-
-DEMO_TEMPLATE = "templates/gemma3-tools.jinja"
-
-
-def chat_template_for(server: ServerSettings, mdl: model.ModelFile) -> Path | None:
-    """The chat template file to launch with: the configured one, or for the demo
-    model (whose GGUF has none, so the server's fallback drops every tool) ours."""
-    if server.chat_template_file:
-        return Path(server.chat_template_file).expanduser()
-    if mdl.source == "demo":
-        return resources_dir() / DEMO_TEMPLATE
-    return None
-
-
-def launch_id(
-    server: ServerSettings,
-    binary: discover.ServerBinary,
-    mdl: model.ModelFile,
-    template: Path | None = None,
-    plan_args: tuple[str, ...] = (),
-) -> str:
-    """Identity of what a saved slot file depends on at launch: binary, model, KV
-    flags and the chat template's content.
-
-    It names the server's slot directory, so a file is only ever offered to a
-    server it can belong to. (The template the server reports also joins every
-    prefix fingerprint once it runs.)
-    """
-    argv = build_argv(
-        server,
-        LaunchInputs(
-            binary=binary.path, model=mdl.path, port=0, slot_dir=Path(), plan_args=plan_args
-        ),
-    )
-    template_hash = ""
-    if template is not None:
-        with contextlib.suppress(OSError):
-            template_hash = hashlib.sha256(template.read_bytes()).hexdigest()
-    h = hashlib.sha256()
-    for part in (binary.identity, mdl.identity, json.dumps(kv_relevant(argv)), template_hash):
-        h.update(part.encode() + b"\0")
-    return h.hexdigest()[:16]
 
 
 class Core:
@@ -385,66 +322,18 @@ class Core:
         return await self.resolve_for(self._primary_settings())
 
     async def resolve_for(self, s: ServerSettings) -> Resolved:
-        """Find the binary and model these server settings name (off the loop)."""
-        loop = asyncio.get_running_loop()
-        # Probing binaries and hashing files is blocking work: keep it off the loop.
-        mdl = await loop.run_in_executor(None, model.resolve, self.paths, s.model)
-        binary = await self.provision.binary_for(s, mdl.path)
-        template = chat_template_for(s, mdl)
-        plan: list[str] = []
-        fit_plan, gpus_seen = await loop.run_in_executor(None, self._plan_fit, s, mdl)
-        if fit_plan is not None and self.workers.configured and s == self._primary_settings():
-            # (No plan: the model's metadata is unreadable, and the launch goes without.)
-            # Raises WorkerUnavailable when a needed worker is gone: the supervisor waits.
-            wp = await loop.run_in_executor(
-                None,
-                lambda: launch_plan(
-                    self.workers,
-                    binary.path,
-                    mdl.path,
-                    self.paths.state_dir,
-                    request_from_settings(s),
-                    env=binary.launch_env(),
-                ),
-            )
-            if wp.endpoints:  # -ngl/-ts place layers on the workers even without a GPU here
-                fit_plan, gpus_seen = wp.plan, True
-                plan += wp.argv
-        if fit_plan is not None:
-            flags = plan_argv(fit_plan)
-            plan += flags if gpus_seen else _drop_flag(flags, "-ngl")
-            if s == self._primary_settings():
-                self.fit_plan = fit_plan
-        if template is not None and not s.chat_template_file:
-            plan += ["--jinja", "--chat-template-file", str(template)]
-        return Resolved(
-            binary=binary,
-            model=mdl,
-            plan_args=tuple(plan),
-            slot_dir=self.paths.slot_dir / launch_id(s, binary, mdl, template, tuple(plan)),
+        """Find the binary and model these server settings name (off the loop) and plan
+        their launch (`core.server.launch`); the primary's fit plan is kept for status."""
+        resolved, primary_plan = await resolve_launch(
+            s,
+            paths=self.paths,
+            provision=self.provision,
+            workers=self.workers,
+            is_primary=lambda x: x == self._primary_settings(),
         )
-
-    def _plan_fit(self, s: ServerSettings, mdl: model.ModelFile) -> tuple[FitPlan | None, bool]:
-        """The memory plan for these settings (its flags join the launch), or None if
-        the model's metadata cannot be planned for: the launch then uses the settings.
-        Also whether NVML saw a GPU: without one (CPU only, or a GPU NVML cannot see —
-        AMD via Vulkan/HIP, Apple Metal) the layer count is left to llama-server."""
-        gpus = read_gpus()
-        try:
-            facts = read_facts(mdl.path)
-            result = plan_fit(
-                facts, gpus, read_host(self.paths.state_dir), request_from_settings(s)
-            )
-        except Exception as e:
-            log.warning("no fit plan for %s (%r); launching with the settings alone", mdl.path, e)
-            return None, bool(gpus)
-        if not result.fits:
-            log.warning(
-                "the fit plan says %s does not fit: %s",
-                mdl.path.name,
-                "; ".join(result.gave_up) or "see `warmslot fit`",
-            )
-        return result, bool(gpus)
+        if primary_plan is not None:
+            self.fit_plan = primary_plan
+        return resolved
 
     async def _housekeeping(self) -> None:
         """Flush telemetry every second; prune old rows hourly."""

@@ -272,7 +272,7 @@ def _cmd(args: argparse.Namespace) -> int:
     from core.server import model as model_mod
 
     paths = Paths.default(getattr(args, "dev_dir", None))
-    from core.engine import chat_template_for
+    from core.server.launch import chat_template_for
 
     settings = config_mod.load(paths.config_file)
     resolved = model_mod.resolve(paths, args.model or settings.server.model)

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.cli_fit import request_from_settings
 from core.config import Settings
 from core.errors import WarmslotError
 from core.models import profiles
@@ -53,6 +52,7 @@ from core.paths import Paths
 from core.server.devices import GpuInfo, HostInfo, read_gpus, read_host
 from core.server.fit import FitRequest, plan
 from core.server.gguf_facts import ModelFacts, read_facts
+from core.server.launch import request_from_settings
 
 __all__ = [
     "SOURCE_LABELS",

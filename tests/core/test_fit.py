@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from core.cli_fit import register, request_from_settings
+from core.cli_fit import register
 from core.config import ServerSettings
 from core.errors import ConfigError
 from core.server.devices import GpuInfo, HostInfo, read_gpus, read_host
@@ -28,6 +28,7 @@ from core.server.fit import (
     plan_argv,
 )
 from core.server.gguf_facts import ModelFacts, read_facts
+from core.server.launch import request_from_settings
 from core.server.tinymodel import make_tiny_model
 from tests.core import test_gguf_facts as synth
 

@@ -22,10 +22,11 @@ import openai
 import psutil
 import pytest
 
-from core.engine import DEMO_TEMPLATE, Core
+from core.engine import Core
 from core.errors import PortInUse, ServerStartFailed
 from core.events import Notice, RequestCompleted, ServerExited, ServerLaunched
 from core.paths import Paths, resources_dir
+from core.server.launch import DEMO_TEMPLATE
 from core.server.supervisor import ServerState
 from tests.conftest import MakeCore, settings_for
 from tests.helpers import (

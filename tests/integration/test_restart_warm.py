@@ -21,8 +21,9 @@ import pytest
 from core.bench.trace import TraceRequest, iter_agent_turns, make_trace
 from core.cache.manager import CacheManager, policy_factory
 from core.config import Settings
-from core.engine import DEMO_TEMPLATE, Core
+from core.engine import Core
 from core.paths import resources_dir
+from core.server.launch import DEMO_TEMPLATE
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir

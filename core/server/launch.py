@@ -1,0 +1,226 @@
+"""Launch planning: from the settings to what llama-server is launched with.
+
+The fit request the settings imply (`request_from_settings`), the memory plan's
+flags (with RPC workers when configured), the chat template to use, and the
+launch identity that names the slot directory (`launch_id`). The engine calls
+`resolve_launch` for each server it starts; `warmslot fit` and the model catalog
+use `request_from_settings`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from core.config import ServerSettings
+from core.paths import Paths, resources_dir
+from core.server import discover, model
+from core.server.argv import LaunchInputs, build_argv, kv_relevant
+from core.server.devices import read_gpus, read_host
+from core.server.fit import FitPlan, FitRequest, plan_argv
+from core.server.fit import plan as plan_fit
+from core.server.gguf_facts import read_facts
+from core.server.provision import Provisioner
+from core.server.rpc import WorkerSet
+from core.server.rpc_fit import launch_plan
+from core.server.supervisor import Resolved
+
+log = logging.getLogger("warmslot.core")
+
+
+# extra_args flags that pin a planner choice: flag → (FitRequest field, parser).
+_PINNING_FLAGS: dict[str, tuple[str, Any]] = {
+    "-ngl": ("n_gpu_layers", int),
+    "--gpu-layers": ("n_gpu_layers", int),
+    "--n-gpu-layers": ("n_gpu_layers", int),
+    "-ctk": ("cache_type_k", str),
+    "--cache-type-k": ("cache_type_k", str),
+    "-ctv": ("cache_type_v", str),
+    "--cache-type-v": ("cache_type_v", str),
+    "-ub": ("n_ubatch", int),
+    "--ubatch-size": ("n_ubatch", int),
+    "-ctxcp": ("ctx_checkpoints", int),
+    "--ctx-checkpoints": ("ctx_checkpoints", int),
+    "--swa-checkpoints": ("ctx_checkpoints", int),
+    "-cms": ("checkpoint_min_step", int),
+    "--checkpoint-min-step": ("checkpoint_min_step", int),
+    "-fa": ("flash_attn", lambda v: v != "off"),
+    "--flash-attn": ("flash_attn", lambda v: v != "off"),
+}
+_SWITCHES = {
+    "--swa-full": ("swa_full", True),
+    "-kvu": ("kv_unified", True),
+    "--kv-unified": ("kv_unified", True),
+}
+
+
+def request_from_settings(
+    server: ServerSettings, *, auto: bool = False, extra_args: Sequence[str] | None = None
+) -> FitRequest:
+    """The `FitRequest` the settings imply: configured values are pinned.
+
+    With `auto`, slots, context per slot and RAM cache are left to the planner.
+    Flags in ``server.extra_args`` that the planner would choose (``-ngl``,
+    ``-ctk`` …) are pinned too, since llama-server will receive them anyway.
+    ``-ngl all``/``auto`` leave the layer count to the planner.
+    """
+    pins: dict[str, Any] = {}
+    if not auto:
+        pins.update(
+            slots=server.slots, ctx_per_slot=server.ctx_per_slot, cache_ram_mib=server.cache_ram_mib
+        )
+    args = list(server.extra_args if extra_args is None else extra_args)
+    for i, token in enumerate(args):
+        flag, _, inline = token.partition("=")
+        if flag in _SWITCHES:
+            key, value = _SWITCHES[flag]
+            pins[key] = value
+        elif flag in _PINNING_FLAGS:
+            raw = inline or (args[i + 1] if i + 1 < len(args) else "")
+            key, parse = _PINNING_FLAGS[flag]
+            try:
+                pins[key] = parse(raw)
+            except ValueError:
+                continue  # e.g. -ngl all: the planner decides
+    return FitRequest(**pins)
+
+
+def drop_flag(argv: list[str], flag: str) -> list[str]:
+    """`argv` without `flag` and its value (``-ngl`` is dropped when NVML sees no GPU)."""
+    out: list[str] = []
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == flag:
+            skip = True
+        else:
+            out.append(token)
+    return out
+
+
+DEMO_TEMPLATE = "templates/gemma3-tools.jinja"
+
+
+def chat_template_for(server: ServerSettings, mdl: model.ModelFile) -> Path | None:
+    """The chat template file to launch with: the configured one, or for the demo
+    model (whose GGUF has none, so the server's fallback drops every tool) ours."""
+    if server.chat_template_file:
+        return Path(server.chat_template_file).expanduser()
+    if mdl.source == "demo":
+        return resources_dir() / DEMO_TEMPLATE
+    return None
+
+
+def launch_id(
+    server: ServerSettings,
+    binary: discover.ServerBinary,
+    mdl: model.ModelFile,
+    template: Path | None = None,
+    plan_args: tuple[str, ...] = (),
+) -> str:
+    """Identity of what a saved slot file depends on at launch: binary, model, KV
+    flags and the chat template's content.
+
+    It names the server's slot directory, so a file is only ever offered to a
+    server it can belong to. (The template the server reports also joins every
+    prefix fingerprint once it runs.)
+    """
+    argv = build_argv(
+        server,
+        LaunchInputs(
+            binary=binary.path, model=mdl.path, port=0, slot_dir=Path(), plan_args=plan_args
+        ),
+    )
+    template_hash = ""
+    if template is not None:
+        with contextlib.suppress(OSError):
+            template_hash = hashlib.sha256(template.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    for part in (binary.identity, mdl.identity, json.dumps(kv_relevant(argv)), template_hash):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def plan_fit_for(
+    s: ServerSettings, mdl: model.ModelFile, state_dir: Path
+) -> tuple[FitPlan | None, bool]:
+    """The memory plan for these settings (its flags join the launch), or None if
+    the model's metadata cannot be planned for: the launch then uses the settings.
+    Also whether NVML saw a GPU: without one (CPU only, or a GPU NVML cannot see —
+    AMD via Vulkan/HIP, Apple Metal) the layer count is left to llama-server."""
+    gpus = read_gpus()
+    try:
+        facts = read_facts(mdl.path)
+        result = plan_fit(
+            facts, gpus, read_host(state_dir), request_from_settings(s)
+        )
+    except Exception as e:
+        log.warning("no fit plan for %s (%r); launching with the settings alone", mdl.path, e)
+        return None, bool(gpus)
+    if not result.fits:
+        log.warning(
+            "the fit plan says %s does not fit: %s",
+            mdl.path.name,
+            "; ".join(result.gave_up) or "see `warmslot fit`",
+        )
+    return result, bool(gpus)
+
+
+async def resolve_launch(
+    s: ServerSettings,
+    *,
+    paths: Paths,
+    provision: Provisioner,
+    workers: WorkerSet,
+    is_primary: Callable[[ServerSettings], bool],
+) -> tuple[Resolved, FitPlan | None]:
+    """Find the binary and model these server settings name (off the loop), and plan
+    the launch: the fit plan's flags (with the RPC `workers` for the primary server),
+    the chat template, the slot directory. Also the fit plan when `is_primary` says
+    these are the primary server's settings (the engine reports it), else None."""
+    loop = asyncio.get_running_loop()
+    # Probing binaries and hashing files is blocking work: keep it off the loop.
+    mdl = await loop.run_in_executor(None, model.resolve, paths, s.model)
+    binary = await provision.binary_for(s, mdl.path)
+    template = chat_template_for(s, mdl)
+    plan: list[str] = []
+    primary_plan: FitPlan | None = None
+    fit_plan, gpus_seen = await loop.run_in_executor(None, plan_fit_for, s, mdl, paths.state_dir)
+    if fit_plan is not None and workers.configured and is_primary(s):
+        # (No plan: the model's metadata is unreadable, and the launch goes without.)
+        # Raises WorkerUnavailable when a needed worker is gone: the supervisor waits.
+        wp = await loop.run_in_executor(
+            None,
+            lambda: launch_plan(
+                workers,
+                binary.path,
+                mdl.path,
+                paths.state_dir,
+                request_from_settings(s),
+                env=binary.launch_env(),
+            ),
+        )
+        if wp.endpoints:  # -ngl/-ts place layers on the workers even without a GPU here
+            fit_plan, gpus_seen = wp.plan, True
+            plan += wp.argv
+    if fit_plan is not None:
+        flags = plan_argv(fit_plan)
+        plan += flags if gpus_seen else drop_flag(flags, "-ngl")
+        if is_primary(s):
+            primary_plan = fit_plan
+    if template is not None and not s.chat_template_file:
+        plan += ["--jinja", "--chat-template-file", str(template)]
+    resolved = Resolved(
+        binary=binary,
+        model=mdl,
+        plan_args=tuple(plan),
+        slot_dir=paths.slot_dir / launch_id(s, binary, mdl, template, tuple(plan)),
+    )
+    return resolved, primary_plan
