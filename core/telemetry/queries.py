@@ -1,0 +1,286 @@
+"""The read queries of the telemetry database: the only methods that may be run by
+name (`QUERIES`: `Telemetry.query`, `Core.query`, the GUI's offline backend)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable
+from typing import Any, cast
+
+from core.status import ClientRow, ColdRate, RequestRow, SessionRow, Totals, UserRow
+from core.telemetry_rows import (
+    EventRow,
+    ExplanationRow,
+    HitRateRow,
+    PressureRow,
+    ServerRunRow,
+    SweepRunRow,
+    TtfbMedians,
+)
+
+BUCKETS = {"minute": 60, "hour": 3600, "day": 86400}
+# The queries that may be run by name (`Telemetry.query`, `Core.query`, the GUI): the
+# read-only methods of `Queries` (which `Telemetry` is). Kept here, beside them, so a
+# new query is added in one place.
+QUERIES = frozenset(
+    {
+        "hit_rate",
+        "totals",
+        "per_client",
+        "sessions",
+        "cold_prefill_rate",
+        "recent_requests",
+        "recent_events",
+        "server_runs",
+        "sweep_runs",
+        "pressure_series",
+        "ttfb",
+        "explanations",
+        "explanation",
+        "per_user",
+    }
+)
+
+# A prefill this long, with no reuse, measures the cold rate (batched, as a re-read is).
+COLD_MIN_TOKENS = 256
+
+
+class Queries:
+    """The read-only queries of `core.telemetry.Telemetry`, which owns the connection
+    and the write buffer; each query writes what is buffered first, so it sees it."""
+
+    # Set by Telemetry, the owner of the database.
+    _conn: sqlite3.Connection
+    _clock: Any
+    dropped: int
+
+    def flush(self) -> None:
+        """Write everything buffered (`Telemetry.flush`)."""
+        raise NotImplementedError
+
+    def query(self, name: str, **kwargs: Any) -> Any:
+        """Run the read-only query `name` (one of `QUERIES`) with `kwargs`.
+
+        How `Core.query` and the GUI's offline backend run a query by name: only the
+        names in `QUERIES` are accepted, never another method (``prune``, ``close`` …).
+        Raises ValueError for any other name.
+        """
+        if name not in QUERIES:
+            raise ValueError(f"unknown query {name!r}")
+        return getattr(self, name)(**kwargs)
+
+    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        self.flush()
+        cur = self._conn.execute(sql, list(params))
+        cols = [c[0] for c in cur.description]
+        return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
+
+    def hit_rate(
+        self, bucket: str = "minute", since: float | None = None, until: float | None = None
+    ) -> list[HitRateRow]:
+        """Per time bucket: requests, prompt tokens, cached tokens and hit ratio."""
+        size = BUCKETS[bucket]
+        since = self._clock() - 3600 if since is None else since
+        until = self._clock() if until is None else until
+        rows = self._rows(
+            f"""SELECT CAST(ts / {size} AS INTEGER) * {size} AS bucket,
+                       COUNT(*) AS requests,
+                       COALESCE(SUM(cache_n), 0) AS cached,
+                       COALESCE(SUM(prompt_n), 0) AS new,
+                       COALESCE(SUM(cache_n), 0) + COALESCE(SUM(prompt_n), 0) AS total
+                FROM requests WHERE ts >= ? AND ts < ? AND prompt_n IS NOT NULL
+                GROUP BY bucket ORDER BY bucket""",
+            [since, until],
+        )
+        for r in rows:
+            r["hit_ratio"] = r["cached"] / r["total"] if r["total"] else None
+        return cast(list[HitRateRow], rows)  # the SELECT names every key
+
+    def totals(self, since: float | None = None) -> Totals:
+        """Requests, prompt/cached tokens, hit ratio and an estimate of seconds saved."""
+        since = 0.0 if since is None else since
+        row = self._rows(
+            """SELECT COUNT(*) AS requests,
+                      COALESCE(SUM(prompt_n), 0) AS prompt_tokens,
+                      COALESCE(SUM(cache_n), 0) AS cached_tokens,
+                      COALESCE(SUM(prompt_ms), 0) AS prompt_ms,
+                      SUM(CASE WHEN status >= 400 OR error != '' THEN 1 ELSE 0 END) AS errors
+               FROM requests WHERE ts >= ?""",
+            [since],
+        )[0]
+        total = row["prompt_tokens"] + row["cached_tokens"]
+        row["hit_ratio"] = row["cached_tokens"] / total if total else None
+        # Seconds saved: cached tokens priced at the cold prefill rate — what reading them
+        # again would have cost. Small follow-up prefills run several times slower per
+        # token than a long cold one (51 vs 19 ms/token measured: issue 18), so pricing
+        # at the average rate overstated the saving 2–3×.
+        rate = self.cold_prefill_rate(since)
+        if rate["ms_per_token"] is None and since > 0:
+            rate = self.cold_prefill_rate()  # none in this window: the longest history
+        row["cold_rate"] = rate
+        ms = rate["ms_per_token"]
+        row["seconds_saved"] = row["cached_tokens"] * ms / 1000.0 if ms else 0.0
+        row["errors"] = row["errors"] or 0
+        row["dropped_rows"] = self.dropped  # rows telemetry could not write (since start)
+        return cast(Totals, row)  # the SELECT names every key
+
+    def cold_prefill_rate(self, since: float | None = None) -> ColdRate:
+        """Milliseconds per token of cold prefills: requests of at least COLD_MIN_TOKENS
+        new tokens that reused under a tenth of that. None when there was none."""
+        row = self._rows(
+            """SELECT COUNT(*) AS requests, COALESCE(SUM(prompt_n), 0) AS tokens,
+                      COALESCE(SUM(prompt_ms), 0) AS ms
+               FROM requests WHERE ts >= ? AND prompt_n >= ? AND prompt_ms > 0
+                    AND COALESCE(cache_n, 0) * 10 <= prompt_n""",
+            [0.0 if since is None else since, COLD_MIN_TOKENS],
+        )[0]
+        per = row["ms"] / row["tokens"] if row["tokens"] else None
+        return {"ms_per_token": per, "requests": row["requests"], "tokens": row["tokens"]}
+
+    def per_client(self, since: float | None = None) -> list[ClientRow]:
+        since = 0.0 if since is None else since
+        rows = self._rows(
+            """SELECT client, COUNT(*) AS requests,
+                      COALESCE(SUM(cache_n), 0) AS cached, COALESCE(SUM(prompt_n), 0) AS new
+               FROM requests WHERE ts >= ? GROUP BY client ORDER BY requests DESC""",
+            [since],
+        )
+        for r in rows:
+            total = r["cached"] + r["new"]
+            r["hit_ratio"] = r["cached"] / total if total else None
+        return cast(list[ClientRow], rows)  # the SELECT names every key
+
+    def per_user(self, since: float | None = None) -> list[UserRow]:
+        """Per API key name ("" without keys): requests, prompt (new) and cached tokens,
+        prefill seconds and the latest request's time, busiest first."""
+        rows = self._rows(
+            """SELECT user, COUNT(*) AS requests, COALESCE(SUM(prompt_n), 0) AS prompt_tokens,
+                      COALESCE(SUM(cache_n), 0) AS cached_tokens,
+                      COALESCE(SUM(prompt_ms), 0) / 1000.0 AS prefill_s, MAX(ts) AS last_used
+               FROM requests WHERE ts >= ? GROUP BY user ORDER BY requests DESC""",
+            [0.0 if since is None else since],
+        )
+        for r in rows:
+            total = r["cached_tokens"] + r["prompt_tokens"]
+            r["hit_ratio"] = r["cached_tokens"] / total if total else None
+        return cast(list[UserRow], rows)  # the SELECT names every key
+
+    def sessions(self, since: float | None = None, limit: int = 200) -> list[SessionRow]:
+        """One row per (client, session) seen since `since`, most recent first.
+
+        `slot` is the slot of the session's latest request (SQLite takes a bare
+        column from the row that gave MAX(ts)); `kinds` lists its request kinds.
+        """
+        since = 0.0 if since is None else since
+        rows = self._rows(
+            """SELECT client, COALESCE(session, '') AS session, COUNT(*) AS requests,
+                      COALESCE(SUM(cache_n), 0) AS cached, COALESCE(SUM(prompt_n), 0) AS new,
+                      COALESCE(SUM(prompt_ms), 0) AS prefill_ms, MIN(ts) AS first_seen,
+                      MAX(ts) AS last_seen, slot, GROUP_CONCAT(DISTINCT kind) AS kinds
+               FROM requests WHERE ts >= ?
+                    AND endpoint IN ('chat', 'messages', 'responses', 'completions', 'completion')
+               GROUP BY client, COALESCE(session, '') ORDER BY last_seen DESC LIMIT ?""",
+            [since, limit],
+        )
+        for r in rows:
+            total = r["cached"] + r["new"]
+            r["hit_ratio"] = r["cached"] / total if total else None
+        return cast(list[SessionRow], rows)  # the SELECT names every key
+
+    def recent_requests(self, limit: int = 50) -> list[RequestRow]:
+        """The latest requests, newest first (every column of the table)."""
+        rows = self._rows("SELECT * FROM requests ORDER BY id DESC LIMIT ?", [limit])
+        return cast(list[RequestRow], rows)
+
+    def recent_events(
+        self,
+        limit: int = 100,
+        category: str | None = None,
+        kind: str | None = None,
+        since: float | None = None,
+    ) -> list[EventRow]:
+        """The latest events (of a category, of a kind, since a time), newest first."""
+        where = ["ts >= ?"]
+        params: list[Any] = [0.0 if since is None else since]
+        if category:
+            where.append("category = ?")
+            params.append(category)
+        if kind:
+            where.append("kind = ?")
+            params.append(kind)
+        params.append(limit)
+        rows = self._rows(
+            f"SELECT * FROM events WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT ?", params
+        )
+        for r in rows:
+            r["details"] = json.loads(r["details"]) if r["details"] else {}
+        return cast(list[EventRow], rows)  # every column of the table
+
+    def server_runs(self, limit: int = 20) -> list[ServerRunRow]:
+        """The latest runs of llama-server, newest first."""
+        rows = self._rows("SELECT * FROM server_runs ORDER BY started DESC LIMIT ?", [limit])
+        for r in rows:
+            r["argv"] = json.loads(r["argv"]) if r["argv"] else []
+            r["last_lines"] = json.loads(r["last_lines"]) if r["last_lines"] else []
+        return cast(list[ServerRunRow], rows)  # every column of the table
+
+    def sweep_runs(self, sweep: str | None = None, limit: int = 50) -> list[SweepRunRow]:
+        """The latest runs of the background sweeps (or of one), newest first."""
+        where, params = ("WHERE name = ?", [sweep]) if sweep else ("", [])
+        rows = self._rows(
+            f"SELECT * FROM sweeps {where} ORDER BY id DESC LIMIT ?", [*params, limit]
+        )
+        for r in rows:
+            r["details"] = json.loads(r["details"]) if r["details"] else {}
+        return cast(list[SweepRunRow], rows)  # every column of the table
+
+    def pressure_series(self, since: float | None = None) -> list[PressureRow]:
+        """Pressure samples since `since` (default: the last hour), oldest first."""
+        since = self._clock() - 3600 if since is None else since
+        rows = self._rows("SELECT * FROM pressure WHERE ts >= ? ORDER BY ts", [since])
+        for r in rows:
+            r["gpus"] = json.loads(r["gpus"]) if r["gpus"] else []
+        return cast(list[PressureRow], rows)  # every column of the table
+
+    def ttfb(self, since: float | None = None) -> TtfbMedians:
+        """Medians for warm (mostly cached) and cold requests: prefill time (`prompt_ms`,
+        keys ``warm_prefill``/``cold_prefill``) and the time to first byte of streamed
+        requests (``warm``/``cold``). A non-streamed response's first byte comes after
+        the whole generation, which hides what the cache saved (issue 18)."""
+        since = 0.0 if since is None else since
+        out: dict[str, float | int | None] = {}
+        for name, cond in (("warm", "cache_n > prompt_n"), ("cold", "cache_n <= prompt_n")):
+            for key, column, extra in (
+                (name, "ttfb_ms", "AND stream = 1"),
+                (f"{name}_prefill", "prompt_ms", ""),
+            ):
+                vals = [
+                    r[column]
+                    for r in self._rows(
+                        f"SELECT {column} FROM requests WHERE ts >= ? AND {column} IS NOT NULL "
+                        f"AND prompt_n IS NOT NULL AND {cond} {extra} ORDER BY {column}",
+                        [since],
+                    )
+                ]
+                out[key] = vals[len(vals) // 2] if vals else None
+                out[f"{key}_n"] = len(vals)
+        return cast(TtfbMedians, out)  # the loops above write every key
+
+    def explanations(self, limit: int = 50, diverged: bool = False) -> list[ExplanationRow]:
+        """The latest explanations (core.cache.explain), newest first; `diverged`: only
+        those that left their slot's previous prompt. Sections and divergence as JSON text."""
+        where = "WHERE div_token IS NOT NULL" if diverged else ""
+        rows = self._rows(f"SELECT * FROM explanations {where} ORDER BY id DESC LIMIT ?", [limit])
+        return cast(list[ExplanationRow], rows)  # every column of the table
+
+    def explanation(self, request_id: str | None = None) -> ExplanationRow | None:
+        """One request's explanation (the latest when `request_id` is None)."""
+        if request_id is None:
+            rows = self._rows("SELECT * FROM explanations ORDER BY id DESC LIMIT 1")
+        else:
+            rows = self._rows(
+                "SELECT * FROM explanations WHERE request_id = ? ORDER BY id DESC LIMIT 1",
+                [request_id],
+            )
+        return cast(ExplanationRow, rows[0]) if rows else None  # every column of the table

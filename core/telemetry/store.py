@@ -1,0 +1,401 @@
+"""The telemetry writer: `Telemetry` owns the one connection, buffers rows (from
+events, `record`) and writes them in batches; a row SQLite refuses is dropped and
+counted, never stopping the rest. Old rows go by `prune`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from core.events import (
+    BuildProgress,
+    CacheEvent,
+    Event,
+    ModelEvent,
+    Notice,
+    PressureChanged,
+    PressureSample,
+    RequestCompleted,
+    RequestExplained,
+    ServerExited,
+    ServerLaunched,
+    ServerStateChanged,
+    SettingsChanged,
+    SweepRun,
+)
+from core.telemetry.queries import Queries
+from core.telemetry.schema import db_table, migrations
+
+log = logging.getLogger("warmslot.telemetry")
+
+BATCH = 200
+# The most rows held for writing. Past it the oldest are dropped (and counted): a
+# database that cannot be written must not grow the core's memory without end.
+MAX_PENDING = 20 * BATCH
+
+# What writing one row can raise because of that row: a value sqlite3 cannot bind or
+# encode (UnicodeEncodeError is a ValueError), a constraint, an unknown column.
+_ROW_ERRORS = (sqlite3.Error, ValueError, TypeError, OverflowError)
+
+
+def safe_text(value: str) -> str:
+    """`value` as text SQLite (and JSON) can store: code points that are not valid
+    Unicode text — lone surrogates, as aiohttp makes of a header's non-UTF-8 bytes
+    (``surrogateescape``) — become U+FFFD replacement characters."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # surrogateescape turns the escaped bytes back into themselves; surrogatepass
+        # keeps any other lone surrogate as its (invalid) UTF-8 bytes; decoding with
+        # "replace" then makes each invalid sequence one U+FFFD.
+        raw = value.encode("utf-8", "surrogateescape" if _escaped_only(value) else "surrogatepass")
+        return raw.decode("utf-8", "replace")
+    return value
+
+
+def _escaped_only(value: str) -> bool:
+    """True when every surrogate in `value` is one surrogateescape makes (U+DC80..DCFF)."""
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in value)
+
+
+def _clean(row: Mapping[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in row.items():
+        if isinstance(v, bool):
+            v = int(v)
+        elif isinstance(v, str):
+            v = safe_text(v)
+        out[k] = v
+    return out
+
+
+class Telemetry(Queries):
+    """Owner of the telemetry database. Use from one thread (the core thread)."""
+
+    def __init__(self, path: Path | str, *, clock: Any = time.time) -> None:
+        self.path = path
+        if isinstance(path, Path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(str(path), isolation_level=None)
+        self.db = sqlite_utils.Database(self._conn)
+        if str(path) != ":memory:":
+            self.db.enable_wal()
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        migrations.apply(self.db)
+        self._clock = clock
+        # Rows to write, per table: any values (one SQLite cannot store is dropped, counted).
+        self._pending: dict[str, list[dict[str, object]]] = {}
+        self._upserts: list[tuple[str, dict[str, object], str]] = []
+        self._last_flush = clock()
+        # Rows that could not be written and were dropped (since this object was made),
+        # and the causes already logged (each once).
+        self.dropped = 0
+        self._unnoted = 0
+        self._last_cause = ""
+        self._logged: set[str] = set()
+
+    # --------------------------------------------------------------- writing
+    def add(self, table: str, row: Mapping[str, object]) -> None:
+        """Buffer one row for `table` (written by `flush`, at the latest every BATCH rows)."""
+        self._pending.setdefault(table, []).append(_clean(row))
+        held = sum(len(v) for v in self._pending.values())
+        if held >= BATCH:
+            self.flush()
+            held = sum(len(v) for v in self._pending.values())
+        if held > MAX_PENDING:  # the database cannot be written: keep the newest rows
+            rows = self._pending[table]
+            over = min(held - MAX_PENDING, len(rows))
+            del rows[:over]
+            self._drop(over, table, "BufferFull: the database could not be written")
+
+    def upsert(self, table: str, row: Mapping[str, object], pk: str) -> None:
+        """Buffer an insert-or-replace of one row of `table` by its key column `pk`."""
+        self._upserts.append((table, _clean(row), pk))
+        if len(self._upserts) > MAX_PENDING:
+            del self._upserts[0]
+            self._drop(1, table, "BufferFull: the database could not be written")
+
+    def flush(self) -> None:
+        """Write everything buffered: in one transaction, or row by row if that fails.
+
+        One row that cannot be written (a value SQLite refuses) must never stop the
+        recording of every later one: when the batch fails, each row is written alone
+        and the ones that fail are dropped, counted in `dropped`, logged (once per
+        cause) and noted in the events table (category "telemetry"). When the database
+        itself cannot be written (locked, full, read-only: `sqlite3.OperationalError`),
+        the rows stay buffered for the next flush, up to `MAX_PENDING`.
+        """
+        if not self._pending and not self._upserts:
+            self._last_flush = self._clock()
+            return
+        try:
+            with self.db.atomic():
+                for table, rows in self._pending.items():
+                    db_table(self.db, table).insert_all(rows, alter=False)
+                for table, row, pk in self._upserts:
+                    db_table(self.db, table).upsert(row, pk=pk)
+        except _ROW_ERRORS as e:
+            log.debug("telemetry batch failed (%r); writing row by row", e)
+            self._write_each()
+        else:
+            self._pending.clear()
+            self._upserts.clear()
+            self._note_drops()
+        self._last_flush = self._clock()
+
+    def _write_each(self) -> None:
+        """Write the buffered rows one at a time, dropping each that fails on its own."""
+        writes: list[tuple[str, Callable[[], Any]]] = []
+        for table, rows in self._pending.items():
+            for row in rows:
+                writes.append((table, partial(db_table(self.db, table).insert, row, alter=False)))
+        for table, row, pk in self._upserts:
+            writes.append((table, partial(db_table(self.db, table).upsert, row, pk=pk)))
+        pending, upserts = self._pending, self._upserts
+        self._pending, self._upserts = {}, []
+        for i, (table, write) in enumerate(writes):
+            try:
+                with self.db.atomic():
+                    write()
+            except sqlite3.OperationalError as e:
+                # The database, not the row: keep this row and the rest for later.
+                if "OperationalError" not in self._logged:
+                    self._logged.add("OperationalError")
+                    log.warning("telemetry cannot write the database now (rows kept): %s", e)
+                self._keep_unwritten(pending, upserts, i)
+                return
+            except _ROW_ERRORS as e:
+                self._drop(1, table, f"{type(e).__name__}: {e}")
+        self._note_drops()
+
+    def _keep_unwritten(
+        self,
+        pending: dict[str, list[dict[str, object]]],
+        upserts: list[tuple[str, dict[str, object], str]],
+        first: int,
+    ) -> None:
+        """Buffer again every write from index `first` on (inserts, then upserts)."""
+        index = 0
+        for table, rows in pending.items():
+            for row in rows:
+                if index >= first:
+                    self._pending.setdefault(table, []).append(row)
+                index += 1
+        for item in upserts:
+            if index >= first:
+                self._upserts.append(item)
+            index += 1
+
+    def _drop(self, n: int, table: str, cause: str) -> None:
+        self.dropped += n
+        self._unnoted += n
+        self._last_cause = cause
+        key = cause.split(":", 1)[0]
+        if key not in self._logged:  # once per kind of cause: one bad client, one line
+            self._logged.add(key)
+            log.error(
+                "telemetry dropped %d row(s) of %r that could not be written: %s "
+                "(logged once per cause; the count is in status totals as dropped_rows)",
+                n,
+                table,
+                cause,
+            )
+
+    def _note_drops(self) -> None:
+        """Record in the events table that rows were dropped (written at the next flush)."""
+        if not self._unnoted:
+            return
+        n, self._unnoted = self._unnoted, 0
+        self._pending.setdefault("events", []).append(
+            {
+                "ts": self._clock(),
+                "category": "telemetry",
+                "kind": "rows_dropped",
+                "reason": safe_text(f"{n} row(s) could not be written: {self._last_cause}")[:500],
+                "details": json.dumps({"rows": n, "total_dropped": self.dropped}),
+            }
+        )
+
+    def maybe_flush(self, interval: float = 1.0) -> None:
+        if self._clock() - self._last_flush >= interval:
+            self.flush()
+
+    def record(self, event: Event) -> None:
+        """Store an event in the table it belongs to (subscribe this to the bus)."""
+        if isinstance(event, RequestCompleted):
+            row = asdict(event)
+            self.add("requests", row)
+        elif isinstance(event, RequestExplained):
+            self.add("explanations", asdict(event))
+        elif isinstance(event, ServerLaunched):
+            self.upsert(
+                "server_runs",
+                {
+                    "run_id": event.run_id,
+                    "started": event.ts,
+                    "pid": event.pid,
+                    "port": event.port,
+                    "argv": json.dumps(list(event.argv)),
+                    "binary": event.binary,
+                    "binary_version": event.binary_version,
+                    "model": event.model,
+                    "attempt": event.attempt,
+                },
+                "run_id",
+            )
+            self.flush()
+        elif isinstance(event, ServerExited):
+            self.upsert(
+                "server_runs",
+                {
+                    "run_id": event.run_id,
+                    "ended": event.ts,
+                    "outcome": event.outcome,
+                    "returncode": event.returncode,
+                    "signal": event.signal,
+                    "requested_by": event.requested_by,
+                    "last_lines": json.dumps(list(event.last_lines)),
+                },
+                "run_id",
+            )
+            self.flush()
+        elif isinstance(event, CacheEvent):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "cache",
+                    "kind": event.kind,
+                    "reason": event.reason,
+                    "fingerprint": event.fingerprint,
+                    "slot": event.slot,
+                    "tokens": event.tokens,
+                    "bytes": event.bytes,
+                    "details": json.dumps(event.details, default=str),
+                },
+            )
+        elif isinstance(event, ModelEvent):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "models",
+                    "kind": event.kind,
+                    "reason": f"{event.model}: {event.reason}",
+                    "details": json.dumps(event.numbers, default=str),
+                },
+            )
+        elif isinstance(event, ServerStateChanged):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "server",
+                    "kind": event.state,
+                    "reason": event.reason,
+                    "details": json.dumps({"previous": event.previous, "pid": event.pid}),
+                },
+            )
+        elif isinstance(event, SettingsChanged):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "settings",
+                    "kind": "changed",
+                    "reason": event.text(),
+                    "details": json.dumps({"changes": event.changes}, default=str),
+                },
+            )
+        elif isinstance(event, Notice):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "notice",
+                    "kind": event.level,
+                    "reason": event.text,
+                    "details": json.dumps({"hint": event.hint}),
+                },
+            )
+        elif isinstance(event, PressureSample):
+            self.add(
+                "pressure",
+                {
+                    "ts": event.ts,
+                    "level": event.level,
+                    "ram_available_pct": event.ram_available_pct,
+                    "swap_used_pct": event.swap_used_pct,
+                    "server_rss": event.server_rss_bytes,
+                    "disk_free_pct": event.disk_free_pct,
+                    "gpus": json.dumps(event.gpus),
+                },
+            )
+        elif isinstance(event, SweepRun):
+            self.add(
+                "sweeps",
+                {
+                    "ts": event.ts,
+                    "name": event.name,
+                    "started": event.started,
+                    "duration_s": event.duration_s,
+                    "actions": event.actions,
+                    "error": event.error,
+                    "details": json.dumps(event.details, default=str),
+                },
+            )
+        elif isinstance(event, PressureChanged):
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "pressure",
+                    "kind": event.level,
+                    "reason": "; ".join(event.reasons) or "back to nominal",
+                    "details": json.dumps(
+                        {"previous": event.previous, "paused": list(event.paused)}
+                    ),
+                },
+            )
+        elif isinstance(event, BuildProgress) and event.done:
+            self.add(
+                "events",
+                {
+                    "ts": event.ts,
+                    "category": "build",
+                    "kind": "ok" if event.ok else "failed",
+                    "reason": event.step,
+                    "details": json.dumps({"build_id": event.build_id}),
+                },
+            )
+
+    def prune(self, retention_days: float) -> int:
+        """Delete rows older than the retention window; returns rows deleted."""
+        self.flush()
+        cutoff = self._clock() - retention_days * 86400
+        deleted = 0
+        with self.db.atomic():
+            for table, col in (
+                ("requests", "ts"),
+                ("events", "ts"),
+                ("pressure", "ts"),
+                ("sweeps", "ts"),
+                ("explanations", "ts"),
+                ("server_runs", "started"),
+            ):
+                cur = self._conn.execute(f"DELETE FROM {table} WHERE {col} < ?", [cutoff])
+                deleted += cur.rowcount
+        return deleted
+
+    def close(self) -> None:
+        self.flush()
+        self._conn.close()
