@@ -10,9 +10,6 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-# A value SQLite stores in a row: what telemetry writes (`Telemetry.add`, `upsert`).
-SqlValue = str | int | float | bytes | None
-
 
 class HitRateRow(TypedDict):
     """`hit_rate`: one time bucket of requests that reported timings."""

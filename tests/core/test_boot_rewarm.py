@@ -19,6 +19,7 @@ from core.pressure import Reading
 from core.proxy import ProxyRequest
 from core.router import Decision, Router
 from tests.core.bg_support import SERVER, FakeCore, FakeLlama, FakeManager, make_manager
+from tests.fixtures.status_shapes import blank_cache
 
 
 class RenderingLlama(FakeLlama):
@@ -287,17 +288,7 @@ def test_inventory_says_what_the_boot_rewarm_does(state: str) -> None:
         "started_at": 100.0,
         "finished_at": 112.5 if state == "done" else None,
     }
-    st = {
-        "template_warning": None,
-        "identity": "abc",
-        "disk_tier": {"usable": False, "reason": "off"},
-        "slots": [],
-        "aux_slot": None,
-        "prefixes": [],
-        "saved": [],
-        "divergences": [],
-        "boot_rewarm": boot,
-    }
+    st = {**blank_cache(), "disk_tier": {"usable": False, "reason": "off"}, "boot_rewarm": boot}
     text = format_inventory(st)
     expected = {
         "idle": None,
