@@ -3,6 +3,8 @@
 The package, by responsibility:
 
 * `core.build.source`: where the llama.cpp source comes from and what identifies it;
+  its helpers: `core.build.source_tree` (the tree on disk: root, hash, copy, unpack),
+  `core.build.source_git` (git checkouts and exports), `core.build.source_download`;
 * `core.build.patches`: loading ``patches/*.patch`` and applying them with ``git apply``;
 * `core.build.toolchain`: backend detection, cmake flags, the build's PATH, compilers;
 * `core.build.records`: the build id, ``build.json`` records and the cache listing;

@@ -31,6 +31,7 @@ import core.build as b
 from core import cli_build
 from core.build import run as build_run
 from core.build import source as s
+from core.build import source_tree
 from core.build.log import (
     LogTail,
     ProgressTracker,
@@ -280,7 +281,7 @@ def test_tree_identity_follows_content_not_location(tmp_path: Path, fake_src: Pa
     (other / "models").mkdir()
     (other / "models" / "big.gguf").write_bytes(b"GGUF")  # models are never source
     assert s.tree_hash(fake_src) == s.tree_hash(other)
-    s._copy_tree(other, tmp_path / "copied")
+    source_tree.copy_tree(other, tmp_path / "copied")
     assert not (tmp_path / "copied" / "build").exists()
     assert not (tmp_path / "copied" / "models" / "big.gguf").exists()
     (other / "src" / "llama.c").write_text("int fake_llama_answer(void) { return 1; }\n")
