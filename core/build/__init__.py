@@ -10,7 +10,8 @@ The package, by responsibility:
 * `core.build.records`: the build id, ``build.json`` records and the cache listing;
 * `core.build.plan`: what to build (`BuildRequest`) and the resolved inputs of one build;
 * `core.build.log`: the build log, progress parsing and running one step;
-* `core.build.run`: the orchestration (`build`, `build_sync`).
+* `core.build.run`: the orchestration (`build`, `build_sync`);
+* `core.build.compile`: one build's compile in its temp dir, into the cache.
 
 Callers import from here; the names below are the public API.
 """

@@ -29,7 +29,7 @@ import pytest
 
 import core.build as b
 from core import cli_build
-from core.build import run as build_run
+from core.build import compile as build_compile
 from core.build import source as s
 from core.build import source_tree
 from core.build.log import (
@@ -796,7 +796,7 @@ async def test_cancel_kills_the_build_and_leaves_nothing(
     generator: str,
 ) -> None:
     if generator == "make":
-        monkeypatch.setattr(build_run, "_generator_args", lambda: ["-G", "Unix Makefiles"])
+        monkeypatch.setattr(build_compile, "generator_args", lambda: ["-G", "Unix Makefiles"])
     elif not shutil.which("ninja"):
         pytest.skip("ninja not installed")
     cancel = asyncio.Event()
