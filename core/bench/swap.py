@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from core.bench.common import post_json, settle
 from core.bench.trace import make_trace
@@ -58,6 +58,30 @@ def budget_for_one(model_a: str, model_b: str, ctx: int, state_dir: Path) -> int
     return int(max(mib) + min(mib) // 2)
 
 
+class SwapRequest(TypedDict):
+    """One request of an arm: its round, model and llama-server's reuse numbers."""
+
+    round: int
+    model: str  # "a" or "b"
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+
+
+class ArmResult(TypedDict):
+    """One arm of `warmslot bench swap` (plain unload/reload, or swap-aware)."""
+
+    run: str
+    requests_after_swap: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit: float | None
+    prefill_s: float
+    wall_s: float
+    loads: int
+    requests: list[SwapRequest]
+
+
 def run_arm(
     name: str,
     model_a: str,
@@ -69,7 +93,8 @@ def run_arm(
     budget_mib: int,
     home: Path,
     log: Any = None,
-) -> dict[str, Any]:
+) -> ArmResult:
+    """Run one arm: `rounds` agent sessions on each model in turn, one budget for both."""
     from core.cache.manager import policy_factory
 
     s = settings_for_swap(
@@ -84,7 +109,7 @@ def run_arm(
     ]
     core = Core(Paths.under(home), s, policy_factory=policy_factory)
     core.start(wait_ready=True, timeout=300)
-    rows: list[dict[str, Any]] = []
+    rows: list[SwapRequest] = []
     t0 = time.perf_counter()
     try:
         assert core.proxy is not None
@@ -140,7 +165,8 @@ def run(
     ctx: int = 24576,
     workdir: Path | None = None,
     log: Any = None,
-) -> list[dict[str, Any]]:
+) -> list[ArmResult]:
+    """Both arms, plain then swap-aware, on the same models and budget."""
     base = workdir or Path(tempfile.mkdtemp(prefix="warmslot-swap-"))
     try:
         budget = budget_for_one(model_a, model_b, ctx, base)
@@ -163,7 +189,7 @@ def run(
             shutil.rmtree(base, ignore_errors=True)
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
+def format_table(results: list[ArmResult]) -> str:
     def pct(v: float | None) -> str:
         return "—" if v is None else f"{v * 100:.1f} %"
 
