@@ -15,7 +15,8 @@ from pathlib import Path
 from core import config as config_mod
 from core.paths import Paths
 from core.server.devices import read_gpus, read_host
-from core.server.fit import format_plan, plan
+from core.server.fit import plan
+from core.server.fit_report import format_plan
 from core.server.gguf_facts import read_facts
 from core.server.launch import request_from_settings
 

@@ -45,7 +45,8 @@ from core.paths import Paths
 from core.pressure import PressureMonitor, Sampler
 from core.proxy import CacheService, Proxy
 from core.server import discover
-from core.server.fit import FitPlan, format_plan
+from core.server.fit import FitPlan
+from core.server.fit_report import format_plan
 from core.server.launch import resolve_launch
 from core.server.provision import PATCHED_PURPOSE, Provisioner
 from core.server.rpc import WorkerSet, watch_in_use

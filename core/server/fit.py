@@ -32,12 +32,14 @@ down a ladder — fewer slots at the trained context, a q8_0 KV cache, a shorter
 context (never below 32k before fewer agent slots and q8_0 were tried), a
 partial GPU offload — and says in `gave_up` what it reduced; values the user
 pinned are never changed.
+
+The plan's table for people and its check against llama-server's log are
+`core.server.fit_report`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,9 +54,8 @@ __all__ = [
     "DeviceUse",
     "FitPlan",
     "FitRequest",
+    "as_mib",
     "compute_bytes",
-    "cross_check",
-    "format_plan",
     "kv_cells",
     "kv_layer_bytes",
     "plan",
@@ -490,7 +491,8 @@ def _ctx_reason(ctx: int, pref: int, trained: int, slots: int) -> str:
     )
 
 
-def _mib(n: int) -> str:
+def as_mib(n: int) -> str:
+    """A byte count as text: GiB from 1 GiB up, else MiB, one decimal."""
     return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
 
 
@@ -633,7 +635,7 @@ def plan(
         r["cache_ram_mib"] = "0: no host RAM to spare for the prompt cache"
     if has_ckpt:
         r["ctx_checkpoints"] = (
-            f"{n_ckpt} per slot of {_mib(ckpt_bytes)} each: they let "
+            f"{n_ckpt} per slot of {as_mib(ckpt_bytes)} each: they let "
             "an edited or shortened prompt reuse its cache"
         )
     else:
@@ -692,16 +694,16 @@ def plan(
                     else f"the {req.vram_margin_mib} MiB margin"
                 )
                 gave.append(
-                    f"does not fit: {d.name} needs {_mib(d.total_bytes)} but has "
-                    f"{_mib(d.budget_bytes)} after {kept}"
+                    f"does not fit: {d.name} needs {as_mib(d.total_bytes)} but has "
+                    f"{as_mib(d.budget_bytes)} after {kept}"
                 )
         pins = [k for k in _PINNABLE if getattr(req, k) is not None]
         if pins:
             gave.append("pinned values kept as they are: " + ", ".join(pins))
     if host.disk_free_state < 10 * bd.disk_per_prefix_bytes:
         notes.append(
-            f"little disk space for saved prefixes ({_mib(host.disk_free_state)} free, "
-            f"{_mib(bd.disk_per_prefix_bytes)} per full slot)"
+            f"little disk space for saved prefixes ({as_mib(host.disk_free_state)} free, "
+            f"{as_mib(bd.disk_per_prefix_bytes)} per full slot)"
         )
     if f.is_swa and not swa_full:
         notes.append(
@@ -765,80 +767,3 @@ def plan_argv(plan: FitPlan) -> list[str]:
     if plan.tensor_split:
         argv += ["-ts", ",".join(map(str, plan.tensor_split))]
     return argv
-
-
-def format_plan(plan: FitPlan) -> str:
-    """A human-readable table of the plan, its memory use and its reasons."""
-    b = plan.breakdown
-    lines = [f"Fit plan for {plan.model}: {'fits' if plan.fits else 'DOES NOT FIT'}", ""]
-    lines.append(
-        f"  {'device':<28} {'weights':>10} {'KV+state':>10} {'compute':>10} "
-        f"{'other':>10} {'total':>10} {'budget':>10}"
-    )
-    for d in plan.devices:
-        mark = "" if d.fits else "  ← over"
-        lines.append(
-            f"  {d.name[:28]:<28} {_mib(d.weights_bytes):>10} {_mib(d.kv_bytes):>10} "
-            f"{_mib(d.compute_bytes):>10} {_mib(d.other_bytes):>10} "
-            f"{_mib(d.total_bytes):>10} {_mib(d.budget_bytes):>10}{mark}"
-        )
-    lines += [
-        "",
-        f"  KV per token: {b.kv_bytes_per_token} B full-attention"
-        + (f" + {b.kv_swa_bytes_per_token} B sliding-window" if b.kv_swa_bytes_per_token else ""),
-        f"  KV per slot: {_mib(b.kv_bytes_per_slot)} ({b.kv_cells_full} cells"
-        + (f", SWA {b.kv_cells_swa} cells" if b.kv_swa_bytes_per_token else "")
-        + f"); all slots {_mib(b.kv_bytes_total)}",
-        f"  checkpoints: {_mib(b.checkpoint_bytes)} each, up to {_mib(b.checkpoints_bytes_max)}"
-        f"; RAM prompt cache up to {_mib(b.cache_ram_bytes)}",
-        f"  disk per saved prefix: {_mib(b.disk_per_prefix_bytes)} for a full slot, "
-        f"{_mib(b.disk_per_1k_tokens_bytes)} per 1k tokens",
-        "",
-        "  choices:",
-    ]
-    values = {
-        "n_gpu_layers": f"-ngl {plan.n_gpu_layers}",
-        "slots": f"-np {plan.slots}",
-        "ctx_per_slot": f"{plan.ctx_per_slot}/slot",
-        "cache_types": f"{plan.cache_type_k}/{plan.cache_type_v}",
-        "swa_full": "on" if plan.swa_full else "off",
-        "cache_ram_mib": f"{plan.cache_ram_mib} MiB",
-        "ctx_checkpoints": str(plan.ctx_checkpoints),
-        "checkpoint_min_step": str(plan.checkpoint_min_step),
-        "tensor_split": ",".join(map(str, plan.tensor_split)),
-    }
-    for key, why in plan.reasons.items():
-        lines.append(f"    {key:<20} {values.get(key, ''):<14} {why}")
-    if plan.gave_up:
-        lines += ["", "  gave up:"] + [f"    - {g}" for g in plan.gave_up]
-    if plan.notes:
-        lines += ["", "  notes:"] + [f"    - {n}" for n in plan.notes]
-    lines += ["", "  llama-server " + " ".join(plan_argv(plan))]
-    return "\n".join(lines)
-
-
-_KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers")
-_COMPUTE_LINE = re.compile(r"(\S+) compute buffer size = +([\d.]+) MiB")
-
-
-def cross_check(plan: FitPlan, log_text: str, *, tolerance: float = 0.05) -> list[str]:
-    """Compare the plan with the buffers llama-server logged (needs ``-lv 4``).
-
-    Returns one line per disagreement beyond `tolerance` (KV) or 50 % (compute,
-    a rougher estimate); an empty list means they agree or the log has no sizes.
-    """
-    kv = sum(float(m.group(1)) for m in _KV_LINE.finditer(log_text)) * MIB
-    compute = sum(float(m.group(2)) for m in _COMPUTE_LINE.finditer(log_text)) * MIB
-    out = []
-    planned_kv = (
-        plan.breakdown.kv_bytes_total - plan.breakdown.recurrent_bytes_per_slot * plan.slots
-    )
-    if kv and abs(planned_kv - kv) > tolerance * kv:
-        out.append(f"KV cache: planned {_mib(planned_kv)}, llama-server allocated {_mib(int(kv))}")
-    planned_c = plan.breakdown.compute_bytes_gpu + plan.breakdown.compute_bytes_host
-    if compute and abs(planned_c - compute) > 0.5 * compute:
-        out.append(
-            f"compute buffers: planned {_mib(planned_c)}, llama-server reserved "
-            f"{_mib(int(compute))}"
-        )
-    return out

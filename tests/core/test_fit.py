@@ -21,12 +21,11 @@ from core.server.fit import (
     MIB,
     FitPlan,
     FitRequest,
-    cross_check,
-    format_plan,
     kv_cells,
     plan,
     plan_argv,
 )
+from core.server.fit_report import cross_check, format_plan
 from core.server.gguf_facts import ModelFacts, read_facts
 from core.server.launch import request_from_settings
 from core.server.tinymodel import make_tiny_model

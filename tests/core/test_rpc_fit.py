@@ -8,7 +8,8 @@ import pytest
 
 from core.config import WorkerSettings
 from core.server.devices import GpuInfo, HostInfo
-from core.server.fit import FitRequest, format_plan, plan_argv
+from core.server.fit import FitRequest, plan_argv
+from core.server.fit_report import format_plan
 from core.server.rpc import (
     RemoteDevice,
     WorkerCheck,
