@@ -44,7 +44,6 @@ from typing import Any
 
 from core.bench.common import post_json
 from core.cache.probe import (
-    LEGACY_PROBE_TOKENS,
     PROBE_SUFFIX,
     check_answer,
     probe_reference,
@@ -61,6 +60,7 @@ GOAL_RATIO = 150.0
 GOAL_RATIO_AT = 32768
 GOAL_BANDWIDTH_FACTOR = 3.0
 BANDWIDTH_FILE_MIB = 256
+REQUEST_TIMEOUT_S = 3600.0  # longest one request to llama-server may take
 _VOCAB = (
     "def class return import self None True False value cache slot token server model "
     "request prompt window layer memory thread buffer stream result status kernel process "
@@ -69,8 +69,10 @@ _VOCAB = (
 )
 _WORDS = _VOCAB.split()
 TURN = "\n\nUser: Summarise what the code above does, in one sentence.\nAssistant:"
-# The probe before it was shortened (issue 16): timed beside the current one, same restore.
-LEGACY_PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
+# A shorter probe (issue 16): timed beside the current one on the same restored state. It
+# missed an 8-byte flip on Gemma 3 (docs/cache.md#verification), so it only is measured.
+SHORT_PROBE_SUFFIX = "\n"
+SHORT_PROBE_TOKENS = 2
 Log = Callable[[str], None]
 
 
@@ -170,7 +172,9 @@ class Server:
     def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
         """POST and return (answer, wall ms)."""
         t0 = time.perf_counter()
-        data = post_json(self.base + path, body, self.auth)
+        # A cold 32k-token prefill of Gemma 3 took 164–440 s on the 2-core machine, and
+        # over 900 s while other jobs loaded it: a bench waits rather than fails.
+        data = post_json(self.base + path, body, self.auth, timeout=REQUEST_TIMEOUT_S)
         return data, (time.perf_counter() - t0) * 1000
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
@@ -227,7 +231,7 @@ def run_size(
     seed: int,
     suffix: list[int],
     turn: list[int],
-    legacy_suffix: list[int] | None = None,
+    short_suffix: list[int] | None = None,
     log: Log | None = None,
 ) -> dict[str, Any]:
     """Cold prefill, save, reference probe and the two restores for one prompt size."""
@@ -277,7 +281,7 @@ def run_size(
             tokens,
             turn,
             cold_cache=cache == "cold",
-            legacy_suffix=legacy_suffix,
+            short_suffix=short_suffix,
         )
         for cache in ("cold", "warm")
     }
@@ -324,10 +328,10 @@ def restore_once(
     turn: list[int],
     *,
     cold_cache: bool,
-    legacy_suffix: list[int] | None = None,
+    short_suffix: list[int] | None = None,
 ) -> dict[str, Any]:
     """One restore as Warmslot runs it, timed in parts, then the next turn's first token;
-    with `legacy_suffix`, the older, longer probe timed on the same state after it."""
+    with `short_suffix`, a shorter probe timed on the same state after it."""
     server.slot("erase")
     path = store.path(rec)
     if cold_cache:
@@ -349,14 +353,14 @@ def restore_once(
     first, first_wall = server.complete([*tokens, *turn], 1)
     ft = first.get("timings") or {}
     total = check_ms + restore_wall + verify_ms + first_wall
-    # The older, longer probe on the same restored state, for comparison (timed only).
-    legacy_ms: float | None = None
-    if legacy_suffix:
+    # The shorter probe on the same restored state, for comparison (timed only).
+    short_ms: float | None = None
+    if short_suffix:
         server.slot("erase")
         server.slot("restore", rec.filename)
         t2 = time.perf_counter()
-        server.post("/completion", probe_request(tokens, legacy_suffix, 0, LEGACY_PROBE_TOKENS))
-        legacy_ms = (time.perf_counter() - t2) * 1000
+        server.post("/completion", probe_request(tokens, short_suffix, 0, SHORT_PROBE_TOKENS))
+        short_ms = (time.perf_counter() - t2) * 1000
     return {
         "cached_fraction_before": cached,
         "check_ms": round(check_ms, 2),
@@ -367,8 +371,8 @@ def restore_once(
         "verify_predicted_ms": _ms(pt, "predicted_ms"),
         "verify_result": verdict or "ok",
         "probe_tokens": len(rec.probe["suffix"]) + len(rec.probe["tokens"]),
-        "verify_legacy_ms": None if legacy_ms is None else round(legacy_ms, 2),
-        "legacy_probe_tokens": len(legacy_suffix) + LEGACY_PROBE_TOKENS if legacy_suffix else None,
+        "verify_short_ms": None if short_ms is None else round(short_ms, 2),
+        "short_probe_tokens": len(short_suffix) + SHORT_PROBE_TOKENS if short_suffix else None,
         "first_token_ms": round(first_wall, 2),
         "first_token_prompt_n": ft.get("prompt_n"),
         "first_token_cache_n": ft.get("cache_n"),
@@ -460,7 +464,7 @@ def run_model(
             store = StateStore(sqlite_utils.Database(Path(tmp) / "bench.sqlite3"), slot_dir.parent)
             identity = slot_dir.name
             suffix = server.tokenize(PROBE_SUFFIX, add_special=False)
-            legacy = server.tokenize(LEGACY_PROBE_SUFFIX, add_special=False)
+            short = server.tokenize(SHORT_PROBE_SUFFIX, add_special=False)
             turn = server.tokenize(TURN, add_special=False)
             nbytes = bandwidth_mib << 20
             rows: list[dict[str, Any]] = []
@@ -491,7 +495,7 @@ def run_model(
                         seed=1000 + i,
                         suffix=suffix,
                         turn=turn,
-                        legacy_suffix=legacy,
+                        short_suffix=short,
                         log=log,
                     )
                 )
@@ -595,7 +599,7 @@ def format_report(report: dict[str, Any]) -> str:
     head = (
         f"{'tokens':>7} {'cache':>5} {'cold s':>7} {'save ms':>8} {'file MB':>8} "
         f"{'check':>7} {'restore':>8} {'(server)':>8} {'verify':>7} {'1st tok':>8} "
-        f"{'total':>8} {'cold÷':>7} {'read@bw':>8} {'rest÷rd':>7} {'old vfy':>8}  reuse"
+        f"{'total':>8} {'cold÷':>7} {'read@bw':>8} {'rest÷rd':>7} {'short v':>8}  reuse"
     )
     for mod in report["models"]:
         bw = mod["bandwidth"]
@@ -623,7 +627,7 @@ def format_report(report: dict[str, Any]) -> str:
                     f"{t['first_token_ms']:>8.1f} {t['total_ms']:>8.1f} "
                     f"{_num(t['ratio'], '×'):>7} {_num(t['read_at_bandwidth_ms']):>8} "
                     f"{_num(t['restore_vs_read'], '×'):>7} "
-                    f"{_num(t.get('verify_legacy_ms')):>8}  {reuse}"
+                    f"{_num(t.get('verify_short_ms')):>8}  {reuse}"
                 )
         for s in mod["skipped"]:
             lines.append(f"{s['tokens']:>7} skipped: {s['why']}")
@@ -634,9 +638,9 @@ def format_report(report: dict[str, Any]) -> str:
         "restore call (server-side time in brackets); verify: the known-answer probe and its "
         "check; total = check + restore + verify + 1st tok; cold÷ = cold ÷ total; read@bw: "
         "file size ÷ the disk's measured bandwidth (cold or cached); rest÷rd = (check + "
-        "restore) ÷ read@bw; old vfy: the probe before it was shortened (a longer suffix "
-        "and 4 tokens), timed on the same restored state; reuse: cached + evaluated tokens "
-        "of the first request after the restore.",
+        "restore) ÷ read@bw; short v: a shorter probe (a 1-token suffix, 2 tokens), timed "
+        "on the same restored state, not used (docs/cache.md#verification); reuse: cached + "
+        "evaluated tokens of the first request after the restore.",
     ]
     for g in report["goals"]:
         if g["ratio_goal_met"] is not None:

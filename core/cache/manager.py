@@ -895,7 +895,11 @@ class CacheManager:
                 restore_ms=(resp.get("timings") or {}).get("restore_ms"),
             )
             return
-        if non_finite(problem):  # NaN/inf cells outlive an erase: overwrite them first
+        # NaN/inf cells outlive an erase: overwrite them first. On a sliding-window (or
+        # recurrent) model a wrong state can hold such cells where the probe does not look
+        # (outside its window): a 4,096-byte flip rejected on a finite difference left Gemma
+        # 3's next cold answer wrong (docs/cache.md#verification), so every rejection there.
+        if non_finite(problem) or self.disk.rewinds:
             with contextlib.suppress(UpstreamError):
                 await client.completion(
                     scrub_request(rec.probe["prefix"], rec.probe["suffix"], slot)

@@ -41,15 +41,15 @@ from core.server.client import LlamaClient
 log = logging.getLogger("warmslot.cache")
 
 PROBE_VERSION = 2  # 2: top-k log-prob vectors per position ("top"); 1 had only tokens
-# One token on the tokenizers at hand, and two generated: each row the server computes for
-# the probe attends over the whole restored context, so the probe costs about one row per
-# token it sends or generates (a 12-token suffix and 4 tokens were ~15 rows, 1.5 s of Gemma
-# 3's restore at 32k: docs/benchmarks.md#restore). Two positions' top-k vectors caught every
-# mutation the four did (docs/cache.md#verification). References taken with the older,
-# longer probe keep their own suffix and token count (`probe_request_for`).
-PROBE_SUFFIX = "\n"
-PROBE_TOKENS = 2
-LEGACY_PROBE_TOKENS = 4  # what references taken before the shorter probe generated
+# Each row the server computes for the probe attends over the whole restored context, so
+# the probe costs about one row per token it sends or generates (~15 rows on Gemma 3: 2.3–
+# 3.4 s of a 32k restore on a loaded CPU, docs/benchmarks.md#restore). A one-token suffix
+# and 2 tokens (3 rows) took 0.5–1.1 s there, but let an 8-byte flip that changed the
+# answer through on Gemma 3 (docs/cache.md#verification): not used. A reference keeps its
+# own suffix and token count (`probe_request_for`).
+PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
+PROBE_TOKENS = 4
+LEGACY_PROBE_TOKENS = 2  # what references taken with the short probe (issue 16) generated
 PROBE_TOP_K = 16  # log-probs compared per position (docs/cache.md#verification)
 # Measured: a dense model's restored state reproduces every log-prob bit for bit (same
 # binary, same threads, docs/cache.md#verification), so any difference is a wrong state.
@@ -88,8 +88,8 @@ def probe_request(
 
 def probe_request_for(reference: dict[str, Any], slot: int) -> dict[str, Any]:
     """The probe that checks a recorded `reference` in `slot`: its own prefix, suffix and
-    number of tokens, so that a reference taken with an older probe (a 41-token suffix
-    and 4 tokens before the probe was shortened) still verifies instead of being rebuilt."""
+    number of tokens, so that a reference taken with another probe (the short one main
+    used briefly: a 1-token suffix and 2 tokens) still verifies instead of being rebuilt."""
     n = len(reference.get("tokens") or []) or PROBE_TOKENS
     return probe_request(reference["prefix"], reference["suffix"], slot, n)
 

@@ -657,6 +657,7 @@ def test_gemma_correct_restores_verify(gemma_rig: Rig) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # a scrub (a cold prefill) after each rejection, on a loaded CPU
 def test_gemma_index_consistent_mutations_are_rejected(gemma_rig: Rig) -> None:
     # No second Gemma 3 270M with other weights: "other-model" is the dense case's.
     muts = [m for m in MUTATIONS if not m[0].startswith("other-model")]
