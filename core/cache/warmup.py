@@ -13,7 +13,7 @@ import logging
 import sqlite3
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from core.cache import prefix as pfx
 from core.cache.boot import BootStep
@@ -26,6 +26,7 @@ from core.cache.store import StateRecord
 from core.errors import VerificationFailed
 from core.events import CacheEventKind
 from core.server.argv import kv_relevant
+from core.server.client import Props
 
 if TYPE_CHECKING:
     from core.cache.conversations import Conversations
@@ -46,7 +47,7 @@ LOAD_AT_START = 10  # most recently used prefix definitions known again after a 
 # The boot re-warm fills a slot this many tokens per request (the default ubatch), so a
 # client request that stops it waits for at most one such prefill (core.cache.boot).
 BOOT_CHUNK_TOKENS = 512
-PATCH_FIELD = "warmslot_patches"
+PATCH_FIELD: Final = "warmslot_patches"
 # Patch levels a patched server lists in GET /props (docs/patches.md); exact strings.
 PATCH_CHECKPOINTS = "slot-checkpoints-v1"  # SWA/hybrid slot files restore their checkpoints
 PATCH_SWA_FULL = "swa-full-state-v1"  # with --swa-full, files keep every SWA cell
@@ -128,7 +129,7 @@ async def learn_identity(mgr: CacheHost) -> None:
     )
 
 
-def slot_context(props: dict[str, Any]) -> int | None:
+def slot_context(props: Props) -> int | None:
     """Tokens one slot holds, as the server reports it (None when it does not say)."""
     settings = props.get("default_generation_settings")
     n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None

@@ -10,8 +10,9 @@ from __future__ import annotations
 import errno
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import aiohttp
 
@@ -59,7 +60,9 @@ class Timings:
     predicted_ms: float
 
     @classmethod
-    def parse(cls, data: dict[str, Any] | None) -> Timings | None:
+    def parse(cls, data: object) -> Timings | None:
+        """The timings in `data` (a response's ``timings`` value, any JSON), or None when
+        it is not an object with ``prompt_n``."""
         if not isinstance(data, dict) or "prompt_n" not in data:
             return None
         return cls(
@@ -69,6 +72,22 @@ class Timings:
             predicted_n=int(data.get("predicted_n", 0)),
             predicted_ms=float(data.get("predicted_ms", 0.0)),
         )
+
+
+class GenerationSettings(TypedDict):
+    """The part of ``GET /props`` → ``default_generation_settings`` Warmslot reads."""
+
+    n_ctx: NotRequired[int]  # tokens one slot holds
+
+
+class Props(TypedDict):
+    """The fields of llama-server's ``GET /props`` that Warmslot reads (the server sends
+    more; the values are its JSON as sent, so readers still check their types)."""
+
+    chat_template: NotRequired[str]
+    total_slots: NotRequired[int]
+    default_generation_settings: NotRequired[GenerationSettings]
+    warmslot_patches: NotRequired[list[str]]  # a patched build's patch levels (docs/patches.md)
 
 
 @dataclass(frozen=True)
@@ -140,8 +159,9 @@ class LlamaClient:
             return False
         return True
 
-    async def props(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("GET", "/props")
+    async def props(self) -> Props:
+        """`GET /props`."""
+        result: Props = await self._call("GET", "/props")
         return result
 
     async def slots(self) -> list[SlotInfo]:
@@ -196,12 +216,12 @@ class LlamaClient:
         data = await self._call("POST", "/detokenize", {"tokens": tokens})
         return str(data["content"])
 
-    async def apply_template(self, body: dict[str, Any]) -> str:
+    async def apply_template(self, body: Mapping[str, object]) -> str:
         """Render a chat request exactly as the server would (`/apply-template`)."""
         data = await self._call("POST", "/apply-template", body)
         return str(data["prompt"])
 
-    async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def completion(self, body: Mapping[str, object]) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("POST", "/completion", body)
         return result
 
@@ -219,7 +239,7 @@ class LlamaClient:
             raise ValueError(f"slot id {slot} out of range")
         if action not in ("save", "restore", "erase"):
             raise ValueError(f"unknown slot action {action!r}")
-        body: dict[str, Any] = {}
+        body: dict[str, str | int] = {}
         if filename is not None:
             if not valid_slot_filename(filename):
                 raise ValueError(f"invalid slot file name {filename!r}")
