@@ -6,13 +6,17 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 from core.engine import Core
 
 
 def post_json(
-    url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 900
+    url: str,
+    body: Mapping[str, object],
+    headers: dict[str, str] | None = None,
+    timeout: float = 900,
 ) -> dict[str, Any]:
     """POST a JSON body and return the JSON answer (urllib: no event loop needed)."""
     req = urllib.request.Request(

@@ -26,7 +26,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
@@ -50,7 +50,7 @@ MESSAGES = [
 class Case:
     name: str
     path: str
-    body: dict[str, Any]
+    body: Mapping[str, object]  # sent as is, with cache_prompt added
     stream: bool = False
 
 

@@ -14,7 +14,7 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NotRequired, TypedDict
 
 USER_AGENT = "opencode/1.18.33 ai-sdk/provider-utils/3.0.0 runtime/bun/1.2.0"
 _WORDS = [
@@ -77,7 +77,38 @@ def _text(rng: random.Random, n_chars: int) -> str:
     return "".join(out)[:n_chars]
 
 
-def make_tools(scale: float = 1.0, seed: int = 7, count: int = 10) -> list[dict[str, Any]]:
+class FunctionSpec(TypedDict):
+    """A tool's ``function``: its name, description and JSON-Schema parameters."""
+
+    name: str
+    description: str
+    parameters: dict[str, object]  # a JSON Schema (written by make_tools)
+
+
+class Tool(TypedDict):
+    """A chat-completions tool in OpenAI function form."""
+
+    type: str  # "function"
+    function: FunctionSpec
+
+
+class Message(TypedDict):
+    """A chat message of the trace (text content only)."""
+
+    role: str
+    content: str
+
+
+class ChatBody(TypedDict):
+    """A trace request's chat-completions body."""
+
+    messages: list[Message]
+    tools: NotRequired[list[Tool]]  # agent turns only; the title call has none
+    max_tokens: int
+    temperature: float
+
+
+def make_tools(scale: float = 1.0, seed: int = 7, count: int = 10) -> list[Tool]:
     """`count` function tools whose JSON totals ≈ 20.8k × scale characters."""
     rng = random.Random(seed)
     names = [
@@ -97,7 +128,7 @@ def make_tools(scale: float = 1.0, seed: int = 7, count: int = 10) -> list[dict[
     per_tool = int(20_800 * scale / count)
     tools = []
     for name in names:
-        tool: dict[str, Any] = {
+        tool: Tool = {
             "type": "function",
             "function": {
                 "name": name,
@@ -146,7 +177,7 @@ class TraceRequest:
     session: str
     kind: str  # title | agent
     turn: int
-    body: dict[str, Any]
+    body: ChatBody
     headers: dict[str, str] = field(default_factory=dict)
     restart_before: bool = False
 
@@ -198,7 +229,7 @@ def make_trace(
                 restart_before=restart_before_session == s,
             )
         )
-        messages: list[dict[str, Any]] = [
+        messages: list[Message] = [
             {"role": "system", "content": system},
             {"role": "user", "content": first},
         ]
@@ -209,7 +240,7 @@ def make_trace(
                     "agent",
                     t,
                     {
-                        "messages": [dict(m) for m in messages],
+                        "messages": [m.copy() for m in messages],
                         "tools": tools,
                         "max_tokens": max_tokens,
                         "temperature": 0.0,

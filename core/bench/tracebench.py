@@ -20,7 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from core.bench.common import post_json, settle
 from core.bench.trace import TraceRequest, interleave, make_trace
@@ -31,10 +31,44 @@ from core.paths import Paths
 from core.server.client import parse_metrics
 
 
+class RequestRow(TypedDict):
+    """One replayed request: what the server's `timings` said of it."""
+
+    session: str
+    kind: str  # the trace request's kind: "agent" | "title"
+    turn: int
+    after_restart: bool
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    previous: int  # its session's previous agent prompt, tokens (0: none, or after restart)
+
+
+class RunSummary(TypedDict):
+    """One arm's summary (`RunResult.summary`; `run` adds the request rows)."""
+
+    run: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_s: float
+    hit_all_agent: float | None
+    hit_turns_2_plus: float | None
+    hit_first_after_restart: float | None
+    hit_titles: float | None
+    own_previous_min: float | None
+    server_prompt_tokens: int
+    server_prefill_s: float
+    wall_s: float
+    cache_events: dict[str, int]
+    rejections: list[str]
+    flags: str
+    requests: NotRequired[list[RequestRow]]
+
+
 @dataclass
 class RunResult:
     name: str
-    requests: list[dict[str, Any]] = field(default_factory=list)
+    requests: list[RequestRow] = field(default_factory=list)
     server_prompt_tokens: float = 0.0
     server_prompt_seconds: float = 0.0
     wall_s: float = 0.0
@@ -42,14 +76,14 @@ class RunResult:
     rejections: list[str] = field(default_factory=list)
     flags: str = ""  # the launch's slots, context and RAM cache (the same in both arms)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RunSummary:
         agent = [r for r in self.requests if r["kind"] == "agent"]
         later = [r for r in agent if r["turn"] >= 2]
         # Of each agent turn from the second on: its session's previous prompt, reused.
         own = [r["cache_n"] / r["previous"] for r in later if r.get("previous")]
         after = [r for r in agent if r["turn"] == 1 and r["after_restart"]]
 
-        def hit(rows: list[dict[str, Any]]) -> float | None:
+        def hit(rows: list[RequestRow]) -> float | None:
             cached = sum(r["cache_n"] for r in rows)
             total = cached + sum(r["prompt_n"] for r in rows)
             return cached / total if total else None
@@ -109,7 +143,7 @@ def replay(
         headers = r.headers if through_proxy else {**r.headers, **sup.auth_headers()}
         data = post_json(f"{base}/v1/chat/completions", r.body, headers)
         t = data.get("timings") or {}
-        row: dict[str, Any] = {
+        row: RequestRow = {
             "session": r.session,
             "kind": r.kind,
             "turn": r.turn,
@@ -153,7 +187,7 @@ def run(
     alternate: bool = False,
     cache_ram_mib: int | None = None,
     binary: str = "",
-) -> list[dict[str, Any]]:
+) -> list[RunSummary]:
     """Run both arms and return their summaries (bare first).
 
     Both arms launch llama-server from the same settings, so with the same flags and
@@ -193,10 +227,15 @@ def run(
     finally:
         if workdir is None:
             shutil.rmtree(base, ignore_errors=True)
-    return [r.summary() | {"requests": r.requests} for r in summaries]
+    out = []
+    for r in summaries:
+        summary = r.summary()
+        summary["requests"] = r.requests  # last, as the JSON has always had it
+        out.append(summary)
+    return out
 
 
-def format_table(summaries: list[dict[str, Any]]) -> str:
+def format_table(summaries: list[RunSummary]) -> str:
     def pct(v: float | None) -> str:
         return "—" if v is None else f"{v * 100:.1f} %"
 
@@ -306,4 +345,4 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["RunResult", "add_parser", "format_table", "run"]
+__all__ = ["RequestRow", "RunResult", "RunSummary", "add_parser", "format_table", "run"]
