@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "ROUTES",
     "ChatView",
     "ConversionError",
+    "JsonObject",
     "chat_view",
     "strip_billing_header",
     "unmanaged_reason",
@@ -72,6 +74,11 @@ PREFIX_SAVE_PATCH = "prefix-save-v1"
 RENDER_FIELDS = ("messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort")
 
 
+# A JSON object as a client (or the server) sent it: any keys, values unchecked. Readers
+# look a value up and check its type before they use it; the chat view is built of these.
+JsonObject = dict[str, object]
+
+
 class ConversionError(ValueError):
     """A body that cannot be read as a chat request (llama-server refuses it too)."""
 
@@ -86,23 +93,23 @@ class ChatView:
     """
 
     api: str  # the endpoint kind it came from: "chat" | "messages" | "responses"
-    body: dict[str, Any]
+    body: JsonObject
     user_id: str = ""  # Anthropic's metadata.user_id (Claude Code puts its session there)
 
     @property
-    def messages(self) -> list[dict[str, Any]]:
+    def messages(self) -> list[JsonObject]:
         """The chat messages (system first when the API had one)."""
         msgs = self.body.get("messages")
         return msgs if isinstance(msgs, list) else []
 
     @property
-    def tools(self) -> list[dict[str, Any]]:
+    def tools(self) -> list[JsonObject]:
         """The tools in OpenAI function form ([] when none)."""
         tools = self.body.get("tools")
         return tools if isinstance(tools, list) else []
 
 
-def chat_view(endpoint: str, body: dict[str, Any]) -> ChatView | None:
+def chat_view(endpoint: str, body: Mapping[str, object]) -> ChatView | None:
     """The chat view of a request to `endpoint`; None for endpoints without one.
 
     Raises ConversionError for a body llama-server could not convert either.
@@ -156,7 +163,7 @@ _BILLING_LINE = re.compile(
 BILLING_HEADER_EDIT = "billing-header"  # the edit's name in X-Warmslot-Edited and explain
 
 
-def strip_billing_header(body: dict[str, Any]) -> list[str]:
+def strip_billing_header(body: JsonObject) -> list[str]:
     """Take Claude Code's attribution line out of a Messages body's system text, in place.
 
     Claude Code opens its system text with ``x-anthropic-billing-header: cc_version=…;
@@ -177,7 +184,7 @@ def strip_billing_header(body: dict[str, Any]) -> list[str]:
         return removed
     if not isinstance(system, list):
         return removed
-    blocks: list[Any] = []
+    blocks: list[object] = []
     for block in system:
         text = block.get("text") if isinstance(block, dict) else None
         m = _BILLING_LINE.match(text) if isinstance(text, str) else None
@@ -192,12 +199,12 @@ def strip_billing_header(body: dict[str, Any]) -> list[str]:
     return removed
 
 
-def _str(obj: Any, key: str, default: str = "") -> str:
+def _str(obj: object, key: str, default: str = "") -> str:
     value = obj.get(key) if isinstance(obj, dict) else None
     return value if isinstance(value, str) else default
 
 
-def _image_url(source: Any) -> str | None:
+def _image_url(source: object) -> str | None:
     kind = _str(source, "type")
     if kind == "base64":
         return f"data:{_str(source, 'media_type', 'image/jpeg')};base64,{_str(source, 'data')}"
@@ -206,18 +213,18 @@ def _image_url(source: Any) -> str | None:
     return None
 
 
-def _dump(value: Any) -> str:
+def _dump(value: object) -> str:
     # llama-server serialises tool_use input compactly, keys in their order, UTF-8 as is.
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def _tool_result(block: dict[str, Any]) -> dict[str, Any]:
+def _tool_result(block: Mapping[str, object]) -> JsonObject:
     content = block.get("content")
-    out: Any = ""
+    out: str | list[JsonObject] = ""
     if isinstance(content, str):
         out = content
     elif isinstance(content, list):
-        parts: list[dict[str, Any]] = []
+        parts: list[JsonObject] = []
         images = False
         for c in content:
             kind = _str(c, "type")
@@ -228,11 +235,11 @@ def _tool_result(block: dict[str, Any]) -> dict[str, Any]:
                 url = _image_url(c.get("source"))
                 if url is not None:
                     parts.append({"type": "image_url", "image_url": {"url": url}})
-        out = parts if images else "".join(p["text"] for p in parts if p["type"] == "text")
+        out = parts if images else "".join(str(p["text"]) for p in parts if p["type"] == "text")
     return {"role": "tool", "tool_call_id": _str(block, "tool_use_id"), "content": out}
 
 
-def _anthropic_message(msg: Any, out: list[dict[str, Any]]) -> None:
+def _anthropic_message(msg: object, out: list[JsonObject]) -> None:
     if not isinstance(msg, dict):
         raise ConversionError("each message must be an object")
     role = _str(msg, "role")
@@ -244,9 +251,9 @@ def _anthropic_message(msg: Any, out: list[dict[str, Any]]) -> None:
     if not isinstance(content, list):
         out.append(msg)
         return
-    parts: list[Any] = []
-    calls: list[dict[str, Any]] = []
-    results: list[dict[str, Any]] = []
+    parts: list[object] = []
+    calls: list[JsonObject] = []
+    results: list[JsonObject] = []
     reasoning = ""
     for block in content:
         kind = _str(block, "type")
@@ -273,7 +280,7 @@ def _anthropic_message(msg: Any, out: list[dict[str, Any]]) -> None:
         elif kind == "tool_result":
             results.append(_tool_result(block))
     if parts or calls or reasoning:
-        new: dict[str, Any] = {"role": role, "content": parts or ""}
+        new: JsonObject = {"role": role, "content": parts or ""}
         if calls:
             new["tool_calls"] = calls
         if reasoning:
@@ -282,8 +289,8 @@ def _anthropic_message(msg: Any, out: list[dict[str, Any]]) -> None:
     out.extend(results)
 
 
-def _from_messages(body: dict[str, Any]) -> ChatView:
-    messages: list[dict[str, Any]] = []
+def _from_messages(body: Mapping[str, object]) -> ChatView:
+    messages: list[JsonObject] = []
     system = body.get("system")
     if system is not None:
         if isinstance(system, str):
@@ -301,7 +308,7 @@ def _from_messages(body: dict[str, Any]) -> ChatView:
     if isinstance(raw, list):
         for msg in raw:
             _anthropic_message(msg, messages)
-    view: dict[str, Any] = {"messages": messages}
+    view: JsonObject = {"messages": messages}
     tools = body.get("tools")
     if isinstance(tools, list):
         view["tools"] = [
@@ -328,9 +335,9 @@ def _from_messages(body: dict[str, Any]) -> ChatView:
 
 
 # ------------------------------------------------------------ OpenAI Responses
-def _input_parts(item: dict[str, Any]) -> list[dict[str, Any]]:
-    parts: list[dict[str, Any]] = []
-    for part in item["content"]:
+def _input_parts(content: list[Any]) -> list[JsonObject]:
+    parts: list[JsonObject] = []
+    for part in content:
         kind = _str(part, "type")
         if kind == "input_text":
             if not isinstance(part, dict) or "text" not in part:
@@ -345,11 +352,11 @@ def _input_parts(item: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
-def _output_parts(item: dict[str, Any]) -> list[dict[str, Any]]:
+def _output_parts(item: Mapping[str, object]) -> list[JsonObject]:
     content = item.get("content")
     if isinstance(content, str):
         return [{"text": content, "type": "text"}]
-    parts: list[dict[str, Any]] = []
+    parts: list[JsonObject] = []
     for part in content if isinstance(content, list) else []:
         kind = _str(part, "type")
         if kind in ("output_text", "input_text") and isinstance(part.get("text"), str):
@@ -361,10 +368,10 @@ def _output_parts(item: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
-def _tool_output(item: dict[str, Any]) -> dict[str, Any]:
+def _tool_output(item: Mapping[str, object]) -> JsonObject:
     output = item["output"]
     if isinstance(output, list):
-        converted = []
+        converted: list[JsonObject] = []
         for part in output:
             kind = _str(part, "type")
             if kind == "input_text":
@@ -378,16 +385,17 @@ def _tool_output(item: dict[str, Any]) -> dict[str, Any]:
     return {"content": output, "role": "tool", "tool_call_id": item["call_id"]}
 
 
-def _responses_item(item: Any, msgs: list[dict[str, Any]]) -> None:
-    if not isinstance(item, dict):
+def _responses_item(given: object, msgs: list[JsonObject]) -> None:
+    if not isinstance(given, dict):
         raise ConversionError("each input item must be an object")
     merge = bool(msgs) and msgs[-1].get("role") == "assistant"
-    item = dict(item)
+    item: JsonObject = dict(given)
     kind, role = _str(item, "type"), _str(item, "role")
     if isinstance(item.get("content"), str):
         item["content"] = [{"text": item["content"], "type": "input_text"}]
-    if isinstance(item.get("content"), list) and role in ("user", "system", "developer"):
-        item["content"] = _input_parts(item)
+    content = item.get("content")
+    if isinstance(content, list) and role in ("user", "system", "developer"):
+        item["content"] = _input_parts(content)
         item.pop("type", None)
         item.pop("status", None)
         msgs.append(item)
@@ -395,9 +403,8 @@ def _responses_item(item: Any, msgs: list[dict[str, Any]]) -> None:
         parts = _output_parts(item)
         if merge:
             prev = msgs[-1]
-            if not isinstance(prev.get("content"), list):
-                prev["content"] = []
-            prev["content"] = [*prev["content"], *parts]
+            before = prev.get("content")
+            prev["content"] = [*(before if isinstance(before, list) else []), *parts]
         else:
             item.pop("status", None)
             item.pop("type", None)
@@ -413,7 +420,9 @@ def _responses_item(item: Any, msgs: list[dict[str, Any]]) -> None:
         }
         if merge:
             prev = msgs[-1]
-            prev["tool_calls"] = [*(prev.get("tool_calls") or []), call]
+            # Spread as it comes: an assistant item's own tool_calls value is the client's.
+            earlier: Any = prev.get("tool_calls") or []
+            prev["tool_calls"] = [*earlier, call]
         else:
             msgs.append({"role": "assistant", "tool_calls": [call]})
     elif (
@@ -440,17 +449,17 @@ def _responses_item(item: Any, msgs: list[dict[str, Any]]) -> None:
         raise ConversionError("cannot determine the type of an input item")
 
 
-def _first_text(content: list[Any]) -> Any:
+def _first_text(content: list[object]) -> object:
     first = content[0]
     return first.get("text") if isinstance(first, dict) else None
 
 
-def _from_responses(body: dict[str, Any]) -> ChatView:
+def _from_responses(body: Mapping[str, object]) -> ChatView:
     if "input" not in body:
         raise ConversionError("'input' is required")
     if _str(body, "previous_response_id"):
         raise ConversionError("llama.cpp does not support 'previous_response_id'")
-    msgs: list[dict[str, Any]] = []
+    msgs: list[JsonObject] = []
     if "instructions" in body:
         msgs.append({"role": "system", "content": _str(body, "instructions")})
     given = body["input"]
@@ -461,12 +470,12 @@ def _from_responses(body: dict[str, Any]) -> ChatView:
             _responses_item(item, msgs)
     else:
         raise ConversionError("'input' must be a string or an array of objects")
-    view: dict[str, Any] = {"messages": msgs}
+    view: JsonObject = {"messages": msgs}
     if "tools" in body:
         tools = body["tools"]
         if not isinstance(tools, list):
             raise ConversionError("'tools' must be an array of objects")
-        converted = []
+        converted: list[JsonObject] = []
         for tool in tools:
             if _str(tool, "type") != "function":
                 continue  # llama-server skips non-function tools too
@@ -487,7 +496,7 @@ def _from_responses(body: dict[str, Any]) -> ChatView:
 
 
 # ------------------------------------------------------------ reuse numbers from `usage`
-def _int(v: Any) -> int | None:
+def _int(v: object) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
