@@ -12,7 +12,7 @@ import ipaddress
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from yarl import URL
@@ -244,7 +244,7 @@ def _check_blocks(where: str, blocks: Any, param: str) -> None:
             raise Invalid(400, f"{where}[{j}].text must be a string", param)
 
 
-def _check_anthropic(body: dict[str, Any]) -> None:
+def _check_anthropic(body: Mapping[str, object]) -> None:
     """Anthropic Messages: ``messages`` (user/assistant turns of text or content
     blocks), an optional ``system`` (text or text blocks) and ``tools`` (named)."""
     msgs = body.get("messages")
@@ -284,7 +284,7 @@ def _check_anthropic(body: dict[str, Any]) -> None:
         raise Invalid(400, "'stop_sequences' must be an array of strings", "stop_sequences")
 
 
-def _check_responses(body: dict[str, Any]) -> None:
+def _check_responses(body: Mapping[str, object]) -> None:
     """OpenAI Responses: ``input`` (text or an array of items), optional ``instructions``
     (text) and ``tools`` (objects with a ``type``)."""
     given = body.get("input")

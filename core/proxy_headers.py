@@ -12,8 +12,8 @@ Every value here is measured by the server; nothing is predicted.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
 
 # A cold prefill at least this long (and reusing under a tenth of it) calibrates the
 # prefill rate, as `core.telemetry.Telemetry.cold_prefill_rate` does for the dashboard.
@@ -42,7 +42,7 @@ class Reuse:
         return "hit" if self.cached >= HIT_SHARE * total else "partial"
 
 
-def reuse_from(obj: Any) -> Reuse | None:
+def reuse_from(obj: object) -> Reuse | None:
     """The reuse numbers in one answer or stream event of any of the three APIs: llama.cpp's
     `timings` (chat, completions, and with our patch Messages and Responses), Anthropic's
     ``usage.cache_read_input_tokens`` (also inside ``message_start``), OpenAI's
@@ -126,7 +126,7 @@ class PrefillRate:
         return self.ms / self.tokens if self.tokens else None
 
 
-def stream_body(body: dict[str, Any]) -> None:
+def stream_body(body: MutableMapping[str, object]) -> None:
     """Ask llama-server for `timings` in every streamed event — the first one is what the
     headers need — unless the client said otherwise. The final event of a llama-server
     stream already carries `timings`, so clients that work with it ignore the field."""
@@ -161,7 +161,7 @@ def cache_headers(
     return out
 
 
-def reuse_in_body(data: bytes, timings: dict[str, Any] | None) -> Reuse | None:
+def reuse_in_body(data: bytes, timings: Mapping[str, object] | None) -> Reuse | None:
     """The reuse numbers of a whole (non-streamed) answer: its `timings` when the proxy
     found them, else its ``usage`` (parsed only for answers under 1 MiB)."""
     found = reuse_from({"timings": timings}) if timings is not None else None
