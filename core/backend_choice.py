@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +79,7 @@ class Pick:
     moved_from: str = ""  # the session's backend before, when it was not ready
 
 
-def affinity_key(client: str, body: dict[str, Any]) -> str:
+def affinity_key(client: str, body: Mapping[str, object]) -> str:
     """The stable prefix's text as a short hash ("" when a request has neither tools
     nor system text: nothing to be affine to, or its messages are not readable)."""
     try:

@@ -24,7 +24,6 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from core import apis
 from core.apis import ChatView
@@ -190,7 +189,7 @@ class Router:
         self,
         endpoint: str,
         headers: Mapping[str, str],
-        body: dict[str, Any],
+        body: Mapping[str, object],
         chat: ChatView | _Auto | None = _AUTO,
     ) -> Decision | Refused:
         """The decision for one request (`headers` with lower-case names).

@@ -13,10 +13,10 @@ Split out of `core.cache.manager`, which asks it for each request's prefix.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 from core import apis
+from core.apis import JsonObject
 from core.cache import prefix as pfx
 from core.cache.boot import Emit
 from core.cache.fingerprint import ServerIdentity, fingerprint
@@ -37,19 +37,19 @@ def renderable(req: ProxyRequest) -> bool:
     return req.body_bytes <= LEARN_MAX_BYTES
 
 
-def render_body(body: dict[str, Any]) -> dict[str, Any]:
+def render_body(body: Mapping[str, object]) -> JsonObject:
     """The fields `/apply-template` needs to render a chat request (in chat-completions
     form: a request's chat view, `chat_of`) as the server will."""
     return {k: v for k, v in body.items() if k in apis.RENDER_FIELDS}
 
 
-def chat_of(req: ProxyRequest) -> dict[str, Any]:
+def chat_of(req: ProxyRequest) -> JsonObject:
     """The request as chat completions (`core.apis.ChatView`): what the cache reads for
     messages and tools whichever API the client spoke; {} when it has no chat view."""
     return req.chat.body if req.chat is not None else {}
 
 
-def system_end(body: dict[str, Any], rendered: str) -> int | None:
+def system_end(body: Mapping[str, object], rendered: str) -> int | None:
     """Where the system message and tools end in `rendered`: the start of the first
     user message's text (the turn header before it is the template's, stable too), or
     the end of the system text. None without a system message or tools."""
@@ -60,8 +60,8 @@ def system_end(body: dict[str, Any], rendered: str) -> int | None:
     first_user = next(
         (
             pfx.content_text(m.get("content"))
-            for m in body.get("messages", [])
-            if isinstance(m, dict) and m.get("role") == "user"
+            for m in pfx.objects(body.get("messages"))
+            if m.get("role") == "user"
         ),
         "",
     )

@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from core.status import DivergenceWhere
 
@@ -80,6 +80,14 @@ _AUX_PROMPTS = (
 )
 
 
+class PrefixMeta(TypedDict, total=False):
+    """What is known of a prefix besides its tokens (a key is absent while unknown)."""
+
+    rendered_tokens: int  # tokens of the whole rendered request it was learned from
+    head_n: int  # tokens of the profile's or system's head (the prefix may reach past it)
+    definition: str  # its stored definition's id (core.cache.definitions)
+
+
 @dataclass
 class PrefixInfo:
     """A detected stable prefix, as tokens the server will see."""
@@ -92,23 +100,40 @@ class PrefixInfo:
     fingerprint: str = ""
     first_seen: float = 0.0
     last_used: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: PrefixMeta = field(default_factory=lambda: PrefixMeta())
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
 
 
-def system_text(body: dict[str, Any]) -> str:
+def objects(value: object) -> list[Mapping[str, object]]:
+    """The objects of a JSON array ([] when `value` is none). A chat view's messages and
+    tools are objects all: the proxy refuses a body with anything else (core.proxy_checks)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def messages_of(body: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """A chat body's messages ([] when it has none). Raises TypeError when they are not a
+    list of objects: a body the proxy refuses (core.proxy_checks), and the readers that
+    take unchecked bodies (core.backend_choice.affinity_key) catch it."""
+    msgs = body.get("messages", [])
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise TypeError("the messages are not a list of objects")
+    return msgs
+
+
+def system_text(body: Mapping[str, object]) -> str:
     """The concatenated text of the system (and developer) messages."""
     parts: list[str] = []
-    for msg in body.get("messages", []):
+    for msg in messages_of(body):
         if msg.get("role") in ("system", "developer"):
             parts.append(content_text(msg.get("content")))
     return "\n".join(parts)
 
 
-def content_text(content: Any) -> str:
+def content_text(content: object) -> str:
+    """A message content's text: the string, or its parts' texts joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -116,7 +141,7 @@ def content_text(content: Any) -> str:
     return ""
 
 
-def shape_key(client: str, body: dict[str, Any]) -> str:
+def shape_key(client: str, body: Mapping[str, object]) -> str:
     """Hash of what a stable prefix depends on: client, tools verbatim, system text."""
     h = hashlib.sha256()
     h.update(client.encode() + b"\0")
@@ -125,7 +150,8 @@ def shape_key(client: str, body: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def tools_key(client: str, body: dict[str, Any]) -> str:
+def tools_key(client: str, body: Mapping[str, object]) -> str:
+    """Hash of the client and its tools verbatim."""
     h = hashlib.sha256(client.encode() + b"\0")
     h.update(json.dumps(body.get("tools"), sort_keys=True).encode())
     return h.hexdigest()
@@ -168,11 +194,13 @@ def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
     return i
 
 
-def classify_aux(body: dict[str, Any], has_tools: bool, client_uses_tools: bool) -> str | None:
+def classify_aux(
+    body: Mapping[str, object], has_tools: bool, client_uses_tools: bool
+) -> str | None:
     """Why a chat request is an auxiliary (side) call, or None for an agent turn."""
     if not has_tools and client_uses_tools:
         return "no tools from a client whose agent turns carry tools"
-    msgs = body.get("messages", [])
+    msgs = messages_of(body)
     if not has_tools and msgs:
         head = " ".join(content_text(m.get("content")) for m in msgs[:2])[:2000]
         for why, pattern in _AUX_PROMPTS:
@@ -183,9 +211,9 @@ def classify_aux(body: dict[str, Any], has_tools: bool, client_uses_tools: bool)
     return None
 
 
-def derived_session(client: str, body: dict[str, Any]) -> str:
+def derived_session(client: str, body: Mapping[str, object]) -> str:
     """A session key for clients that send none: the conversation's opening."""
-    msgs = body.get("messages", [])
+    msgs = messages_of(body)
     first_user = next((content_text(m.get("content")) for m in msgs if m.get("role") == "user"), "")
     h = hashlib.sha256(
         client.encode() + b"\0" + system_text(body).encode() + b"\0" + first_user.encode()
@@ -206,15 +234,15 @@ def divergence(old: str, new: str, context: int = 60) -> DivergenceWhere | None:
     }
 
 
-def dropped_parts(body: dict[str, Any], rendered: str) -> list[str]:
+def dropped_parts(body: Mapping[str, object], rendered: str) -> list[str]:
     """What of the request the rendered prompt lost: tool names, the system text.
 
     A chat template without tool support (llama-server's generic fallback) renders
     the messages but silently leaves the tools out.
     """
     missing = []
-    for tool in body.get("tools") or []:
-        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+    for tool in objects(body.get("tools")):
+        fn = tool.get("function", tool)
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             continue
         # Names are short words that may appear anywhere; the description is the
@@ -228,7 +256,7 @@ def dropped_parts(body: dict[str, Any], rendered: str) -> list[str]:
     return missing
 
 
-def _description_present(description: Any, rendered: str) -> bool:
+def _description_present(description: object, rendered: str) -> bool:
     text = str(description or "")
     plain = re.match(r"[A-Za-z0-9 ,.;:()'-]{12,48}", text)
     if plain is None:

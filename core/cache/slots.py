@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+
+from core.apis import JsonObject
 
 
 @dataclass
@@ -35,7 +36,7 @@ class SlotState:
     owner: str = ""  # the user (API key name) of that session; "" without keys
     last_used: float = 0.0
     inflight: int = 0
-    last_body: dict[str, Any] | None = None  # last chat request run here (for diagnosis)
+    last_body: JsonObject | None = None  # last chat request run here (its chat view)
     last_kind: str = ""
     tokens_hint: int = 0  # tokens we believe the slot holds
     session_of_last: str = ""  # session of the last request that ran here

@@ -181,12 +181,19 @@ def info_for(d: PrefixDefinition, fp: str) -> pfx.PrefixInfo:
         fingerprint=fp,
         first_seen=d.first_seen,
         last_used=d.last_used,
-        meta={
-            "rendered_tokens": d.rendered_tokens or None,
-            "head_n": d.head_n or None,
-            "definition": d.id,
-        },
+        meta=_meta(d),
     )
+
+
+def _meta(d: PrefixDefinition) -> pfx.PrefixMeta:
+    # A count the definition does not know (0) is left out: its readers take an absent
+    # key as unknown, as they took the None it used to hold.
+    meta = pfx.PrefixMeta(definition=d.id)
+    if d.rendered_tokens:
+        meta["rendered_tokens"] = d.rendered_tokens
+    if d.head_n:
+        meta["head_n"] = d.head_n
+    return meta
 
 
 def definition_of(info: pfx.PrefixInfo, ident: ServerIdentity) -> PrefixDefinition:
