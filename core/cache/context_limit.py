@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from core.events import CacheEventKind
 from core.status import ContextHitRow, ContextLimitsStatus
@@ -67,7 +67,7 @@ class ContextHit:
         )
 
 
-def _limit_of(body: Mapping[str, Any]) -> int | None:
+def _limit_of(body: Mapping[str, object]) -> int | None:
     # max_output_tokens: OpenAI Responses (core.apis); Anthropic Messages use max_tokens.
     for key in ("max_completion_tokens", "max_tokens", "max_output_tokens", "n_predict"):
         value = body.get(key)
@@ -76,7 +76,9 @@ def _limit_of(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-def warning_for(status: int, data: bytes, request_body: Mapping[str, Any]) -> ContextHit | None:
+def warning_for(
+    status: int, data: bytes, request_body: Mapping[str, object]
+) -> ContextHit | None:
     """The context hit a whole response shows, or None.
 
     A 400 whose message is llama-server's context error; a 200 that was stopped by
@@ -96,13 +98,11 @@ def warning_for(status: int, data: bytes, request_body: Mapping[str, Any]) -> Co
     if not isinstance(doc, dict):
         return None
     raw_timings, raw_usage = doc.get("timings"), doc.get("usage")
-    timings: dict[str, Any] = raw_timings if isinstance(raw_timings, dict) else {}
-    usage: dict[str, Any] = raw_usage if isinstance(raw_usage, dict) else {}
-    answer = int(timings.get("predicted_n") or usage.get("completion_tokens") or 0)
-    prompt = int(
-        (timings.get("prompt_n") or 0) + (timings.get("cache_n") or 0)
-        or usage.get("prompt_tokens")
-        or 0
+    timings = raw_timings if isinstance(raw_timings, dict) else {}
+    usage = raw_usage if isinstance(raw_usage, dict) else {}
+    answer = _count(timings.get("predicted_n")) or _count(usage.get("completion_tokens"))
+    prompt = _count(timings.get("prompt_n")) + _count(timings.get("cache_n")) or _count(
+        usage.get("prompt_tokens")
     )
     if doc.get("truncated") is True:
         return ContextHit(prompt + answer, 0, False)
@@ -115,6 +115,11 @@ def warning_for(status: int, data: bytes, request_body: Mapping[str, Any]) -> Co
     if limit is not None and answer >= limit:
         return None  # the client's own max_tokens stopped it
     return ContextHit(prompt + answer, 0, False)
+
+
+def _count(value: object) -> int:
+    # A token count as the server sent it: a JSON number; null or absent counts 0.
+    return int(value) if isinstance(value, int | float) else 0
 
 
 def note(headers: MutableMapping[str, str], hit: ContextHit) -> None:
@@ -130,9 +135,12 @@ class Finished(Protocol):
     request_id: str
     client: str
     session: str
-    body: dict[str, Any]
     slot: int | None
     response_headers: dict[str, str]
+
+    @property
+    def body(self) -> Mapping[str, object]:
+        """The request's body as the client sent it (read for its max_tokens)."""
 
 
 @dataclass
@@ -185,7 +193,7 @@ class ContextLimits:
         headers: Mapping[str, str],
         tokens_in_slot: int | None,
         answer_tokens: int | None,
-        request_body: Mapping[str, Any],
+        request_body: Mapping[str, object],
     ) -> ContextHit | None:
         """The hit of a finished request: what the proxy found in the whole response
         (its headers), or a response whose tokens filled the slot (streams).
