@@ -20,9 +20,9 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from core.cache import prefix as pfx
 from core.events import Event, RequestExplained
@@ -48,7 +48,7 @@ REUSE_GAP = 16
 class Tokenizer(Protocol):
     """What the explainer asks of llama-server (`core.server.client.LlamaClient`)."""
 
-    async def apply_template(self, body: dict[str, Any]) -> str: ...
+    async def apply_template(self, body: Mapping[str, object]) -> str: ...
 
     async def tokenize_pieces(
         self, content: str, *, add_special: bool = False
@@ -71,12 +71,12 @@ class _Part:
     end: int | None  # where its own text ends, when all of it was found
 
 
-def _tool_name(tool: Any) -> str:
+def _tool_name(tool: object) -> str:
     fn = tool.get("function", tool) if isinstance(tool, dict) else {}
     return str(fn.get("name", "?")) if isinstance(fn, dict) else "?"
 
 
-def _tool_probes(tool: Any) -> list[str]:
+def _tool_probes(tool: object) -> list[str]:
     fn = tool.get("function", tool) if isinstance(tool, dict) else {}
     if not isinstance(fn, dict):
         return []
@@ -89,7 +89,7 @@ def _tool_probes(tool: Any) -> list[str]:
     return probes
 
 
-def _message_text(msg: Any) -> str:
+def _message_text(msg: object) -> str:
     if not isinstance(msg, dict):
         return ""
     text = pfx.content_text(msg.get("content")).strip()
@@ -116,7 +116,7 @@ def _find(rendered: str, text: str, start: int) -> tuple[int, int | None] | None
     return None
 
 
-def spans(body: dict[str, Any], rendered: str) -> list[Span]:
+def spans(body: Mapping[str, object], rendered: str) -> list[Span]:
     """The sections of `rendered` (the server's rendering of the chat request `body`), in
     prompt order: ``system``, ``tool NAME`` for each tool the template rendered, and
     ``message N (role)`` for each message (N from 1). The template's own text between two
@@ -126,7 +126,9 @@ def spans(body: dict[str, Any], rendered: str) -> list[Span]:
     parts: list[_Part] = []
     cursor = 0
     system_seen = 0
-    for i, msg in enumerate(body.get("messages") or [], start=1):
+    # Anything but an array renders nothing we could find, as each non-object item does.
+    messages, tools = body.get("messages"), body.get("tools")
+    for i, msg in enumerate(messages if isinstance(messages, list) else [], start=1):
         role = str(msg.get("role", "?")) if isinstance(msg, dict) else "?"
         found = _find(rendered, _message_text(msg), cursor)
         if found is None:
@@ -139,7 +141,7 @@ def spans(body: dict[str, Any], rendered: str) -> list[Span]:
         parts.append(_Part(name, found[0], found[1]))
         cursor = found[1] if found[1] is not None else found[0] + 1
     taken = [(p.anchor, p.end if p.end is not None else p.anchor + 1) for p in parts]
-    for tool in body.get("tools") or []:
+    for tool in tools if isinstance(tools, list) else []:
         for probe in _tool_probes(tool):
             pos = rendered.find(probe)
             # A tool's text inside a message's own text is that message's, not the tool's.
@@ -251,7 +253,7 @@ class Explainer:
         self,
         client: Tokenizer,
         request: ExplainedRequest,
-        render: dict[str, Any] | None,
+        render: Mapping[str, object] | None,
         cache_n: int,
         prompt_n: int,
         prompt_ms: float | None,
@@ -282,7 +284,7 @@ class Explainer:
         self,
         client: Tokenizer,
         request: ExplainedRequest,
-        render: dict[str, Any],
+        render: Mapping[str, object],
         cache_n: int,
         prompt_n: int,
     ) -> Explanation:
