@@ -174,7 +174,7 @@ class CacheEvent(Event):
     slot: int | None = None
     tokens: int | None = None
     bytes: int | None = None
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A plain string (a test, a row read back) becomes its member; an unknown one raises.
@@ -212,7 +212,7 @@ class SweepRun(Event):
     duration_s: float
     actions: int = 0
     error: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -274,4 +274,4 @@ class ModelEvent(Event):
     kind: str
     model: str
     reason: str = ""
-    numbers: dict[str, Any] = field(default_factory=dict)
+    numbers: dict[str, object] = field(default_factory=dict)

@@ -35,7 +35,7 @@ class Outcome:
     """What one sweep run did: the number of actions and anything worth keeping."""
 
     actions: int = 0
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)
 
 
 SweepFn = Callable[[], Awaitable[Outcome | int | None]]

@@ -146,7 +146,7 @@ async def _each(
 ) -> Outcome:
     """Run one sweep's part for each model; the details say what each did."""
     actions = 0
-    details: dict[str, Any] = {}
+    details: dict[str, object] = {}
     errors: list[str] = []
     for mgr in managers:
         label = model_label(mgr)

@@ -58,10 +58,10 @@ import contextlib
 import errno
 import logging
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 import sqlite_utils
 from sqlite_utils import Migrations
@@ -80,6 +80,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TTL_CLASSES",
     "Eviction",
+    "JournalRow",
     "Plan",
     "Retention",
     "SaveBackoff",
@@ -139,6 +140,14 @@ def default_cap_bytes(directory: Path, share: float = DEFAULT_CAP_SHARE) -> int:
 
 
 # ---------------------------------------------------------------------------- journal
+class JournalRow(TypedDict):
+    """A save in flight (a row of ``state_writes``)."""
+
+    filename: str
+    identity: str  # the server identity whose directory it is written into
+    started: float  # when it was begun (the journal's clock)
+
+
 class WriteJournal:
     """Saves in flight: a row before the server is asked to write, removed when done.
 
@@ -171,12 +180,18 @@ class WriteJournal:
         yield
         self.end(filename)
 
-    def pending(self) -> list[dict[str, Any]]:
-        return list(self.table.rows_where(order_by="started"))
+    def pending(self) -> list[JournalRow]:
+        """The saves begun and not ended, oldest first."""
+        return [
+            JournalRow(
+                filename=str(r["filename"]), identity=str(r["identity"]), started=r["started"]
+            )
+            for r in self.table.rows_where(order_by="started")
+        ]
 
 
 # ---------------------------------------------------------------------------- save checks
-def save_problem(saved: dict[str, Any], expected_tokens: int, path: Path) -> str | None:
+def save_problem(saved: Mapping[str, object], expected_tokens: int, path: Path) -> str | None:
     """What is wrong with a save the server answered with success, or None.
 
     `saved` is the server's answer (``n_saved``, and ``n_written`` on servers that report
@@ -336,7 +351,7 @@ class Retention:
         ``save_failed`` event saying when the next try is. Returns that delay in seconds."""
         partial = self.discard_partial(filename) if server_answered else 0
         failures, delay = self.save_backoff.failed(fp, reason)
-        details: dict[str, Any] = {
+        details: dict[str, object] = {
             "file": filename,
             "failures": failures,
             "retry_in_s": delay,
