@@ -12,7 +12,7 @@ import json
 import sqlite3
 import sys
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from core import config as config_mod
 from core.errors import ConfigError
@@ -94,11 +94,20 @@ def _remove(paths: Paths, name: str) -> int:
     return 0
 
 
+class KeyRow(TypedDict):
+    """One user in `warmslot keys list` (its --json rows)."""
+
+    name: str
+    created: float | None  # None: proxy.api_key, which has no date
+    last_used: float | None  # the latest request's time (None: none seen)
+    requests: int
+
+
 def _list(paths: Paths, *, json_out: bool) -> int:
     keys = load_keys(keys_file(paths.config_file))
     settings = config_mod.load(paths.config_file)
     used = last_used(paths)
-    rows: list[dict[str, Any]] = [
+    rows: list[KeyRow] = [
         {
             "name": k.name,
             "created": k.created,

@@ -172,7 +172,7 @@ def cmd_clients(args: argparse.Namespace) -> int:
     key = KeyRing(keys_file(paths.config_file), lambda: settings.proxy.api_key).required()
     setups = client_setups(url, model, api_key=key)
     if args.json:
-        doc: dict[str, Any] = {
+        doc: dict[str, object] = {
             "base_url": base_url(url),
             "model": model,
             "clients": [s.__dict__ for s in setups],

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from core.models.profiles import MIB, Footprint
 
@@ -31,7 +30,8 @@ class Budget:
     vram: tuple[int, ...]  # per GPU index
     ram: int
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
+        """The budget in MiB, as decisions report it."""
         return {"vram_mib": [_mib(b) for b in self.vram], "ram_mib": _mib(self.ram)}
 
 
@@ -55,7 +55,7 @@ class Decision:
     action: str
     model: str
     reason: str
-    numbers: dict[str, Any] = field(default_factory=dict)
+    numbers: dict[str, object] = field(default_factory=dict)
     evict: tuple[str, ...] = ()
 
 
@@ -76,10 +76,12 @@ def _use(models: Sequence[Loaded], n_gpu: int) -> tuple[list[int], int]:
     return vram, ram
 
 
-def _fits(need: Footprint, others: Sequence[Loaded], budget: Budget) -> tuple[bool, dict[str, Any]]:
+def _fits(
+    need: Footprint, others: Sequence[Loaded], budget: Budget
+) -> tuple[bool, dict[str, object]]:
     vram, ram = _use([*others, Loaded("", 0, need, 0, 0.0)], len(budget.vram))
     over_gpu = [i for i, b in enumerate(vram) if b > budget.vram[i]]
-    numbers = {
+    numbers: dict[str, object] = {
         "need": need.as_dict(),
         "would_use": {"vram_mib": [_mib(b) for b in vram], "ram_mib": _mib(ram)},
         "budget": budget.as_dict(),

@@ -43,7 +43,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from core.config import Settings
 from core.errors import WarmslotError
@@ -144,7 +143,7 @@ class ModelEntry:
             return ""
         return f"{self.kind} ({PATCHED_NOTE})" if self.needs_patched_server else self.kind
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain JSON-able form."""
         out = dataclasses.asdict(self)
         out["aliases"] = list(self.aliases)
@@ -160,7 +159,7 @@ class Catalog:
     roots: tuple[Root, ...]
     notes: tuple[str, ...] = ()  # e.g. a scan stopped early
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain JSON-able form."""
         return {
             "models": [e.to_dict() for e in self.entries],

@@ -29,7 +29,8 @@ class GpuInfo:
     total_bytes: int
     free_bytes: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-able form (the fields by name)."""
         return asdict(self)
 
 
@@ -43,7 +44,8 @@ class HostInfo:
     swap_free: int
     disk_free_state: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-able form (the fields by name)."""
         return asdict(self)
 
 

@@ -150,9 +150,9 @@ class ModelFacts:
         """Layers with a sliding-window KV cache."""
         return sum(1 for i in range(self.n_layer) if self.n_head_kv[i] > 0 and self.swa_layers[i])
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain JSON-able form (per-layer tuples become lists)."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, tuple) else value
