@@ -129,7 +129,8 @@ class PrefixDefinition:
     def n_tokens(self) -> int:
         return len(self.tokens)
 
-    def to_row(self, fingerprint: str = "") -> dict[str, Any]:
+    def to_row(self, fingerprint: str = "") -> dict[str, str | int | float]:
+        """Its row of the ``prefixes`` table (tokens and meta as JSON text)."""
         return {
             "id": self.id,
             "model": self.model,

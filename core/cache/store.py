@@ -158,8 +158,9 @@ class StateRecord:
         row["owner"] = row.get("owner") or ""
         return cls(**row)
 
-    def to_row(self) -> dict[str, Any]:
-        row = dict(self.__dict__)
+    def to_row(self) -> dict[str, object]:
+        """Its row of the ``states`` table (pinned as 0/1, probe as JSON text)."""
+        row: dict[str, object] = dict(self.__dict__)
         row["pinned"] = int(self.pinned)
         row["probe"] = json.dumps(self.probe)
         return row
