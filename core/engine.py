@@ -583,7 +583,7 @@ class Core:
             return f"failed — {sup.state_reason}; see `warmslot doctor`"
         return sup.state.value
 
-    def _record_build(self, row: dict[str, Any]) -> None:
+    def _record_build(self, row: dict[str, object]) -> None:
         if self.telemetry is None or not row.get("build_id"):
             return
         self.telemetry.upsert(

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from core.build.compile import (
     BuildFailed,
@@ -66,7 +66,12 @@ __all__ = [
 
 log = logging.getLogger("warmslot.build")
 
-RecordHook = Callable[[dict[str, Any]], None]
+RecordHook = Callable[[dict[str, object]], None]  # gets one build's telemetry row
+
+
+class _Progress(TypedDict):
+    build_id: str  # "" until the plan names it
+    percent: float  # the last progress reported
 
 
 class BuildStopped(BuildCancelled):
@@ -106,7 +111,7 @@ async def build(
     loop = asyncio.get_running_loop()
     started = time.monotonic()
     blog = BuildLog()
-    state: dict[str, Any] = {"build_id": "", "percent": 0.0}
+    state = _Progress(build_id="", percent=0.0)
     last = latest_build(paths.builds_dir)
     previous_s = last.duration_s if last is not None else None
 
@@ -216,7 +221,7 @@ def _call_record(
     error: str,
     result: BuildRecord | None,
 ) -> None:
-    payload: dict[str, Any] = {
+    payload: dict[str, object] = {
         "build_id": plan.build_id if plan else None,
         "outcome": outcome,
         "duration_s": round(duration, 3),

@@ -24,7 +24,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import core.build as build_mod
 from core.config import ServerSettings
@@ -42,7 +41,7 @@ log = logging.getLogger("warmslot.server")
 NO_BINARY_PURPOSE = "no llama-server works on this CPU: building one for it"
 PATCHED_PURPOSE = "building the patched server for the disk tier"
 
-RecordHook = Callable[[dict[str, Any]], None]
+RecordHook = Callable[[dict[str, object]], None]  # gets one build's telemetry row
 
 
 def needs_checkpoint_patch(model: Path) -> bool:
