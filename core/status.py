@@ -14,7 +14,7 @@ This module imports nothing from the rest of the core, so every producer can use
 from __future__ import annotations
 
 import json
-from typing import Any, NotRequired, TypedDict, cast
+from typing import NotRequired, TypedDict, cast
 
 # ------------------------------------------------------------------ the running process
 
@@ -96,7 +96,7 @@ class ServerSnapshot(TypedDict):
 class FitStatus(TypedDict):
     """The fit plan the launch used."""
 
-    plan: dict[str, Any]  # core.server.fit.FitPlan.to_dict()
+    plan: dict[str, object]  # core.server.fit.FitPlan.to_dict()
     text: str
 
 
@@ -476,7 +476,7 @@ class SweepStatus(TypedDict):
 
 
 class KeepaliveStatus(TypedDict):
-    last: list[dict[str, Any]]  # the last keep-alive sweep's decisions
+    last: list[dict[str, object]]  # the last keep-alive sweep's decisions
 
 
 class BackoffRow(TypedDict):
@@ -565,7 +565,7 @@ class CacheStatus(TypedDict):
     saved: list[SavedRow]
     divergences: list[Divergence]
     restore_shortfalls: list[Shortfall]
-    prefix_saves: dict[str, Any]  # core.cache.prefix_save counts
+    prefix_saves: dict[str, object]  # core.cache.prefix_save counts
     explained: list[Explanation]  # the latest that found a divergence, without sections
     context_limits: ContextLimitsStatus
     template_warning: str | None

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from core.errors import ConfigError
 from core.server.devices import GpuInfo, HostInfo
@@ -217,7 +216,7 @@ class FitPlan:
     gave_up: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """JSON-able form, with each device's total and verdict, and the argv."""
         out = dataclasses.asdict(self)
         out["devices"] = [
