@@ -11,7 +11,7 @@ import json
 import shutil
 import sys
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
 from core.build import (
     BACKENDS,
@@ -134,7 +134,7 @@ class ProgressBar:
             self._drawn = False
 
 
-def _record_json(rec: BuildRecord) -> dict[str, Any]:
+def _record_json(rec: BuildRecord) -> dict[str, object]:
     return {
         "build_id": rec.build_id,
         "binary": str(rec.binary),

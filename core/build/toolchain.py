@@ -20,7 +20,6 @@ import sysconfig
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from core.errors import BuildError
 from core.syslibs import os_release_ids
@@ -300,7 +299,7 @@ def toolchain_versions(tools: Mapping[str, str], cache_file: Path | None = None)
     Versions are cached in `cache_file` keyed by the tool's resolved path, size and mtime,
     so that a cache-hit build runs no subprocess at all. A missing tool raises BuildError.
     """
-    cache: dict[str, Any] = {}
+    cache: dict[str, object] = {}
     if cache_file is not None:
         with contextlib.suppress(OSError, ValueError):
             cache = json.loads(cache_file.read_text("utf-8"))

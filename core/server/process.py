@@ -30,7 +30,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import TypedDict
 
 import psutil
 
@@ -53,7 +53,14 @@ _CTRL_BREAK_EVENT = int(getattr(signal, "CTRL_BREAK_EVENT", 1))
 _POLL_S = 0.05
 
 
-def new_group_kwargs() -> dict[str, Any]:
+class GroupKwargs(TypedDict, total=False):
+    """The one keyword argument `new_group_kwargs` gives, per platform."""
+
+    creationflags: int  # Windows
+    start_new_session: bool  # POSIX
+
+
+def new_group_kwargs() -> GroupKwargs:
     """Keyword arguments for `subprocess.Popen` or `asyncio.create_subprocess_exec` that
     start the child as the leader of its own group (see the module docstring)."""
     if _WINDOWS:

@@ -35,7 +35,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -330,7 +329,7 @@ class Supervisor:
     def _quirks_file(self) -> Path:
         return self._paths.state_dir / "binary-quirks.json"
 
-    def _quirks(self) -> dict[str, Any]:
+    def _quirks(self) -> dict[str, object]:
         try:
             data = json.loads(self._quirks_file().read_text())
             return data if isinstance(data, dict) else {}
