@@ -20,7 +20,7 @@ def meta(
     *,
     restart: bool = False,
     choices: tuple[str, ...] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """A settings field's metadata: its description, check, whether a change needs a
     restart, and its choices (read by `core.config.schema.section_specs`)."""
     return {"description": description, "check": check, "restart": restart, "choices": choices}

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from core.errors import ConfigError
 
@@ -14,11 +13,11 @@ SCHEMA_VERSION = 1
 
 # Upgrades of older files: MIGRATIONS[n] turns a version-n document into version n+1.
 # A file with no `version` is version 1 (the first released layout).
-Migration = Callable[[dict[str, Any]], dict[str, Any]]
+Migration = Callable[[dict[str, object]], dict[str, object]]
 MIGRATIONS: dict[int, Migration] = {}
 
 
-def migrate(doc: dict[str, Any], path: str) -> dict[str, Any]:
+def migrate(doc: dict[str, object], path: str) -> dict[str, object]:
     """`doc` upgraded to `SCHEMA_VERSION` (`path` names the file in errors); a
     file from a newer Warmslot is refused."""
     version = doc.get("version", 1)

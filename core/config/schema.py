@@ -65,7 +65,7 @@ class Settings:
             check_settings(new)
         return new
 
-    def as_dict(self) -> dict[str, dict[str, Any]]:
+    def as_dict(self) -> dict[str, dict[str, object]]:
         return dataclasses.asdict(self)
 
 

@@ -160,7 +160,7 @@ def backends_from_list(values: Any, *, path: str = "<settings>") -> list[Backend
 
 
 def settings_from_dict(
-    doc: dict[str, Any], *, path: str = "<settings>", keys_path: Path | None = None
+    doc: dict[str, object], *, path: str = "<settings>", keys_path: Path | None = None
 ) -> Settings:
     """Validate a plain dict (already migrated) into `Settings` (`keys_path`: see
     `check_settings`)."""

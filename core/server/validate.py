@@ -35,6 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _http(url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, bytes]:
+def _http(url: str, body: Mapping[str, object] | None, timeout: float) -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="POST" if data else "GET")
     if data is not None:
@@ -343,7 +344,7 @@ def _checks_file(paths: Paths) -> Path:
     return paths.state_dir / CHECKS_FILE
 
 
-def _load(paths: Paths) -> dict[str, Any]:
+def _load(paths: Paths) -> dict[str, object]:
     try:
         data = json.loads(_checks_file(paths).read_text("utf-8"))
     except (OSError, ValueError):
