@@ -36,7 +36,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, NotRequired, TypedDict
 
 from core.build.source_download import Logger, download, http_get
 from core.build.source_git import (
@@ -287,6 +287,15 @@ def _resolve_url(src: BuildSource, cache_dir: Path, emit: Logger) -> ResolvedSou
     return _resolve_archive_file(src, dest, f"archive {src.location}", hint=src.location)
 
 
+class IndexFile(TypedDict):
+    """A file of a package in a PyPI simple index's JSON (PEP 691): the fields read here."""
+
+    filename: str
+    url: str
+    hashes: NotRequired[dict[str, str]]  # algorithm → hex digest
+    yanked: NotRequired[bool | str]  # true, or the reason
+
+
 def _resolve_pypi(
     src: BuildSource, cache_dir: Path, index_url: str, emit: Logger
 ) -> ResolvedSource:
@@ -322,7 +331,7 @@ def _resolve_pypi(
         except ValueError as e:
             raise BuildError(f"The package index at {page} did not answer in JSON") from e
     prefix = re.sub(r"[-_.]+", "_", name).lower() + "-"
-    sdists: dict[str, dict[str, Any]] = {}
+    sdists: dict[str, IndexFile] = {}  # version → its sdist
     for f in index.get("files", []):
         fname = str(f.get("filename", ""))
         low = fname.lower()
