@@ -24,7 +24,7 @@ from typing import Any
 from core import config as config_mod
 from core.cache.crowding import crowding
 from core.errors import ConfigError, WarmslotError
-from core.keys import client_key
+from core.local_api import local_request
 from core.paths import Paths
 from core.status import Status, cache_of
 from core.status import from_json as status_from_json
@@ -160,17 +160,9 @@ def _policy_factory() -> Any:
 # ------------------------------------------------------------------ status
 def fetch_status(paths: Paths, timeout: float = 5.0) -> Status | None:
     """The running instance's /warmslot/status, or None when none is running."""
-    try:
-        runtime = json.loads(paths.runtime_file.read_text())
-    except (OSError, ValueError):
+    req = local_request(paths, "/warmslot/status")
+    if req is None:
         return None
-    settings = config_mod.load(paths.config_file)
-    host = runtime.get("proxy_host", "127.0.0.1")
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"
-    req = urllib.request.Request(f"http://{host}:{runtime['proxy_port']}/warmslot/status")
-    if key := client_key(paths.state_dir, settings.proxy.api_key):  # core.keys
-        req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return status_from_json(resp.read())

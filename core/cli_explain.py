@@ -17,9 +17,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, cast
 
-from core import config as config_mod
 from core.cache.explain import format_explanation, from_row
-from core.keys import client_key
+from core.local_api import local_request
 from core.paths import Paths
 from core.status import Explanation
 from core.telemetry_rows import ExplanationRow
@@ -34,18 +33,10 @@ def fetch_explanation(
 ) -> Explanation | None:
     """The running instance's explanation of `request_id` (the latest when None); None
     when no instance runs; raises NotFound (its message) when it has none."""
-    try:
-        runtime = json.loads(paths.runtime_file.read_text())
-    except (OSError, ValueError):
-        return None
-    settings = config_mod.load(paths.config_file)
-    host = runtime.get("proxy_host", "127.0.0.1")
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"
     query = f"?{urllib.parse.urlencode({'id': request_id})}" if request_id else ""
-    req = urllib.request.Request(f"http://{host}:{runtime['proxy_port']}/warmslot/explain{query}")
-    if key := client_key(paths.state_dir, settings.proxy.api_key):  # core.keys
-        req.add_header("Authorization", f"Bearer {key}")
+    req = local_request(paths, f"/warmslot/explain{query}")
+    if req is None:
+        return None
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             # Our own endpoint's JSON, built from the same type (core.status).

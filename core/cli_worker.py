@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from core import config as config_mod
+from core.config.checks import is_loopback
 from core.errors import BinaryNotFound
 from core.paths import Paths
 from core.server import process
@@ -47,15 +48,6 @@ SECURITY_WARNING = (
     "Use it only on a network you trust (a LAN you control, a VPN such as WireGuard or "
     "Tailscale), never on the internet (docs/scale.md#security)."
 )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def worker_argv(
@@ -189,14 +181,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     binary = _rpc_binary(args, paths)
     _check_help(binary)
-    if not _is_loopback(host):
+    if not is_loopback(host):
         print(SECURITY_WARNING.format(host=host, port=args.port), file=sys.stderr, flush=True)
     argv = worker_argv(
         binary, host, args.port, cache=args.cache, threads=args.threads, devices=args.device
     )
     print(
         f"warmslot worker: on the main host, add to its settings:\n"
-        f'  [[workers]]\n  address = "{"THIS-MACHINE" if _is_loopback(host) else host}"\n'
+        f'  [[workers]]\n  address = "{"THIS-MACHINE" if is_loopback(host) else host}"\n'
         f"  port = {args.port}",
         file=sys.stderr,
         flush=True,

@@ -8,7 +8,6 @@ proxy (`core.proxy`) calls them and answers.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import re
@@ -16,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from yarl import URL
+
+from core.config.checks import is_loopback as is_loopback  # re-exported: the proxy checks Host
 
 
 class Invalid(Exception):
@@ -358,17 +359,6 @@ def validate(endpoint: str, body: Any, n_slots: int) -> None:
 
 
 # ------------------------------------------------------------ who may call
-def is_loopback(host: str) -> bool:
-    """True for a loopback name or IP address ("localhost", 127.0.0.0/8, ::1)."""
-    host = host.strip("[]").lower()
-    if host in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def host_name(host_header: str) -> str:
     """The name or address of a Host header, without its port ("[::1]:80" → "::1")."""
     host = host_header.strip().lower()

@@ -66,8 +66,10 @@ def valid_host(v: Any) -> str | None:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `host` (``localhost`` or an IP address) reaches only this machine."""
-    if host == "localhost":
+    """Whether `host` reaches only this machine: a loopback name or IP address
+    ("localhost", 127.0.0.0/8, ::1, also as "[::1]" from a Host header)."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost."):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
