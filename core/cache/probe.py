@@ -31,10 +31,11 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
+from core.apis import JsonObject
 from core.errors import UpstreamError
 from core.server.client import LlamaClient
 
@@ -68,9 +69,31 @@ QUIET_WAIT_S = 10.0  # longest a probe waits for the other slots to finish their
 REFERENCE_TRIES = 3  # probes tried for a reference that ran alone
 
 
+class ProbeRecord(TypedDict, total=False):
+    """A state's recorded probe (`StateRecord.probe`): the prefix and suffix it sent and
+    the reference `probe_reference` took, plus the timings a conversation save measured.
+
+    Every key is optional: it is JSON read back from the state index, written by older
+    versions too, so readers check what is there (`check_answer` rejects what is not)."""
+
+    prefix: list[int]
+    suffix: list[int]
+    version: int  # `PROBE_VERSION` of the reference; absent: 1
+    tokens: list[int]  # the greedy tokens
+    logprobs: list[float]  # their log-probs
+    margins: list[float]  # each step's lead over the runner-up (1e9: none)
+    top: list[list[list[float]]]  # per step, the top-k as [token id, log-prob] pairs
+    # What a conversation save measured (core.cache.conversations), in milliseconds.
+    hash_ms: float
+    restore_ms: float
+    verify_ms: float
+    verify_ms_measured: float
+    prefill_ms_per_token: float | None  # None: not measured yet
+
+
 def probe_request(
     prefix: Sequence[int], suffix: Sequence[int], slot: int, n_predict: int = PROBE_TOKENS
-) -> dict[str, Any]:
+) -> JsonObject:
     """The `/completion` body of a probe: greedy, a few tokens, their top-k log-probs."""
     return {
         "prompt": [*prefix, *suffix],
@@ -86,7 +109,7 @@ def probe_request(
     }
 
 
-def probe_request_for(reference: dict[str, Any], slot: int) -> dict[str, Any]:
+def probe_request_for(reference: ProbeRecord, slot: int) -> JsonObject:
     """The probe that checks a recorded `reference` in `slot`: its own prefix, suffix and
     number of tokens, so that a reference taken with another probe (the short one main
     used briefly: a 1-token suffix and 2 tokens) still verifies instead of being rebuilt."""
@@ -94,32 +117,45 @@ def probe_request_for(reference: dict[str, Any], slot: int) -> dict[str, Any]:
     return probe_request(reference["prefix"], reference["suffix"], slot, n)
 
 
-def _num(value: Any) -> float:
+def _num(value: object) -> float:
     """A log-prob as a float; NaN where the server sent null or nothing (a broken state
     gives non-finite logits, which JSON carries as null)."""
+    if not isinstance(value, int | float | str):
+        return math.nan
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except ValueError:
         return math.nan
 
 
-def _steps(resp: dict[str, Any]) -> list[dict[str, Any]]:
+def _steps(resp: Mapping[str, object]) -> list[JsonObject]:
+    """The answer's ``completion_probabilities``: one object per generated token."""
     probs = resp.get("completion_probabilities")
     return [p for p in probs if isinstance(p, dict)] if isinstance(probs, list) else []
 
 
-def _top(step: dict[str, Any]) -> list[tuple[int, float]]:
+def _top(step: Mapping[str, object]) -> list[tuple[int, float]]:
+    """A step's ``top_logprobs`` as (token id, log-prob) pairs."""
     out = []
-    for t in step.get("top_logprobs") or []:
+    tops = step.get("top_logprobs")
+    for t in tops if isinstance(tops, list) else []:
         if isinstance(t, dict) and isinstance(t.get("id"), int):
             out.append((int(t["id"]), _num(t.get("logprob"))))
     return out
 
 
-def probe_answer(resp: dict[str, Any]) -> tuple[list[int], list[float], list[float]]:
+def _token(step: Mapping[str, object]) -> int:
+    """A step's greedy token id (-1 where the server sent none)."""
+    tok = step.get("id", -1)
+    if not isinstance(tok, int | float | str):
+        raise TypeError(f"token id {tok!r}")  # what int() raised: a malformed answer
+    return int(tok)
+
+
+def probe_answer(resp: Mapping[str, object]) -> tuple[list[int], list[float], list[float]]:
     """The greedy tokens, their log-probs, and each step's margin over the runner-up."""
     steps = _steps(resp)
-    tokens = [int(p.get("id", -1)) for p in steps]
+    tokens = [_token(p) for p in steps]
     logprobs = [_num(p.get("logprob")) for p in steps]
     margins = []
     for p in steps:
@@ -128,7 +164,7 @@ def probe_answer(resp: dict[str, Any]) -> tuple[list[int], list[float], list[flo
     return tokens, logprobs, margins
 
 
-def probe_reference(resp: dict[str, Any]) -> dict[str, Any]:
+def probe_reference(resp: Mapping[str, object]) -> ProbeRecord:
     """What to record at save time: tokens, log-probs, margins and the top-k vectors.
 
     The caller adds the prefix and suffix. A reference holding non-finite values is
@@ -174,10 +210,10 @@ def _vector_problem(
 
 
 def check_answer(
-    resp: dict[str, Any],
+    resp: Mapping[str, object],
     cache_n: int | None,
     prefix_n: int,
-    reference: dict[str, Any],
+    reference: ProbeRecord,
     *,
     tolerance: float = LOGPROB_TOLERANCE,
 ) -> str | None:
@@ -214,7 +250,7 @@ def check_answer(
         _, problem = _vector_problem(_top(step), want, tolerance)
         if problem is not None:
             return f"probe {problem} at token {i}"
-        got_tok = int(step.get("id", -1))
+        got_tok = _token(step)
         if got_tok == ref_tokens[i] and i < len(ref_lps):
             moved = abs(_num(step.get("logprob")) - _num(ref_lps[i]))
             if not moved <= tolerance:  # NaN never passes
@@ -226,7 +262,7 @@ def check_answer(
     return None
 
 
-def probe_deviation(resp: dict[str, Any], reference: dict[str, Any]) -> float:
+def probe_deviation(resp: Mapping[str, object], reference: ProbeRecord) -> float:
     """The largest log-prob difference from the reference over the compared positions
     (inf where a vector is missing or non-finite): what the tolerance is measured against."""
     steps, ref_top = _steps(resp), reference.get("top") or []
@@ -234,7 +270,7 @@ def probe_deviation(resp: dict[str, Any], reference: dict[str, Any]) -> float:
     for step, want, ref_tok in zip(steps, ref_top, reference.get("tokens") or [], strict=False):
         dev, _ = _vector_problem(_top(step), [(int(t), _num(lp)) for t, lp in want], math.inf)
         worst = max(worst, dev)
-        if int(step.get("id", -1)) != ref_tok:
+        if _token(step) != ref_tok:
             break
     return worst
 
@@ -244,7 +280,7 @@ def non_finite(problem: str | None) -> bool:
     return problem is not None and "non-finite" in problem
 
 
-def scrub_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> dict[str, Any]:
+def scrub_request(prefix: Sequence[int], suffix: Sequence[int], slot: int) -> JsonObject:
     """A cold prompt over every cell a failed probe wrote, to overwrite what it left.
 
     Measured: after a probe on a state holding NaN/inf, erasing the slot is not enough —
@@ -309,7 +345,7 @@ async def wait_quiet(client: LlamaClient, slot: int, timeout: float = QUIET_WAIT
 class ProbeRun:
     """One probe: the server's answer, whether it ran alone, and how long it took (ms)."""
 
-    answer: dict[str, Any]
+    answer: Mapping[str, object]  # llama-server's `/completion` answer, as sent
     alone: bool
     ms: float
 
@@ -334,10 +370,10 @@ class ProbeGate:
     async def probe(
         self,
         client: LlamaClient,
-        body: dict[str, Any],
+        body: Mapping[str, object],
         slot: int,
         *,
-        before: Callable[[], Awaitable[Any]] | None = None,
+        before: Callable[[], Awaitable[object]] | None = None,
         quiet_s: float = QUIET_WAIT_S,
     ) -> ProbeRun:
         """Run the probe `body` in `slot`, after `before` (e.g. a restore) in the same turn;
@@ -348,7 +384,7 @@ class ProbeGate:
                 await before()
             first = await _others(client, slot)
             t0 = time.perf_counter()
-            answer: dict[str, Any] = await client.completion(body)
+            answer: Mapping[str, object] = await client.completion(body)
             ms = (time.perf_counter() - t0) * 1000
             then = await _others(client, slot)
         alone = first is not None and first == then and not any(p for _, p in first.values())
@@ -357,12 +393,12 @@ class ProbeGate:
     async def reference(
         self,
         client: LlamaClient,
-        body: dict[str, Any],
+        body: Mapping[str, object],
         slot: int,
-        restore: Callable[[], Awaitable[Any]],
+        restore: Callable[[], Awaitable[object]],
         *,
         tries: int = REFERENCE_TRIES,
-    ) -> tuple[dict[str, Any] | None, list[float]]:
+    ) -> tuple[Mapping[str, object] | None, list[float]]:
         """A reference answer for a just-saved state — `restore` it into `slot` and probe,
         until a probe ran alone (at most `tries`) — and every probe's time (ms). None when
         none did: a reference that shared its batches would reject the correct state on
@@ -371,7 +407,7 @@ class ProbeGate:
         Without `/slots` (alone unknown) two probes of the same restore that agree bit for
         bit are taken instead, the best that can be known there."""
         times: list[float] = []
-        previous: dict[str, Any] | None = None
+        previous: Mapping[str, object] | None = None
         for _ in range(tries):
             run = await self.probe(client, body, slot, before=restore)
             times.append(run.ms)

@@ -29,6 +29,8 @@ import sqlite_utils
 from sqlite_utils import Migrations
 from sqlite_utils.db import NotFoundError, Table
 
+from core.cache.probe import ProbeRecord
+
 migrations = Migrations("warmslot.cache")
 _NAME_RE = re.compile(r"^ws-[0-9a-f]{32}\.bin$")
 
@@ -137,7 +139,7 @@ class StateRecord:
     last_used: float
     verified_at: float | None
     verify_result: str
-    probe: dict[str, Any]
+    probe: ProbeRecord  # its known-answer probe (core.cache.probe)
     kind: str = "prefix"  # or "conversation" (core.cache.conversations)
     session: str = ""  # a conversation's session id
     base: str = ""  # a conversation's stable prefix (fingerprint)
