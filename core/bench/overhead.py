@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import NotRequired, TypedDict
 
 from core.config import Settings
 from core.paths import Paths
@@ -163,12 +163,23 @@ class ModelSize(TypedDict):
     bytes: int
 
 
+class Machine(TypedDict):
+    """The machine a bench ran on (`machine`), as its report shows it."""
+
+    cpu: str
+    cpus: int | None  # os.cpu_count(): None where it cannot tell
+    system: str
+    python: str
+    ram_gib: NotRequired[float]  # these two need psutil
+    load_avg: NotRequired[list[float]]
+
+
 class OverheadReport(TypedDict):
     """`warmslot bench overhead --json`."""
 
     requests_per_case: int
     cache_manager: bool
-    machine: dict[str, Any]  # machine(): cpu, cpus, system, python, ram_gib, load_avg
+    machine: Machine
     server: ServedBy
     model: ModelSize
     cases: list[CaseReport]
@@ -239,7 +250,8 @@ def measure(
     return [r.report() for r in results.values()]
 
 
-def machine() -> dict[str, Any]:
+def machine() -> Machine:
+    """The CPU, its count, the system, Python, and (with psutil) memory and load."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -248,7 +260,7 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    info: dict[str, Any] = {
+    info: Machine = {
         "cpu": cpu,
         "cpus": os.cpu_count(),
         "system": f"{platform.system()} {platform.release()}",

@@ -38,11 +38,13 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
+from core.apis import JsonObject
 from core.bench.common import post_json
+from core.bench.overhead import Machine
 from core.cache.probe import (
     PROBE_SUFFIX,
     check_answer,
@@ -53,6 +55,7 @@ from core.cache.probe import (
 from core.cache.store import StateRecord, StateStore, file_sha256
 from core.config import Settings
 from core.paths import Paths
+from core.server.client import CompletionAnswer, SlotActionAnswer
 
 DEFAULT_SIZES = (8192, 32768, 65536)
 RESERVE = 128  # cells the probe suffix, its answer and the next turn need after the prompt
@@ -74,6 +77,147 @@ TURN = "\n\nUser: Summarise what the code above does, in one sentence.\nAssistan
 SHORT_PROBE_SUFFIX = "\n"
 SHORT_PROBE_TOKENS = 2
 Log = Callable[[str], None]
+
+
+# ----------------------------------------------------------------------------- the report
+# `warmslot bench restore --json`: what `run` returns and `format_report` prints.
+
+
+class Bandwidth(TypedDict):
+    """The disk's read bandwidth (`measure_bandwidth`)."""
+
+    bytes: int
+    cold_cached_fraction: float | None  # left in the page cache after the drop
+    cold_ms: float
+    cold_mb_s: float
+    warm_ms: float
+    warm_mb_s: float
+
+
+class FileRead(TypedDict):
+    """One sequential read of a state file (`_file_read`)."""
+
+    ms: float
+    cached_fraction_before: float | None
+
+
+class FileReads(FileRead):
+    """The cold read, with the cached read's time beside it."""
+
+    warm_ms: float
+
+
+class ColdRun(TypedDict):
+    """The cold prefill of a prompt size (its numbers as the server sent them)."""
+
+    wall_ms: float
+    prompt_ms: float | None
+    prompt_n: int | None
+    cache_n: int | None
+
+
+class SaveRun(TypedDict):
+    """The slot save of that prefill, and the hash of its file."""
+
+    wall_ms: float
+    server_ms: float | None
+    bytes: int
+    n_saved: int | None
+    sha256_ms: float
+
+
+class RestoreTrial(TypedDict):
+    """One verified restore (`restore_once`); `derive` adds the last three."""
+
+    cached_fraction_before: float | None
+    check_ms: float
+    restore_wall_ms: float
+    restore_server_ms: float | None
+    verify_ms: float
+    verify_prompt_ms: float | None
+    verify_predicted_ms: float | None
+    verify_result: str  # "ok", or why the check failed
+    probe_tokens: int
+    verify_short_ms: float | None
+    short_probe_tokens: int | None
+    first_token_ms: float
+    first_token_prompt_n: int | None
+    first_token_cache_n: int | None
+    total_ms: float
+    ratio: NotRequired[float | None]
+    read_at_bandwidth_ms: NotRequired[float | None]
+    restore_vs_read: NotRequired[float | None]
+
+
+class SizeResult(TypedDict):
+    """One prompt size (`run_size`): cold, save, and a restore per page-cache state."""
+
+    tokens: int
+    cold: ColdRun
+    save: SaveRun
+    reference_probe_ms: float
+    file_read: FileReads
+    restore: dict[str, RestoreTrial]  # "cold" / "warm" page cache
+
+
+class Skipped(TypedDict):
+    """A size the model or slot cannot hold, and why."""
+
+    tokens: int
+    why: str
+
+
+class ModelFile(TypedDict):
+    path: str
+    name: str
+    bytes: int
+
+
+class ServerRun(TypedDict):
+    """The llama-server a model ran on."""
+
+    binary: str
+    version: str
+    patches: list[str]
+    argv: list[str]
+
+
+class ModelReport(TypedDict):
+    """Every size of one model (`run_model`)."""
+
+    model: ModelFile
+    trained_context: int
+    slot_context: int
+    server: ServerRun
+    load_avg_before: list[float]
+    load_avg_after: list[float]
+    bandwidth: Bandwidth
+    sizes: list[SizeResult]
+    skipped: list[Skipped]
+
+
+class Goal(TypedDict):
+    """The issue's two goals judged on one model, size and page-cache state (`goals`)."""
+
+    model: str
+    tokens: int
+    page_cache: str
+    ratio: float | None
+    ratio_goal_met: bool | None  # None: the size is below `GOAL_RATIO_AT`
+    restore_vs_read: float | None
+    bandwidth_goal_met: bool
+
+
+class RestoreReport(TypedDict):
+    """The whole report (`run`)."""
+
+    machine: Machine
+    sizes_asked: list[int]
+    models: list[ModelReport]
+    goals: list[Goal]
+    goal_ratio: float
+    goal_ratio_at: int
+    goal_bandwidth_factor: float
 
 
 # ----------------------------------------------------------------------------- the disk
@@ -129,7 +273,7 @@ def read_file_ms(path: Path) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def measure_bandwidth(folder: Path, nbytes: int) -> dict[str, Any]:
+def measure_bandwidth(folder: Path, nbytes: int) -> Bandwidth:
     """Read bandwidth (MB/s) of the filesystem under `folder`: a scratch file of `nbytes`,
     written, synced, dropped from the page cache and read (cold), then read again
     (cached). The file is deleted afterwards."""
@@ -169,7 +313,7 @@ class Server:
         self.auth = auth
         self.slot_dir = slot_dir
 
-    def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    def post(self, path: str, body: Mapping[str, object]) -> tuple[JsonObject, float]:
         """POST and return (answer, wall ms)."""
         t0 = time.perf_counter()
         # A cold 32k-token prefill of Gemma 3 took 164–440 s on the 2-core machine, and
@@ -179,15 +323,23 @@ class Server:
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         data, _ = self.post("/tokenize", {"content": text, "add_special": add_special})
-        return [int(t) for t in data["tokens"]]
+        return [int(t) for t in cast("list[int]", data["tokens"])]
 
-    def slot(self, action: str, filename: str | None = None) -> tuple[dict[str, Any], float]:
+    def slot(self, action: str, filename: str | None = None) -> tuple[SlotActionAnswer, float]:
+        """A slot action on slot 0: (the server's answer, wall ms)."""
         body = {"filename": filename} if filename else {}
-        return self.post(f"/slots/0?action={action}", body)
+        data, ms = self.post(f"/slots/0?action={action}", body)
+        # The server's JSON as sent, read as core.server.client reads it.
+        return cast(SlotActionAnswer, data), ms
 
-    def complete(self, tokens: list[int], n_predict: int) -> tuple[dict[str, Any], float]:
-        return self.post(
-            "/completion",
+    def completion(self, body: Mapping[str, object]) -> tuple[CompletionAnswer, float]:
+        """`POST /completion`: (the server's answer, wall ms)."""
+        data, ms = self.post("/completion", body)
+        return cast(CompletionAnswer, data), ms  # as sent, read as the client reads it
+
+    def complete(self, tokens: list[int], n_predict: int) -> tuple[CompletionAnswer, float]:
+        """A greedy completion of `tokens` in slot 0, its cache reused."""
+        return self.completion(
             {
                 "prompt": tokens,
                 "n_predict": n_predict,
@@ -217,7 +369,7 @@ def prompt_tokens(server: Server, n: int, seed: int) -> list[int]:
         words *= 2
 
 
-def _ms(timings: dict[str, Any] | None, key: str) -> float | None:
+def _ms(timings: Mapping[str, object] | None, key: str) -> float | None:
     value = (timings or {}).get(key)
     return round(float(value), 2) if isinstance(value, int | float) else None
 
@@ -233,7 +385,7 @@ def run_size(
     turn: list[int],
     short_suffix: list[int] | None = None,
     log: Log | None = None,
-) -> dict[str, Any]:
+) -> SizeResult:
     """Cold prefill, save, reference probe and the two restores for one prompt size."""
     tokens = prompt_tokens(server, n, seed)
     server.slot("erase")
@@ -285,7 +437,7 @@ def run_size(
         )
         for cache in ("cold", "warm")
     }
-    result = {
+    result: SizeResult = {
         "tokens": n,
         "cold": {
             "wall_ms": round(cold_wall, 1),
@@ -308,16 +460,17 @@ def run_size(
     return result
 
 
-def _file_read(path: Path, *, cold: bool) -> dict[str, Any]:
+def _file_read(path: Path, *, cold: bool) -> FileRead:
     if cold:
         drop_cache(path)
     left = cached_fraction(path)
     return {"ms": round(read_file_ms(path), 2), "cached_fraction_before": left}
 
 
-def _probe(server: Server, prefix: list[int], suffix: list[int]) -> tuple[dict[str, Any], float]:
-    body = probe_request(prefix, suffix, 0)
-    return server.post("/completion", body)
+def _probe(
+    server: Server, prefix: list[int], suffix: list[int]
+) -> tuple[CompletionAnswer, float]:
+    return server.completion(probe_request(prefix, suffix, 0))
 
 
 def restore_once(
@@ -329,7 +482,7 @@ def restore_once(
     *,
     cold_cache: bool,
     short_suffix: list[int] | None = None,
-) -> dict[str, Any]:
+) -> RestoreTrial:
     """One restore as Warmslot runs it, timed in parts, then the next turn's first token;
     with `short_suffix`, a shorter probe timed on the same state after it."""
     server.slot("erase")
@@ -346,7 +499,7 @@ def restore_once(
     if int(resp.get("n_restored", -1)) != rec.n_tokens:
         raise RuntimeError(f"restored {resp.get('n_restored')} tokens, expected {rec.n_tokens}")
     t1 = time.perf_counter()
-    answer, _ = server.post("/completion", probe_request_for(rec.probe, 0))
+    answer, _ = server.completion(probe_request_for(rec.probe, 0))
     pt = answer.get("timings") or {}
     verdict = check_answer(answer, pt.get("cache_n"), rec.prefix_n, rec.probe, tolerance=0.0)
     verify_ms = (time.perf_counter() - t1) * 1000
@@ -359,7 +512,7 @@ def restore_once(
         server.slot("erase")
         server.slot("restore", rec.filename)
         t2 = time.perf_counter()
-        server.post("/completion", probe_request(tokens, short_suffix, 0, SHORT_PROBE_TOKENS))
+        server.completion(probe_request(tokens, short_suffix, 0, SHORT_PROBE_TOKENS))
         short_ms = (time.perf_counter() - t2) * 1000
     return {
         "cached_fraction_before": cached,
@@ -383,7 +536,7 @@ def restore_once(
 # ----------------------------------------------------------------------------- a run
 
 
-def derive(result: dict[str, Any], bandwidth: dict[str, Any]) -> None:
+def derive(result: SizeResult, bandwidth: Bandwidth) -> None:
     """Add the ratios, computed from the measured parts only."""
     cold = result["cold"]["wall_ms"]
     size = result["save"]["bytes"]
@@ -434,7 +587,7 @@ def run_model(
     binary: str = "",
     bandwidth_mib: int = BANDWIDTH_FILE_MIB,
     log: Log | None = None,
-) -> dict[str, Any]:
+) -> ModelReport:
     """Every size on one llama-server launch of `model`; returns the model's report."""
     from core.engine import Core
 
@@ -467,9 +620,9 @@ def run_model(
             short = server.tokenize(SHORT_PROBE_SUFFIX, add_special=False)
             turn = server.tokenize(TURN, add_special=False)
             nbytes = bandwidth_mib << 20
-            rows: list[dict[str, Any]] = []
-            skipped: list[dict[str, Any]] = []
-            measured: list[dict[str, Any]] = []
+            rows: list[SizeResult] = []
+            skipped: list[Skipped] = []
+            measured: list[SizeResult] = []
             for i, size in enumerate(sizes):
                 if size + RESERVE > n_ctx:
                     why = (
@@ -533,9 +686,9 @@ def _slot_ctx(server: Server, fallback: int) -> int:
     return int(slots[0].get("n_ctx", fallback)) if slots else fallback
 
 
-def goals(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def goals(models: list[ModelReport]) -> list[Goal]:
     """The issue's two goals, per model and size, from the reported numbers."""
-    out = []
+    out: list[Goal] = []
     for m in models:
         for r in m["sizes"]:
             for cache, t in r["restore"].items():
@@ -556,7 +709,7 @@ def goals(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def machine() -> dict[str, Any]:
+def machine() -> Machine:
     from core.bench.overhead import machine as overhead_machine
 
     return overhead_machine()
@@ -570,7 +723,7 @@ def run(
     binary: str = "",
     bandwidth_mib: int = BANDWIDTH_FILE_MIB,
     log: Log | None = None,
-) -> dict[str, Any]:
+) -> RestoreReport:
     """The whole report: every model, every size."""
     reports = [
         run_model(m, sizes, threads=threads, binary=binary, bandwidth_mib=bandwidth_mib, log=log)
@@ -590,7 +743,7 @@ def run(
 # ----------------------------------------------------------------------------- output
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_report(report: RestoreReport) -> str:
     """The report as text: one table per model, a row per size and page-cache state."""
     m = report["machine"]
     lines = [

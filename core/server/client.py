@@ -74,6 +74,66 @@ class Timings:
         )
 
 
+class CompletionTimings(TypedDict, total=False):
+    """A `/completion` answer's ``timings`` (docs/llama-server-facts.md#timings), the
+    fields Warmslot reads; `Timings.parse` reads them checked."""
+
+    cache_n: int  # prompt tokens reused from the slot's cache
+    prompt_n: int  # prompt tokens evaluated
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+
+class TopLogprob(TypedDict, total=False):
+    """One of a step's ``top_logprobs`` (with ``n_probs``)."""
+
+    id: int
+    token: str
+    logprob: float | None  # null: a non-finite log-prob (a broken state)
+
+
+class CompletionProbability(TypedDict, total=False):
+    """One generated token of ``completion_probabilities`` (with ``n_probs``)."""
+
+    id: int
+    token: str
+    logprob: float | None  # null: non-finite
+    top_logprobs: list[TopLogprob]
+
+
+class CompletionAnswer(TypedDict, total=False):
+    """llama-server's non-streamed `/completion` answer, the fields Warmslot reads (a
+    request's ``response_fields`` may leave any of them out, so all are optional; the
+    values are its JSON as sent)."""
+
+    content: str
+    tokens_cached: int
+    timings: CompletionTimings
+    completion_probabilities: list[CompletionProbability]
+
+
+class SlotTimings(TypedDict, total=False):
+    """A slot save's or restore's ``timings``."""
+
+    save_ms: float
+    restore_ms: float
+
+
+class SlotActionAnswer(TypedDict, total=False):
+    """llama-server's answer to `POST /slots/{id}?action=...`: a save's ``n_saved`` and
+    ``n_written``, a restore's ``n_restored`` and ``n_read``, an erase's ``n_erased``."""
+
+    id_slot: int
+    filename: str
+    n_saved: int  # tokens saved
+    n_written: int  # bytes written
+    n_restored: int  # tokens restored
+    n_read: int  # bytes read
+    n_erased: int  # tokens erased
+    timings: SlotTimings
+
+
 class GenerationSettings(TypedDict):
     """The part of ``GET /props`` → ``default_generation_settings`` Warmslot reads."""
 
@@ -221,8 +281,9 @@ class LlamaClient:
         data = await self._call("POST", "/apply-template", body)
         return str(data["prompt"])
 
-    async def completion(self, body: Mapping[str, object]) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("POST", "/completion", body)
+    async def completion(self, body: Mapping[str, object]) -> CompletionAnswer:
+        """`POST /completion` (non-streamed): the server's answer as sent."""
+        result: CompletionAnswer = await self._call("POST", "/completion", body)
         return result
 
     async def slot_action(
