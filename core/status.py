@@ -475,8 +475,23 @@ class SweepStatus(TypedDict):
     last_details: dict[str, object]
 
 
+class KeepaliveDecision(TypedDict, total=False):
+    """What one keep-alive sweep decided for one slot, or for a pinned prefix in no slot
+    (core.cache.keepalive): which, what it did and why, and the numbers it went by."""
+
+    slot: int | None  # None: a pinned prefix found no free slot
+    prefix: str  # the prefix's fingerprint, first 16 hex digits
+    pinned: bool
+    action: str  # "none", "rewarmed", "skipped" or "failed"
+    why: str
+    live_tokens: int  # what `/slots` says the slot holds
+    expected: int  # what Warmslot last left there (0: unknown)
+    idle_s: float
+    cost_tokens: int | None  # tokens a re-warm evaluated
+
+
 class KeepaliveStatus(TypedDict):
-    last: list[dict[str, object]]  # the last keep-alive sweep's decisions
+    last: list[KeepaliveDecision]  # the last keep-alive sweep's decisions
 
 
 class BackoffRow(TypedDict):

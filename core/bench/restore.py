@@ -467,9 +467,7 @@ def _file_read(path: Path, *, cold: bool) -> FileRead:
     return {"ms": round(read_file_ms(path), 2), "cached_fraction_before": left}
 
 
-def _probe(
-    server: Server, prefix: list[int], suffix: list[int]
-) -> tuple[CompletionAnswer, float]:
+def _probe(server: Server, prefix: list[int], suffix: list[int]) -> tuple[CompletionAnswer, float]:
     return server.completion(probe_request(prefix, suffix, 0))
 
 

@@ -38,12 +38,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from core.apis import JsonObject
 from core.cache import prefix as pfx
 from core.cache.prefix_save import PATCH_PREFIX_SAVE
 from core.cache.slots import SlotState
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, CacheEventKind
 from core.server.client import SlotInfo, Timings
+from core.status import KeepaliveDecision
 from core.sweeps import Outcome
 
 if TYPE_CHECKING:
@@ -63,7 +65,7 @@ IDLE_SHARE = 0.8  # re-warm a resident prefix idle this share of the short TTL
 HINT_SLACK = 2  # the slot holds prompt + output − 1 tokens; our hint counts the last one
 
 
-def prewarm_body(tokens: list[int], slot: int) -> dict[str, Any]:
+def prewarm_body(tokens: list[int], slot: int) -> JsonObject:
     """The ``/completion`` body that (re-)warms `slot` with exactly `tokens`.
 
     ``n_predict`` 0 keeps only the prompt in the slot's KV (no generated token after
@@ -110,7 +112,7 @@ class KeepAlive:
         self.mgr = mgr
         self.clock = mgr.clock
         self.rewarmed_at: dict[int, float] = {}  # slot → monotonic time of our last re-warm
-        self.last: list[dict[str, Any]] = []  # the last sweep's decisions (status)
+        self.last: list[KeepaliveDecision] = []  # the last sweep's decisions (status)
 
     def _emit(self, kind: CacheEventKind, reason: str, **kw: Any) -> None:
         details = kw.pop("details", {})
@@ -131,7 +133,7 @@ class KeepAlive:
     async def sweep(self) -> Outcome:
         mgr = self.mgr
         client = mgr.client
-        decisions: list[dict[str, Any]] = []
+        decisions: list[KeepaliveDecision] = []
         self.last = decisions
         if client is None or mgr.identity is None or not mgr.settings.cache.enabled:
             return Outcome(0, {"skipped": "server not ready or cache management off"})
@@ -187,24 +189,30 @@ class KeepAlive:
         info: pfx.PrefixInfo,
         pinned: bool,
         live: SlotInfo | None,
-        decisions: list[dict[str, Any]],
+        decisions: list[KeepaliveDecision],
     ) -> bool:
-        entry: dict[str, Any] = {"slot": st.id, "prefix": info.fingerprint[:16], "pinned": pinned}
+        entry: KeepaliveDecision = {
+            "slot": st.id,
+            "prefix": info.fingerprint[:16],
+            "pinned": pinned,
+        }
         decisions.append(entry)
         if live is None or live.is_processing or self._busy(st):
-            entry.update(action="skipped", why="slot busy")
+            entry.update({"action": "skipped", "why": "slot busy"})
             return False
         res = residency(info.n_tokens, st.tokens_hint, live.n_prompt_tokens)
         now = self.clock.monotonic()
         idle = now - max(st.last_used, self.rewarmed_at.get(st.id, float("-inf")))
-        entry.update(live_tokens=live.n_prompt_tokens, expected=st.tokens_hint, idle_s=idle)
+        entry.update(
+            {"live_tokens": live.n_prompt_tokens, "expected": st.tokens_hint, "idle_s": idle}
+        )
         if res.resident:
             if st.tokens_hint > info.n_tokens + HINT_SLACK:
-                entry.update(action="none", why="resident (holds a conversation on top)")
+                entry.update({"action": "none", "why": "resident (holds a conversation on top)"})
                 return False
             threshold = self.idle_threshold()
             if idle < threshold:
-                entry.update(action="none", why="resident")
+                entry.update({"action": "none", "why": "resident"})
                 return False
             reason = (
                 f"resident, idle {idle:.0f} s ≥ {IDLE_SHARE:.0%} of the short TTL "
@@ -213,7 +221,9 @@ class KeepAlive:
         else:
             reason = res.reason
         t = await self.rewarm_in(info, st.id, reason=reason, resident=res.resident)
-        entry.update(action="rewarmed", why=reason, cost_tokens=t.prompt_n if t else None)
+        entry.update(
+            {"action": "rewarmed", "why": reason, "cost_tokens": t.prompt_n if t else None}
+        )
         return t is not None
 
     async def rewarm_in(
@@ -309,15 +319,17 @@ class KeepAlive:
     def _pinned_prefix_in(self, st: SlotState) -> bool:
         return bool(st.prefix_fp) and self.pinned(st.prefix_fp)
 
-    async def _bring_back(self, info: pfx.PrefixInfo, decisions: list[dict[str, Any]]) -> bool:
+    async def _bring_back(self, info: pfx.PrefixInfo, decisions: list[KeepaliveDecision]) -> bool:
         slot = self.free_slot()
-        entry: dict[str, Any] = {"prefix": info.fingerprint[:16], "pinned": True, "slot": slot}
+        entry: KeepaliveDecision = {"prefix": info.fingerprint[:16], "pinned": True, "slot": slot}
         decisions.append(entry)
         if slot is None:
-            entry.update(action="skipped", why="pinned prefix has no slot and none is free")
+            entry.update({"action": "skipped", "why": "pinned prefix has no slot and none is free"})
             return False
         ok = await self.restore_or_rewarm(info, slot, reason="pinned prefix was in no slot")
-        entry.update(action="rewarmed" if ok else "failed", why="pinned prefix was in no slot")
+        entry.update(
+            {"action": "rewarmed" if ok else "failed", "why": "pinned prefix was in no slot"}
+        )
         return ok
 
     async def restore_or_rewarm(
