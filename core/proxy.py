@@ -19,12 +19,11 @@ import functools
 import json
 import logging
 import os
-import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -33,7 +32,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from core import apis
 from core.apis import ChatView
 from core.cache import context_limit
-from core.cache.plan import SlotPlan
 from core.errors import PortInUse
 from core.events import CacheEvent, CacheEventKind, Event, RequestCompleted
 from core.keys import DEFAULT_USER, LOCAL_USER, KeyRing, presented_key
@@ -47,6 +45,7 @@ from core.proxy_checks import (
     parse_json,
     validate,
 )
+from core.proxy_errors import auth_response, error_response, invalid_response
 from core.proxy_headers import (
     PrefillRate,
     Reuse,
@@ -56,19 +55,45 @@ from core.proxy_headers import (
     reuse_in_body,
     stream_body,
 )
-from core.router import Decision, Refused, Router, metadata_session, session_key
+from core.proxy_stream import (
+    SSEScanner,
+    error_text,
+    stream_usage,
+    timings_from_json,
+    usage_in_body,
+)
+from core.proxy_types import Admit, CachePolicy, CacheService, ProxyRequest, Route
+from core.router import Refused, Router, metadata_session, session_key
 from core.server.client import STALE_RETRIES, Timings, stale_connection
 from core.server.upstream import Upstream
 from core.status import (
-    CacheStatus,
-    EvictResult,
     Explanation,
     ModelList,
-    PinResult,
-    RewarmResult,
     Status,
 )
 from core.telemetry import safe_text
+
+# What callers import from here; the request types, error responses and response
+# reading live in core.proxy_types, core.proxy_errors and core.proxy_stream.
+__all__ = [
+    "CLIENT_POLL_S",
+    "GET_ROUTES",
+    "JSON_ROUTES",
+    "Admit",
+    "CachePolicy",
+    "CacheService",
+    "Proxy",
+    "ProxyCounters",
+    "ProxyRequest",
+    "Route",
+    "SSEScanner",
+    "auth_response",
+    "error_response",
+    "invalid_response",
+    "stream_usage",
+    "timings_from_json",
+    "usage_in_body",
+]
 
 log = logging.getLogger("warmslot.proxy")
 
@@ -93,134 +118,6 @@ _DROP_HEADERS = {
 # path → (endpoint kind, generation?): the wire APIs are `core.apis`'s to know.
 JSON_ROUTES: dict[str, tuple[str, bool]] = apis.ROUTES
 GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/props", "/slots")
-
-
-@dataclass
-class ProxyRequest:
-    """One client request as the cache policy sees it: what the client sent, the
-    router's `Decision`, and what later steps decided (the slot plan, the slot)."""
-
-    request_id: str
-    path: str
-    endpoint: str
-    client: str
-    user_agent: str
-    session: str  # as the client's header names it ("" when none; see decision.session)
-    headers: Mapping[str, str]
-    body: dict[str, Any]
-    stream: bool
-    has_tools: bool
-    decision: Decision
-    slot: int | None = None
-    response_headers: dict[str, str] = field(default_factory=dict)
-    plan: SlotPlan | None = None  # the cache manager's, from `prepare`
-    model: str = ""  # the model profile that serves it (when a model pool routes)
-    upstream: Upstream | None = None
-    policy: CachePolicy | None = None
-    body_bytes: int = 0  # the size of the body the client sent
-    # The client's own bytes, kept only until the cache policy has prepared the request
-    # (failing open parses them again); then dropped, so a large body is not held twice.
-    raw_body: bytes | bytearray | None = field(default=None, repr=False)
-    # The request as chat completions (`core.apis.ChatView`): what everything that reads
-    # messages or tools reads. None for other endpoints, or when the body could not be
-    # converted (the cache then leaves the request alone).
-    chat: ChatView | None = None
-    # Who sent it: the name of its API key ("" when the proxy needs none;
-    # docs/security.md#serving-a-team). Never the key itself.
-    user: str = ""
-    # What the proxy changed in the client's body before anything read it (the names,
-    # e.g. apis.BILLING_HEADER_EDIT); sent back in X-Warmslot-Edited, kept in explain.
-    edits: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.chat is None and self.endpoint == "chat":
-            self.chat = apis.chat_view("chat", self.body)
-
-    @property
-    def kind(self) -> str:
-        """The kind's word in telemetry and headers: "agent" or "aux" (a side call)."""
-        return self.decision.kind.label
-
-
-@dataclass
-class Route:
-    """A router's answer: where a request goes, or the error to give instead."""
-
-    model: str = ""
-    upstream: Upstream | None = None
-    policy: CachePolicy | None = None
-    release: Callable[[], None] | None = None  # call once the response is complete
-    status: int = 200
-    error: str = ""
-    retry_after: int | None = None
-
-
-# A model pool's admission: load the decided model, count the request in flight.
-Admit = Callable[[Decision], Awaitable[Route]]
-
-
-class CachePolicy(Protocol):
-    """What the proxy asks of the prefix-cache manager."""
-
-    async def prepare(self, req: ProxyRequest) -> SlotPlan | None:
-        """Pick a slot, make sure it holds the prefix; may edit `req.body`. The plan
-        (None: the cache leaves the request alone) comes back to `completed`."""
-
-    async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
-        """Learn from a finished request (runs after the response is complete)."""
-
-
-class CacheService(CachePolicy, Protocol):
-    """What the core asks of the prefix-cache manager besides the proxy's two calls:
-    its status, the user's commands on saved states, and a clean shutdown."""
-
-    async def status(self) -> CacheStatus:
-        """The cache inventory and its background work."""
-
-    async def pin(self, filename: str, pinned: bool = True) -> PinResult:
-        """Pin (never expires, never swept, kept warm) or unpin a saved state."""
-
-    async def evict(self, filename: str) -> EvictResult:
-        """Delete a saved state now (only files Warmslot wrote)."""
-
-    async def rewarm(self, fingerprint: str) -> RewarmResult:
-        """Bring a prefix back into its slot (re-warm, or restore into a free slot)."""
-
-    async def close(self) -> None:
-        """At shutdown, the server still running: save what must be saved, then stop."""
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> web.Response:
-    """An error in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def auth_response(endpoint: str) -> web.Response:
-    """401 for a request without a valid API key, in its API's own error shape
-    (Anthropic's for /v1/messages, else OpenAI's)."""
-    message = "Warmslot: invalid or missing API key"
-    headers = {"WWW-Authenticate": 'Bearer realm="warmslot"'}
-    if endpoint in ("messages", "messages-count"):
-        body = {"type": "error", "error": {"type": "authentication_error", "message": message}}
-        return web.json_response(body, status=401, headers=headers)
-    return error_response(401, message, type_="authentication_error", headers=headers)
-
-
-def invalid_response(endpoint: str, e: Invalid) -> web.Response:
-    """A refused body's 4xx in its API's own error shape: Anthropic's
-    ``{"type": "error", "error": {"type", "message"}}`` for /v1/messages, else OpenAI's."""
-    if endpoint in ("messages", "messages-count"):
-        body = {"type": "error", "error": {"type": e.code, "message": str(e)}}
-        return web.json_response(body, status=e.status)
-    return error_response(e.status, str(e), param=e.param)
 
 
 _T = TypeVar("_T")
@@ -275,69 +172,6 @@ async def _client_gone(request: web.Request) -> None:
         if transport is None or transport.is_closing():
             return
         await asyncio.sleep(CLIENT_POLL_S)
-
-
-class SSEScanner:
-    """Finds `timings` (and `id_slot`) in an SSE stream without buffering it.
-
-    With ``timings_per_token`` every event carries `timings`: only the last such line is
-    kept, and parsed when asked for (`timings`, `id_slot`)."""
-
-    def __init__(self) -> None:
-        self._tail = b""
-        self._last = b""  # the last event line with `timings`, unparsed
-        self._parsed: tuple[bytes, dict[str, Any]] | None = None
-        self.upstream_error: str | None = None
-        # For a stream without `timings` (stock llama-server's Anthropic stream): the last
-        # event lines with input and with output token `usage`, unparsed.
-        self._usage_in = b""
-        self._usage_out = b""
-
-    def feed(self, chunk: bytes) -> None:
-        data = self._tail + chunk
-        lines = data.split(b"\n")
-        self._tail = lines.pop()
-        for line in lines:
-            if not line.startswith(b"data: {"):
-                continue
-            if b'"error"' in line:
-                try:
-                    obj = json.loads(line[6:])
-                except ValueError:
-                    continue
-                if isinstance(obj.get("error"), dict):
-                    self.upstream_error = str(obj["error"].get("message", ""))
-            if b'"timings"' in line:
-                self._last = line
-            if b'"usage"' in line:
-                if b'"input_tokens"' in line:
-                    self._usage_in = line
-                if b'"output_tokens"' in line:
-                    self._usage_out = line
-
-    def _last_event(self) -> dict[str, Any]:
-        if self._parsed is None or self._parsed[0] is not self._last:
-            try:
-                obj = json.loads(self._last[6:]) if self._last else {}
-            except ValueError:
-                obj = {}
-            self._parsed = (self._last, obj if isinstance(obj, dict) else {})
-        return self._parsed[1]
-
-    @property
-    def timings(self) -> dict[str, Any] | None:
-        """The `timings` of the last event that had them; without any, the reuse numbers
-        of the stream's `usage` (`core.apis.usage_timings`)."""
-        t = self._last_event().get("timings")
-        if isinstance(t, dict):
-            return t
-        return stream_usage(self._usage_in, self._usage_out) if self._usage_in else None
-
-    @property
-    def id_slot(self) -> int | None:
-        """The slot llama-server named in that event (raw completions name it)."""
-        slot = self._last_event().get("id_slot")
-        return slot if isinstance(slot, int) and slot >= 0 else None
 
 
 @dataclass
@@ -917,7 +751,7 @@ class Proxy:
                         req.slot = slot
                     self._add_cache_headers(req, reuse_in_body(data, timings))
                 else:
-                    error = _error_text(data)
+                    error = error_text(data)
                     self._add_cache_headers(req, None)  # no numbers: "unknown", the ids
                 # A prompt or answer that hit the slot's context is named (issue 16, 0e).
                 if (hit := context_limit.warning_for(up.status, data, req.body)) is not None:
@@ -1100,60 +934,3 @@ class Proxy:
         """Wait for post-request cache work to finish (used at shutdown and in tests)."""
         if self._inflight:
             await asyncio.wait(set(self._inflight), timeout=timeout)
-
-
-_ID_SLOT_RE = re.compile(rb'"id_slot":\s*(\d+)')
-
-
-def timings_from_json(data: bytes) -> tuple[dict[str, Any] | None, int | None]:
-    """`timings` and `id_slot` of a completed response, without parsing all of it.
-
-    Responses can be large (``/completion`` echoes the prompt); ``timings`` is a flat
-    object of numbers, so it is cut out and parsed alone.
-    """
-    timings: dict[str, Any] | None = None
-    start = data.rfind(b'"timings":')
-    if start >= 0:
-        begin = data.find(b"{", start)
-        end = data.find(b"}", begin)
-        if begin >= 0 and end > begin:
-            try:
-                parsed = json.loads(data[begin : end + 1])
-            except ValueError:
-                parsed = None
-            timings = parsed if isinstance(parsed, dict) else None
-    m = _ID_SLOT_RE.search(data)
-    return timings, int(m.group(1)) if m else None
-
-
-def usage_in_body(data: bytes) -> dict[str, Any] | None:
-    """Reuse numbers from the `usage` of a whole Anthropic or Responses answer."""
-    try:
-        return apis.usage_timings(json.loads(data))
-    except ValueError:
-        return None
-
-
-def stream_usage(input_line: bytes, output_line: bytes) -> dict[str, Any] | None:
-    """Reuse numbers from a stream's `usage` event lines (``data: {…}``): Anthropic sends
-    the input counts in ``message_start`` and the output count in ``message_delta``."""
-    try:
-        usage = apis.usage_timings(json.loads(input_line[6:]))
-        out = json.loads(output_line[6:]) if output_line else {}
-    except ValueError:
-        return None
-    if usage is None:
-        return None
-    inner = out.get("usage") if isinstance(out, dict) else None
-    n = inner.get("output_tokens") if isinstance(inner, dict) else None
-    if isinstance(n, int) and not isinstance(n, bool) and n > usage["predicted_n"]:
-        usage["predicted_n"] = n
-    return usage
-
-
-def _error_text(data: bytes) -> str:
-    try:
-        obj = json.loads(data)
-        return str(obj["error"]["message"])[:500]
-    except (ValueError, KeyError, TypeError):
-        return data[:500].decode("utf-8", errors="replace")

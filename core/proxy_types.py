@@ -1,0 +1,112 @@
+"""What the proxy and the cache policy hand each other: the request as the policy
+sees it (`ProxyRequest`), a model router's answer (`Route`), and the policy's
+protocols (`CachePolicy` for the request path, `CacheService` for the core)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from core import apis
+from core.apis import ChatView
+from core.cache.plan import SlotPlan
+from core.router import Decision
+from core.server.client import Timings
+from core.server.upstream import Upstream
+from core.status import CacheStatus, EvictResult, PinResult, RewarmResult
+
+
+@dataclass
+class ProxyRequest:
+    """One client request as the cache policy sees it: what the client sent, the
+    router's `Decision`, and what later steps decided (the slot plan, the slot)."""
+
+    request_id: str
+    path: str
+    endpoint: str
+    client: str
+    user_agent: str
+    session: str  # as the client's header names it ("" when none; see decision.session)
+    headers: Mapping[str, str]
+    body: dict[str, Any]
+    stream: bool
+    has_tools: bool
+    decision: Decision
+    slot: int | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)
+    plan: SlotPlan | None = None  # the cache manager's, from `prepare`
+    model: str = ""  # the model profile that serves it (when a model pool routes)
+    upstream: Upstream | None = None
+    policy: CachePolicy | None = None
+    body_bytes: int = 0  # the size of the body the client sent
+    # The client's own bytes, kept only until the cache policy has prepared the request
+    # (failing open parses them again); then dropped, so a large body is not held twice.
+    raw_body: bytes | bytearray | None = field(default=None, repr=False)
+    # The request as chat completions (`core.apis.ChatView`): what everything that reads
+    # messages or tools reads. None for other endpoints, or when the body could not be
+    # converted (the cache then leaves the request alone).
+    chat: ChatView | None = None
+    # Who sent it: the name of its API key ("" when the proxy needs none;
+    # docs/security.md#serving-a-team). Never the key itself.
+    user: str = ""
+    # What the proxy changed in the client's body before anything read it (the names,
+    # e.g. apis.BILLING_HEADER_EDIT); sent back in X-Warmslot-Edited, kept in explain.
+    edits: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.chat is None and self.endpoint == "chat":
+            self.chat = apis.chat_view("chat", self.body)
+
+    @property
+    def kind(self) -> str:
+        """The kind's word in telemetry and headers: "agent" or "aux" (a side call)."""
+        return self.decision.kind.label
+
+
+@dataclass
+class Route:
+    """A router's answer: where a request goes, or the error to give instead."""
+
+    model: str = ""
+    upstream: Upstream | None = None
+    policy: CachePolicy | None = None
+    release: Callable[[], None] | None = None  # call once the response is complete
+    status: int = 200
+    error: str = ""
+    retry_after: int | None = None
+
+
+# A model pool's admission: load the decided model, count the request in flight.
+Admit = Callable[[Decision], Awaitable[Route]]
+
+
+class CachePolicy(Protocol):
+    """What the proxy asks of the prefix-cache manager."""
+
+    async def prepare(self, req: ProxyRequest) -> SlotPlan | None:
+        """Pick a slot, make sure it holds the prefix; may edit `req.body`. The plan
+        (None: the cache leaves the request alone) comes back to `completed`."""
+
+    async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
+        """Learn from a finished request (runs after the response is complete)."""
+
+
+class CacheService(CachePolicy, Protocol):
+    """What the core asks of the prefix-cache manager besides the proxy's two calls:
+    its status, the user's commands on saved states, and a clean shutdown."""
+
+    async def status(self) -> CacheStatus:
+        """The cache inventory and its background work."""
+
+    async def pin(self, filename: str, pinned: bool = True) -> PinResult:
+        """Pin (never expires, never swept, kept warm) or unpin a saved state."""
+
+    async def evict(self, filename: str) -> EvictResult:
+        """Delete a saved state now (only files Warmslot wrote)."""
+
+    async def rewarm(self, fingerprint: str) -> RewarmResult:
+        """Bring a prefix back into its slot (re-warm, or restore into a free slot)."""
+
+    async def close(self) -> None:
+        """At shutdown, the server still running: save what must be saved, then stop."""
