@@ -475,6 +475,17 @@ class SweepStatus(TypedDict):
     last_details: dict[str, object]
 
 
+class PrefixSaveStatus(TypedDict):
+    """How prefixes reached the disk since start (core.cache.prefix_save)."""
+
+    live_prefix_save: bool  # whether the server can save the first N tokens of a slot
+    refused: str  # why it cannot ("" while it may)
+    live: int  # saved from a live slot
+    conversation: int  # covered by the conversation's saved state
+    deferred: int  # left for a later response
+    built: int  # left to a build in a scratch slot
+
+
 class KeepaliveDecision(TypedDict, total=False):
     """What one keep-alive sweep decided for one slot, or for a pinned prefix in no slot
     (core.cache.keepalive): which, what it did and why, and the numbers it went by."""
@@ -580,7 +591,7 @@ class CacheStatus(TypedDict):
     saved: list[SavedRow]
     divergences: list[Divergence]
     restore_shortfalls: list[Shortfall]
-    prefix_saves: dict[str, object]  # core.cache.prefix_save counts
+    prefix_saves: PrefixSaveStatus
     explained: list[Explanation]  # the latest that found a divergence, without sections
     context_limits: ContextLimitsStatus
     template_warning: str | None

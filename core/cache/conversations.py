@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from core.cache import prefix as pfx
 from core.cache.deps import CacheHost
@@ -178,6 +178,23 @@ def choose(
     return best, ("" if best is not None else skipped)
 
 
+class SaveTimes(TypedDict):
+    """A conversation save's timings (ms): the event's details, and its `SaveSize`."""
+
+    save_ms: float
+    server_save_ms: float | None  # the server's own, as it sent it
+    restore_ms: float
+    verify_ms: float
+    hash_ms: float
+
+
+class SaveSize(SaveTimes):
+    """One recent save (`Conversations.last_saves`): its size, and what it took."""
+
+    tokens: int
+    bytes: int
+
+
 @dataclass
 class _Saved:
     session: str
@@ -199,7 +216,7 @@ class Conversations:
         self._saved: dict[int, _Saved] = {}  # slot → its conversation's last save
         self._prefill: float | None = None  # measured ms per prompt token (moving average)
         self._verify: deque[float] = deque(maxlen=20)  # probe times measured at saves (ms)
-        self.last_saves: list[dict[str, Any]] = []  # recent saves' numbers (status, docs)
+        self.last_saves: list[SaveSize] = []  # recent saves' numbers (status, docs)
 
     # ------------------------------------------------------------ bookkeeping
     def server_gone(self) -> None:
@@ -396,14 +413,14 @@ class Conversations:
         self.retention.journal.end(name)
         self._saved[slot] = _Saved(session, st.tokens_hint)
         superseded = self.supersede(rec)
-        numbers = {
+        numbers: SaveTimes = {
             "save_ms": round(save_ms, 1),
             "server_save_ms": (saved.get("timings") or {}).get("save_ms"),
             "restore_ms": round(restore_ms, 1),
             "verify_ms": round(verify_ms, 1),
             "hash_ms": round(hash_ms, 1),
         }
-        entry = {"tokens": rec.n_tokens, "bytes": rec.bytes, **numbers}
+        entry: SaveSize = {"tokens": rec.n_tokens, "bytes": rec.bytes, **numbers}
         self.last_saves = [entry, *self.last_saves][:10]
         m.emit(
             CacheEventKind.SAVE,
@@ -448,7 +465,7 @@ class Conversations:
             gone.append(r.filename)
         return gone
 
-    async def save_all(self, timeout: float = SHUTDOWN_SAVE_S) -> dict[str, Any]:
+    async def save_all(self, timeout: float = SHUTDOWN_SAVE_S) -> dict[str, object]:
         """At shutdown: save every slot's unsaved conversation, longest-unsaved and most
         recent first, until `timeout` passes or the next would not fit under the disk cap."""
         if self._usable():

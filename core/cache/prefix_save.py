@@ -35,6 +35,7 @@ from core.cache.fingerprint import state_filename
 from core.cache.retention import save_problem
 from core.errors import UpstreamError
 from core.events import CacheEventKind
+from core.status import PrefixSaveStatus
 
 if TYPE_CHECKING:
     from core.cache.conversations import Conversations
@@ -188,10 +189,14 @@ class PrefixSaver:
         self.counts["built"] += 1
         return False
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> PrefixSaveStatus:
         """How prefixes reached the disk since start (for `warmslot status`)."""
+        c = self.counts
         return {
             "live_prefix_save": self.can_save_prefix(),
             "refused": self.refused,
-            **self.counts,
+            "live": c["live"],
+            "conversation": c["conversation"],
+            "deferred": c["deferred"],
+            "built": c["built"],
         }
