@@ -32,7 +32,7 @@ from core.cache.deps import EngineParts, deps_from
 from core.config import BackendSettings, ServerSettings
 from core.errors import WarmslotError
 from core.events import Event, Notice, RequestCompleted, ServerStateChanged
-from core.proxy import Route
+from core.proxy_types import Route
 from core.router import Decision, Router, Target
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
@@ -40,7 +40,7 @@ from core.status import BackendRow, BackendsStatus
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
-    from core.proxy import CachePolicy
+    from core.proxy_types import CachePolicy
 
 __all__ = [
     "PRIMARY",

@@ -21,7 +21,7 @@ from core.cache import prefix as pfx
 from core.cache.boot import Emit
 from core.cache.fingerprint import ServerIdentity, fingerprint
 from core.events import CacheEventKind, Event, Notice
-from core.proxy import ProxyRequest
+from core.proxy_types import ProxyRequest
 from core.server.client import LlamaClient
 
 # Bodies larger than this are not rendered and tokenized to learn their prefix: an

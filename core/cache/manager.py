@@ -65,7 +65,7 @@ from core.config import Settings
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, CacheEventKind, Event, Notice, ServerStateChanged
 from core.pressure import PressureMonitor
-from core.proxy import ProxyRequest
+from core.proxy_types import ProxyRequest
 from core.router import Kind
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream

@@ -24,7 +24,7 @@ from core.errors import WarmslotError
 from core.events import ModelEvent
 from core.models import arbiter, profiles
 from core.models.profiles import MIB, Footprint, Profile
-from core.proxy import Route
+from core.proxy_types import Route
 from core.router import Decision, Router, Target
 from core.server import devices, model
 from core.server.supervisor import Resolved, ServerState, Supervisor
@@ -33,7 +33,7 @@ from core.status import ModelList, ModelRow, PoolDecision
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
-    from core.proxy import CachePolicy
+    from core.proxy_types import CachePolicy
 
 
 class PoolHost(EngineParts, Protocol):
