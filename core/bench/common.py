@@ -7,8 +7,8 @@ import threading
 import time
 import urllib.request
 from collections.abc import Mapping
-from typing import Any
 
+from core.apis import JsonObject
 from core.engine import Core
 
 
@@ -17,7 +17,7 @@ def post_json(
     body: Mapping[str, object],
     headers: dict[str, str] | None = None,
     timeout: float = 900,
-) -> dict[str, Any]:
+) -> JsonObject:
     """POST a JSON body and return the JSON answer (urllib: no event loop needed)."""
     req = urllib.request.Request(
         url,
@@ -25,7 +25,7 @@ def post_json(
         headers={"Content-Type": "application/json", **(headers or {})},
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
+        data: JsonObject = json.loads(resp.read())  # an object: every route we call sends one
         return data
 
 

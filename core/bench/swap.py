@@ -20,13 +20,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from core.bench.common import post_json, settle
 from core.bench.trace import make_trace
 from core.config import ModelProfile, Settings
 from core.engine import Core
 from core.paths import Paths
+from core.server.client import CompletionTimings
 
 
 def settings_for_swap(
@@ -121,7 +122,8 @@ def run_arm(
                     {**r.body, "model": model},
                     headers,
                 )
-                t = data.get("timings") or {}
+                # llama-server's timings, as it sent them
+                t = cast(CompletionTimings, data.get("timings") or {})
                 rows.append(
                     {
                         "round": i,

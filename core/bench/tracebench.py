@@ -20,7 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 from core.bench.common import post_json, settle
 from core.bench.trace import TraceRequest, interleave, make_trace
@@ -28,7 +28,7 @@ from core.config import Settings
 from core.engine import Core
 from core.events import CacheEventKind
 from core.paths import Paths
-from core.server.client import parse_metrics
+from core.server.client import CompletionTimings, parse_metrics
 
 
 class RequestRow(TypedDict):
@@ -142,7 +142,8 @@ def replay(
         # Straight to llama-server, the request carries its per-launch key.
         headers = r.headers if through_proxy else {**r.headers, **sup.auth_headers()}
         data = post_json(f"{base}/v1/chat/completions", r.body, headers)
-        t = data.get("timings") or {}
+        # llama-server's timings, as it sent them
+        t = cast(CompletionTimings, data.get("timings") or {})
         row: RequestRow = {
             "session": r.session,
             "kind": r.kind,
