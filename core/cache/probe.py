@@ -37,7 +37,7 @@ from typing import TypedDict
 
 from core.apis import JsonObject
 from core.errors import UpstreamError
-from core.server.client import LlamaClient
+from core.server.client import CompletionAnswer, CompletionProbability, LlamaClient
 
 log = logging.getLogger("warmslot.cache")
 
@@ -128,13 +128,15 @@ def _num(value: object) -> float:
         return math.nan
 
 
-def _steps(resp: Mapping[str, object]) -> list[JsonObject]:
+def _steps(resp: CompletionAnswer) -> list[CompletionProbability]:
     """The answer's ``completion_probabilities``: one object per generated token."""
     probs = resp.get("completion_probabilities")
+    # Checked, as every field below: the types say what the server should send, and a
+    # broken state or server may send anything.
     return [p for p in probs if isinstance(p, dict)] if isinstance(probs, list) else []
 
 
-def _top(step: Mapping[str, object]) -> list[tuple[int, float]]:
+def _top(step: CompletionProbability) -> list[tuple[int, float]]:
     """A step's ``top_logprobs`` as (token id, log-prob) pairs."""
     out = []
     tops = step.get("top_logprobs")
@@ -144,7 +146,7 @@ def _top(step: Mapping[str, object]) -> list[tuple[int, float]]:
     return out
 
 
-def _token(step: Mapping[str, object]) -> int:
+def _token(step: CompletionProbability) -> int:
     """A step's greedy token id (-1 where the server sent none)."""
     tok = step.get("id", -1)
     if not isinstance(tok, int | float | str):
@@ -152,7 +154,7 @@ def _token(step: Mapping[str, object]) -> int:
     return int(tok)
 
 
-def probe_answer(resp: Mapping[str, object]) -> tuple[list[int], list[float], list[float]]:
+def probe_answer(resp: CompletionAnswer) -> tuple[list[int], list[float], list[float]]:
     """The greedy tokens, their log-probs, and each step's margin over the runner-up."""
     steps = _steps(resp)
     tokens = [_token(p) for p in steps]
@@ -164,7 +166,7 @@ def probe_answer(resp: Mapping[str, object]) -> tuple[list[int], list[float], li
     return tokens, logprobs, margins
 
 
-def probe_reference(resp: Mapping[str, object]) -> ProbeRecord:
+def probe_reference(resp: CompletionAnswer) -> ProbeRecord:
     """What to record at save time: tokens, log-probs, margins and the top-k vectors.
 
     The caller adds the prefix and suffix. A reference holding non-finite values is
@@ -210,7 +212,7 @@ def _vector_problem(
 
 
 def check_answer(
-    resp: Mapping[str, object],
+    resp: CompletionAnswer,
     cache_n: int | None,
     prefix_n: int,
     reference: ProbeRecord,
@@ -262,7 +264,7 @@ def check_answer(
     return None
 
 
-def probe_deviation(resp: Mapping[str, object], reference: ProbeRecord) -> float:
+def probe_deviation(resp: CompletionAnswer, reference: ProbeRecord) -> float:
     """The largest log-prob difference from the reference over the compared positions
     (inf where a vector is missing or non-finite): what the tolerance is measured against."""
     steps, ref_top = _steps(resp), reference.get("top") or []
@@ -345,7 +347,7 @@ async def wait_quiet(client: LlamaClient, slot: int, timeout: float = QUIET_WAIT
 class ProbeRun:
     """One probe: the server's answer, whether it ran alone, and how long it took (ms)."""
 
-    answer: Mapping[str, object]  # llama-server's `/completion` answer, as sent
+    answer: CompletionAnswer
     alone: bool
     ms: float
 
@@ -384,7 +386,7 @@ class ProbeGate:
                 await before()
             first = await _others(client, slot)
             t0 = time.perf_counter()
-            answer: Mapping[str, object] = await client.completion(body)
+            answer = await client.completion(body)
             ms = (time.perf_counter() - t0) * 1000
             then = await _others(client, slot)
         alone = first is not None and first == then and not any(p for _, p in first.values())
@@ -398,7 +400,7 @@ class ProbeGate:
         restore: Callable[[], Awaitable[object]],
         *,
         tries: int = REFERENCE_TRIES,
-    ) -> tuple[Mapping[str, object] | None, list[float]]:
+    ) -> tuple[CompletionAnswer | None, list[float]]:
         """A reference answer for a just-saved state — `restore` it into `slot` and probe,
         until a probe ran alone (at most `tries`) — and every probe's time (ms). None when
         none did: a reference that shared its batches would reject the correct state on
@@ -407,7 +409,7 @@ class ProbeGate:
         Without `/slots` (alone unknown) two probes of the same restore that agree bit for
         bit are taken instead, the best that can be known there."""
         times: list[float] = []
-        previous: Mapping[str, object] | None = None
+        previous: CompletionAnswer | None = None
         for _ in range(tries):
             run = await self.probe(client, body, slot, before=restore)
             times.append(run.ms)
