@@ -17,15 +17,22 @@ class ClientSetupDialog(QtWidgets.QDialog):
     """One tab per client; the base URL on top, each with a Copy button."""
 
     def __init__(
-        self, state_url: str, settings: Settings, parent: QtWidgets.QWidget | None = None
+        self,
+        state_url: str,
+        settings: Settings,
+        parent: QtWidgets.QWidget | None = None,
+        *,
+        key_required: bool | None = None,
     ) -> None:
+        """`key_required`: whether clients must send a key (core.keys.key_required: named
+        keys or proxy.api_key); None reads proxy.api_key alone."""
         super().__init__(parent)
         self.setWindowTitle("Warmslot — Client setup")
         self.resize(760, 520)
         address = proxy_address(state_url, settings)
         self.url = client_url(address)
         self.model = client_model_name(settings)
-        key = bool(settings.proxy.api_key)
+        key = bool(settings.proxy.api_key) if key_required is None else key_required
         self.setups = client_setups(address, self.model, api_key=key)
         self.snippets: dict[str, QtWidgets.QPlainTextEdit] = {}
         self.copy_buttons: dict[str, QtWidgets.QPushButton] = {}
@@ -42,8 +49,9 @@ class ClientSetupDialog(QtWidgets.QDialog):
         lay.addLayout(top)
         if key:
             note = QtWidgets.QLabel(
-                "The proxy requires its API key: the snippets read it from the environment "
-                "variable WARMSLOT_API_KEY (set it to proxy.api_key)."
+                "The proxy requires an API key: the snippets read it from the environment "
+                "variable WARMSLOT_API_KEY (your key from `warmslot keys add NAME`, or "
+                "proxy.api_key)."
             )
             note.setWordWrap(True)
             lay.addWidget(note)

@@ -45,6 +45,7 @@ from app.tasks import Tasks
 from app.tray import Tray
 from core import config as config_mod
 from core.errors import ConfigError
+from core.keys import key_required
 from core.paths import Paths
 
 log = logging.getLogger("warmslot.gui")
@@ -221,8 +222,12 @@ class App(QObject):
     def open_client_setup(self) -> ClientSetupDialog:
         """Copyable setup snippets for opencode, aider, Claude Code and Codex CLI."""
         if self.client_setup is None:
+            settings = self.backend.settings
             dlg = ClientSetupDialog(
-                self.controller.state.proxy_url, self.backend.settings, parent=self.dashboard
+                self.controller.state.proxy_url,
+                settings,
+                parent=self.dashboard,
+                key_required=key_required(self.paths.config_file, settings.proxy.api_key),
             )
             dlg.finished.connect(lambda _r: self._client_setup_closed())
             self.client_setup = dlg

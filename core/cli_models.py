@@ -25,7 +25,7 @@ from core.clients import (
     proxy_address,
 )
 from core.errors import ConfigError, ModelNotFound
-from core.keys import KeyRing, keys_file
+from core.keys import key_required
 from core.models.catalog import Catalog, ModelEntry, for_settings, profile_note
 from core.paths import Paths
 from core.server.gguf_facts import read_facts
@@ -169,7 +169,7 @@ def cmd_clients(args: argparse.Namespace) -> int:
     url = _proxy_url(paths, settings)
     model = args.model or client_model_name(settings)
     # Named keys (core.keys) or proxy.api_key: the snippets then read the key.
-    key = KeyRing(keys_file(paths.config_file), lambda: settings.proxy.api_key).required()
+    key = key_required(paths.config_file, settings.proxy.api_key)
     setups = client_setups(url, model, api_key=key)
     if args.json:
         doc: dict[str, object] = {

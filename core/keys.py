@@ -80,6 +80,12 @@ def keys_file(config_file: Path) -> Path:
     return config_file.with_name("keys.toml")
 
 
+def key_required(config_file: Path, api_key: str) -> bool:
+    """Whether clients must send a key: named keys beside `config_file` or `api_key`
+    (proxy.api_key) — what client setup snippets follow."""
+    return KeyRing(keys_file(config_file), lambda: api_key).required()
+
+
 def local_key_file(state_dir: Path) -> Path:
     """Where a running instance keeps its local key (an owner-only file; not in
     ``state/run/``, which holds llama-server's key only while it starts)."""

@@ -19,6 +19,7 @@ from app.tasks import Tasks
 from core import config as config_mod
 from core.config import Settings
 from core.engine import Core
+from core.keys import add_key, keys_file
 from core.models.catalog import Catalog, find_models
 from core.server.tinymodel import make_tiny_model
 from tests.app.conftest import Launch, prepare
@@ -174,7 +175,8 @@ def test_tray_handlers_and_the_overview_button(
     assert url == app.controller.state.proxy_url + "/v1"
     assert QtWidgets.QApplication.clipboard().text() == url
     setup = app.open_client_setup()
-    assert setup.url == url and url in setup.snippets["opencode"].toPlainText()
+    unkeyed = setup.snippets["opencode"].toPlainText()
+    assert setup.url == url and url in unkeyed
     setup.close()
     assert app.dashboard is not None
     app.dashboard.page("overview").model_button.click()
@@ -184,6 +186,14 @@ def test_tray_handlers_and_the_overview_button(
     assert os.fspath(app.paths.models_dir) in [str(r.path) for r in dlg_roots(dlg)]
     dlg.close()
     qtbot.waitUntil(lambda: app.model_chooser is None, timeout=10_000)
+
+    # A named key only (no proxy.api_key): the snippets read the key from the environment.
+    assert "WARMSLOT_API_KEY" not in unkeyed
+    qtbot.waitUntil(lambda: app.client_setup is None, timeout=10_000)
+    add_key(keys_file(app.paths.config_file), "alice")
+    keyed = app.open_client_setup()
+    assert "WARMSLOT_API_KEY" in keyed.snippets["opencode"].toPlainText()
+    keyed.close()
 
 
 def dlg_roots(dlg: ModelChooser) -> list[Any]:
