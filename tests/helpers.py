@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import psutil
 
+from core.cache.manager import CacheManager
+from core.engine import Core
 from core.events import Event
 
 T = TypeVar("T")
@@ -150,3 +152,18 @@ def session_binary_source() -> str:
 
 def env_without(*names: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in names}
+
+
+def cache_manager(core: Core) -> CacheManager:
+    """The running core's cache manager (single-model mode)."""
+    assert isinstance(core.policy, CacheManager)
+    return core.policy
+
+
+def cache_idle(core: Core) -> bool:
+    """Whether the core's cache manager has no background work (asked on its loop)."""
+
+    async def idle() -> bool:
+        return cache_manager(core).idle()
+
+    return core.submit(idle()).result(10)

@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 
-from core.cache.manager import CacheManager, policy_factory
+from core.cache.manager import policy_factory
 from core.config import Settings
 from core.engine import Core
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import cache_idle, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -86,16 +86,6 @@ def _chat(core: Core, body: dict[str, Any], session: str) -> tuple[dict[str, Any
         return json.loads(resp.read()), dict(resp.headers)
 
 
-def _idle(core: Core) -> bool:
-    policy = core.policy
-    assert isinstance(policy, CacheManager)
-
-    async def idle() -> bool:
-        return policy.idle()
-
-    return core.submit(idle()).result(10)
-
-
 def alternate(
     core: Core, sessions: list[str], turns: int, words: int = 90, system: str = SYSTEM
 ) -> list[dict[str, Any]]:
@@ -132,7 +122,7 @@ def alternate(
             messages[session].append({"role": "assistant", "content": answer})
             # Turns come one after another, as an agent's do: Warmslot's own work
             # after a response (saves, probes) is done before the next turn.
-            wait_until(lambda: _idle(core), 120, interval=0.1, message="cache idle")
+            wait_until(lambda: cache_idle(core), 120, interval=0.1, message="cache idle")
     return rows
 
 

@@ -20,14 +20,14 @@ from typing import Any
 
 import pytest
 
-from core.cache.manager import CacheManager, policy_factory
+from core.cache.manager import policy_factory
 from core.engine import Core
 from core.paths import resources_dir
 from core.server.launch import DEMO_TEMPLATE
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import cache_idle, cache_manager, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -116,18 +116,6 @@ def _converse(
     return messages
 
 
-def _manager(core: Core) -> CacheManager:
-    assert isinstance(core.policy, CacheManager)
-    return core.policy
-
-
-def _idle(core: Core) -> bool:
-    async def idle() -> bool:
-        return _manager(core).idle()
-
-    return core.submit(idle()).result(10)
-
-
 def _events(core: Core, kind: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = core.query(
         "recent_events", limit=500, category="cache", kind=kind
@@ -199,8 +187,8 @@ def test_conversation_survives_a_restart(
     learned = _events(first, "prefix_learned")
     assert [e["details"]["source"] for e in learned] == ["system"], learned  # item 0b
     prefix_n = learned[0]["tokens"]
-    wait_until(lambda: _idle(first), 120, interval=0.2, message="first core idle")
-    held = _manager(first).slots.slots[0].tokens_hint
+    wait_until(lambda: cache_idle(first), 120, interval=0.2, message="first core idle")
+    held = cache_manager(first).slots.slots[0].tokens_hint
     assert held > prefix_n + 4000, (held, prefix_n)  # well past the stable prefix
     first.stop()  # the staged stop saves the live conversation
 
@@ -236,8 +224,8 @@ def test_conversation_survives_an_idle_release(
     core = make_core(_settings(tiny32k, cache__ttl_long_s=10), policy_factory=policy_factory)
     core.start(wait_ready=True, timeout=300)
     messages = _converse(core, "conv-a", SYSTEM, 3)
-    wait_until(lambda: _idle(core), 120, interval=0.2, message="core idle")
-    mgr = _manager(core)
+    wait_until(lambda: cache_idle(core), 120, interval=0.2, message="core idle")
+    mgr = cache_manager(core)
 
     def released() -> bool:
         out = core.submit(mgr.retention.sweep_idle()).result(60)
@@ -252,7 +240,7 @@ def test_conversation_survives_an_idle_release(
     # Another session takes the slot: its content is another conversation now.
     _converse(core, "conv-b", "You are a terse shell helper.\n" + _text(3, 100), 1)
     wait_until(
-        lambda: mgr.slots.slots[0].session_of_last == "conv-b" and _idle(core),
+        lambda: mgr.slots.slots[0].session_of_last == "conv-b" and cache_idle(core),
         60,
         interval=0.1,
         message="conv-b's turn recorded in slot 0",

@@ -25,14 +25,14 @@ from typing import Any
 
 import pytest
 
-from core.cache.manager import CacheManager, policy_factory
+from core.cache.manager import policy_factory
 from core.engine import Core
 from core.server import discover
 from core.server.client import parse_metrics
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import cache_manager, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -94,14 +94,9 @@ def _server_prompt_tokens(core: Core) -> int:
         return int(parse_metrics(resp.read().decode())["llamacpp:prompt_tokens_total"])
 
 
-def _manager(core: Core) -> CacheManager:
-    assert isinstance(core.policy, CacheManager)
-    return core.policy
-
-
 def _settle(core: Core) -> None:
     async def idle() -> bool:
-        return _manager(core).idle()
+        return cache_manager(core).idle()
 
     wait_until(lambda: core.submit(idle()).result(10), 180, interval=0.2, message="cache idle")
 
@@ -138,7 +133,7 @@ def test_prefix_reaches_disk_without_a_prefill_and_serves_after_a_restart(
     home = tmp_path / "home"
     first = make_core(settings, home=home, policy_factory=policy_factory)
     first.start(wait_ready=True, timeout=300)
-    mgr = _manager(first)
+    mgr = cache_manager(first)
     if how == "conversation":
         # What a server without the patch, or one that answered 501, leaves behind.
         mgr.prefix_saver.refused = "test: this server cannot save part of a slot"

@@ -27,7 +27,7 @@ from core.errors import VerificationFailed
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import cache_idle, cache_manager, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -55,18 +55,6 @@ def _chat(core: Core, messages: list[dict[str, str]], session: str) -> tuple[str
         data = json.loads(resp.read())
         slot = resp.headers["X-Warmslot-Slot"]
     return str(data["choices"][0]["message"]["content"]), slot
-
-
-def _manager(core: Core) -> CacheManager:
-    assert isinstance(core.policy, CacheManager)
-    return core.policy
-
-
-def _idle(core: Core) -> bool:
-    async def idle() -> bool:
-        return _manager(core).idle()
-
-    return core.submit(idle()).result(10)
 
 
 async def _save_at_once(mgr: CacheManager, slots: list[int]) -> list[str]:
@@ -103,7 +91,7 @@ def test_references_taken_at_once_in_two_slots_verify(make_core: MakeCore) -> No
     )
     core = make_core(settings, policy_factory=policy_factory)
     core.start(wait_ready=True, timeout=300)
-    mgr = _manager(core)
+    mgr = cache_manager(core)
     sessions = {"conv-a": 1, "conv-b": 2}
     # One system prompt, as two agents of one project have: its stable prefix is learned.
     system = "You are a coding agent. Notes:\n" + _text(0, 200)
@@ -119,7 +107,7 @@ def test_references_taken_at_once_in_two_slots_verify(make_core: MakeCore) -> No
             messages[s].append({"role": "assistant", "content": answer})
             slots[s] = int(slot)
         assert len(set(slots.values())) == 2, slots  # each conversation in its own slot
-        wait_until(lambda: _idle(core), 120, interval=0.1, message="cache idle")
+        wait_until(lambda: cache_idle(core), 120, interval=0.1, message="cache idle")
 
         outcomes = core.submit(_save_at_once(mgr, list(slots.values()))).result(600)
         print(f"round {turn}: {outcomes}")
