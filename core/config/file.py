@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,31 +142,23 @@ def save(path: Path, settings: Settings) -> None:
         table: Any = doc[section]
         if key not in table or table[key] != value:
             table[key] = value
-    current = profiles_from_list(doc.unwrap().get("models", []), path=str(path))
-    if current != settings.models:
-        if "models" in doc:
-            del doc["models"]
-        if settings.models:
+    # Arrays of tables ([[models]], [[workers]], [[backends]]) are rewritten only when
+    # they changed, so a hand-edited file keeps its comments otherwise.
+    tables: list[tuple[str, Callable[..., Any], Sequence[Any], Callable[[Any], Any]]] = [
+        ("models", profiles_from_list, settings.models, _profile_table),
+        ("workers", workers_from_list, settings.workers, _worker_table),
+        ("backends", backends_from_list, settings.backends, _backend_table),
+    ]
+    for name, parse, wanted, to_table in tables:
+        if parse(doc.unwrap().get(name, []), path=str(path)) == wanted:
+            continue
+        if name in doc:
+            del doc[name]
+        if wanted:
             aot = tomlkit.aot()
-            for prof in settings.models:
-                aot.append(_profile_table(prof))
-            doc.add("models", aot)
-    if workers_from_list(doc.unwrap().get("workers", []), path=str(path)) != settings.workers:
-        if "workers" in doc:
-            del doc["workers"]
-        if settings.workers:
-            workers = tomlkit.aot()
-            for worker in settings.workers:
-                workers.append(_worker_table(worker))
-            doc.add("workers", workers)
-    if backends_from_list(doc.unwrap().get("backends", []), path=str(path)) != settings.backends:
-        if "backends" in doc:
-            del doc["backends"]
-        if settings.backends:
-            backends = tomlkit.aot()
-            for backend in settings.backends:
-                backends.append(_backend_table(backend))
-            doc.add("backends", backends)
+            for item in wanted:
+                aot.append(to_table(item))
+            doc.add(name, aot)
     settings_from_dict(
         migrate(doc.unwrap(), str(path)), path=str(path), keys_path=keys_beside(path)
     )
