@@ -223,19 +223,12 @@ async def compile_build(
                     )
                 )
 
+        def build_target(target: str) -> list[str]:
+            return [*prefix, "cmake", "--build", str(bdir), "--target", target,
+                    "--config", "Release", "-j", str(jobs)]  # fmt: skip
+
         rc = await run_step(
-            [
-                *prefix,
-                "cmake",
-                "--build",
-                str(bdir),
-                "--target",
-                "llama-server",
-                "--config",
-                "Release",
-                "-j",
-                str(jobs),
-            ],
+            build_target("llama-server"),
             cwd=tmp,
             env=env,
             blog=blog,
@@ -256,8 +249,7 @@ async def compile_build(
         # working llama-server. Its failure is logged and recorded, never fatal.
         step(99.0, f"Building the RPC worker ({RPC_SERVER})")
         rpc_rc = await run_step(
-            [*prefix, "cmake", "--build", str(bdir), "--target", RPC_SERVER,
-             "--config", "Release", "-j", str(jobs)],
+            build_target(RPC_SERVER),
             cwd=tmp,
             env=env,
             blog=blog,
