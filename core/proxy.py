@@ -32,6 +32,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from core import apis
 from core.apis import ChatView
 from core.cache import context_limit
+from core.config.checks import is_loopback
 from core.errors import PortInUse
 from core.events import CacheEvent, CacheEventKind, Event, RequestCompleted
 from core.keys import DEFAULT_USER, LOCAL_USER, KeyRing, presented_key
@@ -40,7 +41,6 @@ from core.proxy_checks import (
     Invalid,
     host_name,
     is_json_type,
-    is_loopback,
     origin_allowed,
     parse_json,
     validate,

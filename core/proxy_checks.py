@@ -16,7 +16,7 @@ from typing import Any
 
 from yarl import URL
 
-from core.config.checks import is_loopback as is_loopback  # re-exported: the proxy checks Host
+from core.config.checks import is_loopback
 
 
 class Invalid(Exception):

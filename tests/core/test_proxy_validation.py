@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
+from core.config.checks import is_loopback
 from core.proxy import SSEScanner, error_response, timings_from_json
 from core.proxy_checks import (
     MAX_DEPTH,
     Invalid,
     host_name,
     is_json_type,
-    is_loopback,
     origin_allowed,
     parse_json,
     validate,
