@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from core import cli
-from core.bench import restore
+from core.bench import restore, restore_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -44,7 +44,7 @@ def test_bench_restore_reports_measured_parts_and_ratios(tiny_model: Path) -> No
         )
     # 1024 tokens is below the 32k goal size: the goal is not judged on it.
     assert {g["ratio_goal_met"] for g in report["goals"]} == {None}
-    text = restore.format_report(report)
+    text = restore_report.format_report(report)
     assert "1024  cold" in text and "1024  warm" in text
     assert "8192 skipped: the model's trained context is 4096 tokens" in text
 
