@@ -686,6 +686,8 @@ class Proxy:
             out = await self._exchange_unless_gone(request, req, upstream, base, t0)
         total_ms = (time.perf_counter() - t0) * 1000
         parsed = Timings.parse(out.timings)
+        if parsed is not None:
+            parsed = parsed.with_split(req.split)
         self._account(req, out.status, parsed, out.ttfb, total_ms, out.error)
         if req.policy is not None and req.endpoint in _MANAGED:
             task = asyncio.ensure_future(self._completed(req, parsed, out.status))
@@ -870,6 +872,8 @@ class Proxy:
         """The X-Warmslot-* cache headers from the server's reuse numbers (core.proxy_headers);
         a bypassed request keeps its ``X-Warmslot-Cache: bypass``."""
         rate = self.prefill_rates.get(req.model)
+        if reuse is not None and req.split is not None:
+            reuse = reuse.with_split(req.split.prompt_n, req.split.prompt_ms)
         restored = req.response_headers.get("X-Warmslot-Restored", "0")
         headers = cache_headers(
             reuse,

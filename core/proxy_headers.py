@@ -41,6 +41,13 @@ class Reuse:
             return "miss"
         return "hit" if self.cached >= HIT_SHARE * total else "partial"
 
+    def with_split(self, prompt_n: int, prompt_ms: float) -> Reuse:
+        """These numbers counting `prompt_n` tokens the cache read for this request just
+        before it, in its slot (core.cache.boundary), as prefilled, not cached."""
+        moved = min(prompt_n, self.cached)
+        ms = None if self.prompt_ms is None else self.prompt_ms + prompt_ms
+        return Reuse(self.cached - moved, self.prefilled + moved, ms)
+
 
 def reuse_from(obj: object) -> Reuse | None:
     """The reuse numbers in one answer or stream event of any of the three APIs: llama.cpp's

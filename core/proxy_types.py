@@ -53,6 +53,9 @@ class ProxyRequest:
     # What the proxy changed in the client's body before anything read it (the names,
     # e.g. apis.BILLING_HEADER_EDIT); sent back in X-Warmslot-Edited, kept in explain.
     edits: tuple[str, ...] = ()
+    # The part of its own prompt the cache read into its slot just before it (its stable
+    # prefix alone, for a checkpoint there: core.cache.boundary); counted as its prefill.
+    split: Timings | None = None
 
     def __post_init__(self) -> None:
         if self.chat is None and self.endpoint == "chat":

@@ -29,8 +29,8 @@ from typing import Any, NotRequired, TypedDict
 
 from core import apis
 from core.cache import background as bg
+from core.cache import boundary, warmup
 from core.cache import prefix as pfx
-from core.cache import warmup
 from core.cache.boot import BootRewarm
 from core.cache.context_limit import ContextLimits
 from core.cache.conversations import Conversations
@@ -91,6 +91,7 @@ class UnloadSaves(TypedDict):
     on_disk: int  # states of this server's identity on disk afterwards
     reason: str  # the disk tier's state, in words
     conversations: NotRequired[dict[str, object]]  # core.cache.conversations.save_all
+
 
 SCRATCH_WAIT_S = 120.0  # longest a background save waits for the scratch slot to be idle
 # A new session takes another session's idle slot holding its prefix (that session's
@@ -395,6 +396,11 @@ class CacheManager:
             # A saved conversation this request continues beats its stable prefix.
             if not await self.conversations.restore_for(req, info, slot, session):
                 await self._ensure_slot(info, slot, session)
+                st = self.slots.slots[slot]
+                if self.disk.rewinds and boundary.needs_mark(
+                    st, info.fingerprint, info.n_tokens, chat, session
+                ):
+                    req.split = await self._mark_boundary(info, slot)
         body["id_slot"] = slot
         body["cache_prompt"] = True
         self.slots.begin(slot)
@@ -415,6 +421,21 @@ class CacheManager:
         if info is not None:
             req.response_headers["X-Warmslot-Prefix"] = f"{info.fingerprint[:16]}:{info.n_tokens}"
         return plan
+
+    async def _mark_boundary(self, info: pfx.PrefixInfo, slot: int) -> Timings | None:
+        """Read the stable prefix alone into `slot` just before its request, so that the
+        server takes a checkpoint at its end (core.cache.boundary); the timings of that
+        read, None when it failed (the request then goes on as it came)."""
+        client = self.client
+        if client is None:
+            return None
+        async with self.lock(slot):
+            try:
+                resp = await client.completion(prewarm_body(info.tokens, slot))
+            except (UpstreamError, OSError) as e:  # fail open: the request reads it itself
+                log.warning("could not read the prefix alone into slot %d: %s", slot, e)
+                return None
+        return Timings.parse(resp.get("timings"))
 
     def _api_managed(self, req: ProxyRequest) -> bool:
         """Whether the running server lets the cache pin `req`'s API to a slot; when it
@@ -572,6 +593,8 @@ class CacheManager:
         elif info is not None and previous_fp == fp:
             head = int(info.meta.get("head_n") or info.n_tokens)
             expected, what = head - REUSE_SLACK, "the stable prefix"
+            if self.disk.rewinds:  # back to the checkpoint 4 tokens before its end
+                expected -= boundary.CHECKPOINT_TAIL
         short = expected > 0 and timings.cache_n < expected
         if short and previous_body is not None and renderable(req):
             reason = f"reused {timings.cache_n} tokens; expected ≥ {expected} ({what})"

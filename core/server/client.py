@@ -73,6 +73,21 @@ class Timings:
             predicted_ms=float(data.get("predicted_ms", 0.0)),
         )
 
+    def with_split(self, before: Timings | None) -> Timings:
+        """These timings counting `before` — a part of the same prompt read into the same
+        slot by a request just before this one (core.cache.boundary) — as read by this
+        request: its prefill is not reuse."""
+        if before is None:
+            return self
+        moved = min(before.prompt_n, self.cache_n)
+        return Timings(
+            cache_n=self.cache_n - moved,
+            prompt_n=self.prompt_n + moved,
+            prompt_ms=round(self.prompt_ms + before.prompt_ms, 3),
+            predicted_n=self.predicted_n,
+            predicted_ms=self.predicted_ms,
+        )
+
 
 class CompletionTimings(TypedDict, total=False):
     """A `/completion` answer's ``timings`` (docs/llama-server-facts.md#timings), the
