@@ -176,8 +176,11 @@ def format_report(report: RestoreReport) -> str:
             f"disk read: {bw['cold_mb_s']:.0f} MB/s cold (page cache dropped, "
             f"{_pct(bw['cold_cached_fraction'])} still cached), {bw['warm_mb_s']:.0f} MB/s "
             f"cached ({bw['bytes'] / 2**20:.0f} MiB file)",
-            head,
         ]
+        busy = busy_note(mod["load_avg_before"], m["cpus"] or 1)
+        if busy:
+            lines.append(busy)
+        lines.append(head)
         for r in mod["sizes"]:
             for cache, t in r["restore"].items():
                 reuse = f"{t['first_token_cache_n']}+{t['first_token_prompt_n']}"
@@ -214,6 +217,19 @@ def format_report(report: RestoreReport) -> str:
                 + ("met" if g["ratio_goal_met"] else "NOT met")
             )
     return "\n".join(lines)
+
+
+def busy_note(load_before: list[float], cpus: int) -> str | None:
+    """A warning when other work loaded the machine as the run began (1-minute load
+    average over half the CPUs): the steps after a restore are a few hundred rows and
+    slowed 4–10× under load where the long cold prefill slowed 1–4× (measured,
+    docs/benchmarks.md#restore), so the ratios come out low."""
+    if not load_before or load_before[0] <= cpus / 2:
+        return None
+    return (
+        f"BUSY MACHINE: load average {load_before[0]:.1f} on {cpus} CPUs before the run — "
+        "the ratios below are lower than on a quiet machine (docs/benchmarks.md#restore)"
+    )
 
 
 def _pct(v: float | None) -> str:

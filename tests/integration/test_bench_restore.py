@@ -104,3 +104,10 @@ def test_the_cli_prints_the_report_as_json(
     report = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in report["models"][0]["sizes"]] == [512]
     assert report["models"][0]["sizes"][0]["restore"]["warm"]["verify_result"] == "ok"
+
+
+def test_a_busy_machine_is_named_in_the_report() -> None:
+    assert restore_report.busy_note([0.9, 1.3, 1.7], 2) is None  # the quiet run's load
+    note = restore_report.busy_note([6.3, 5.0, 4.0], 2)
+    assert note is not None and "6.3 on 2 CPUs" in note
+    assert restore_report.busy_note([], 2) is None
