@@ -17,8 +17,8 @@ costs: one more HTTP round trip and a batch cut at n − 4; what the request rea
 unchanged, and the prefix's reading is counted as the request's own
 (`Timings.with_split`), never as reuse.
 
-Never for a request that continues the slot's own conversation: sending the prefix
-alone would cut the conversation off the slot.
+Never for a request of the conversation the slot holds (same session, or the same opening
+message): sending the prefix alone would cut the conversation off the slot.
 """
 
 from __future__ import annotations
@@ -30,15 +30,25 @@ from core.cache.slots import SlotState
 CHECKPOINT_TAIL = 4  # a prompt's last checkpoint is 4 tokens before its end (server rule)
 
 
-def continues(last: Mapping[str, object] | None, chat: Mapping[str, object]) -> bool:
-    """Whether the chat request `chat` continues the conversation `last` (a slot's last
-    request): same tools and `last`'s messages at its start."""
+def _opening(chat: Mapping[str, object]) -> object:
+    """A chat's first message after its system messages (None: it has none)."""
+    msgs = chat.get("messages")
+    for m in msgs if isinstance(msgs, list) else []:
+        if not (isinstance(m, dict) and m.get("role") in ("system", "developer")):
+            return m
+    return None
+
+
+def same_conversation(last: Mapping[str, object] | None, chat: Mapping[str, object]) -> bool:
+    """Whether the chat request `chat` belongs to the conversation `last` (a slot's last
+    request): same tools and the same opening message after the system text. Then the
+    slot may hold more of the request than its stable prefix — a resumed conversation
+    with a new session id, or one whose client rewrote a later message — and llama-server
+    is left to go back to its own best checkpoint."""
     if last is None or last.get("tools") != chat.get("tools"):
         return False
-    old, new = last.get("messages"), chat.get("messages")
-    if not isinstance(old, list) or not isinstance(new, list) or len(new) < len(old):
-        return False
-    return new[: len(old)] == old
+    opening = _opening(chat)
+    return opening is not None and opening == _opening(last)
 
 
 def needs_mark(
@@ -55,4 +65,4 @@ def needs_mark(
         return False  # exactly the prefix (re-warmed or restored): its checkpoints came with it
     if session and st.session_of_last == session:
         return False  # this session's own conversation
-    return not continues(st.last_body, chat)
+    return not same_conversation(st.last_body, chat)

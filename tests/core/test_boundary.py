@@ -4,7 +4,7 @@ tests/integration/test_boundary_checkpoint.py)."""
 
 from __future__ import annotations
 
-from core.cache.boundary import continues, needs_mark
+from core.cache.boundary import needs_mark, same_conversation
 from core.cache.slots import SlotState
 from core.proxy_headers import Reuse
 from core.server.client import Timings
@@ -29,13 +29,14 @@ def _slot(**fields: object) -> SlotState:
     return st
 
 
-def test_a_request_continues_a_conversation_that_starts_it() -> None:
-    assert continues(_chat("a"), _chat("a", "b"))
-    assert continues(_chat("a"), _chat("a"))
-    assert not continues(_chat("a", "b"), _chat("a"))  # shorter
-    assert not continues(_chat("a"), _chat("x", "b"))  # another conversation
-    assert not continues({**_chat("a"), "tools": []}, _chat("a", "b"))  # other tools
-    assert not continues(None, _chat("a"))
+def test_a_request_of_the_same_conversation_opens_like_it() -> None:
+    assert same_conversation(_chat("a"), _chat("a", "b"))
+    assert same_conversation(_chat("a", "b"), _chat("a"))  # rewound or rewritten later on
+    assert same_conversation(_chat("a", "b"), _chat("a", "c"))
+    assert not same_conversation(_chat("a"), _chat("x", "b"))  # another conversation
+    assert not same_conversation({**_chat("a"), "tools": []}, _chat("a", "b"))  # other tools
+    assert not same_conversation(None, _chat("a"))
+    assert not same_conversation({"messages": [SYSTEM]}, {"messages": [SYSTEM]})  # no opening
 
 
 def test_the_prefix_is_read_alone_into_an_empty_slot_or_over_another_session() -> None:
@@ -49,8 +50,11 @@ def test_never_over_the_slots_own_conversation_or_a_busy_slot() -> None:
     held = _chat("a")
     same = _slot(tokens_hint=3000, prefix_fp="fp", session_of_last="s1", last_body=held)
     assert not needs_mark(same, "fp", 1000, _chat("a", "b"), "s1")
-    # The same conversation under another session id (a resumed session) continues too.
+    # The same conversation under another session id (a resumed session), even with a
+    # later message rewritten: the server goes back to its own best checkpoint.
     assert not needs_mark(same, "fp", 1000, _chat("a", "b"), "s9")
+    two = _slot(tokens_hint=3000, prefix_fp="fp", session_of_last="s1", last_body=_chat("a", "b"))
+    assert not needs_mark(two, "fp", 1000, _chat("a", "c"), "s9")
     # A client without sessions whose conversation goes on.
     assert not needs_mark(_slot(tokens_hint=3000, last_body=held), "fp", 1000, _chat("a", "b"), "")
     assert not needs_mark(_slot(inflight=1), "fp", 1000, _chat("a"), "s2")
