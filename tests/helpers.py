@@ -20,6 +20,32 @@ from core.events import Event
 
 T = TypeVar("T")
 
+# Words for made-up prompts: each one token or two on the tiny model and on Gemma 3.
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "kernel",
+    "buffer",
+    "socket",
+    "thread",
+    "module",
+    "parser",
+    "vector",
+    "matrix",
+    "header",
+    "footer",
+    "render",
+    "commit",
+    "branch",
+    "merge",
+    "rebase",
+    "signal",
+    "handler",
+    "config",
+]
+
 REPO = Path(__file__).resolve().parent.parent
 FAKE_SERVER = REPO / "tests" / "fakes" / "fake_llama_server.py"
 SERVER_NAMES = ("llama-server",)

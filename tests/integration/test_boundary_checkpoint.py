@@ -27,26 +27,11 @@ from core.cache import boundary
 from core.cache.manager import policy_factory
 from core.events import RequestCompleted
 from tests.conftest import MakeCore
-from tests.helpers import EventLog, wait_until
+from tests.helpers import WORDS, EventLog, wait_until
 
 pytestmark = pytest.mark.integration
 
 TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "resources/templates/gemma3-tools.jinja"
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "kernel",
-    "buffer",
-    "socket",
-    "thread",
-    "module",
-    "file",
-    "path",
-    "read",
-    "write",
-]
 
 
 def _system() -> str:

@@ -27,34 +27,9 @@ from core.server.launch import DEMO_TEMPLATE
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import cache_idle, cache_manager, wait_until
+from tests.helpers import WORDS, cache_idle, cache_manager, wait_until
 
 pytestmark = pytest.mark.integration
-
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "kernel",
-    "buffer",
-    "socket",
-    "thread",
-    "module",
-    "parser",
-    "vector",
-    "matrix",
-    "header",
-    "footer",
-    "render",
-    "commit",
-    "branch",
-    "merge",
-    "rebase",
-    "signal",
-    "handler",
-    "config",
-]
 
 
 def _text(seed: int, n_words: int) -> str:

@@ -31,29 +31,10 @@ from core.cache.probe import (
 )
 from core.errors import UpstreamError
 from core.server.client import LlamaClient, Timings
-from tests.helpers import free_port, wait_until
+from tests.helpers import WORDS, free_port, wait_until
 from tests.integration.test_restore_mutations import parse_layout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-WORDS = [
-    "the",
-    "tool",
-    "reads",
-    "a",
-    "file",
-    "and",
-    "writes",
-    "the",
-    "answer",
-    "to",
-    "the",
-    "user",
-    "in",
-    "a",
-    "short",
-    "reply",
-]
 
 
 @pytest.fixture(scope="module")
