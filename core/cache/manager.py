@@ -38,27 +38,24 @@ from core.cache.definitions import DefinitionStore
 from core.cache.deps import CacheDeps, EngineParts, ServerHandle, deps_from
 from core.cache.deps import DiskTier as DiskTier
 from core.cache.explain import Explainer, format_recent
-from core.cache.fingerprint import ServerIdentity, state_filename
+from core.cache.fingerprint import ServerIdentity
 from core.cache.inventory import format_inventory
 from core.cache.keepalive import KeepAlive, prewarm_body
 from core.cache.learner import PrefixLearner, chat_of, render_body, renderable
 from core.cache.plan import SlotPlan
 from core.cache.prefix_save import PrefixSaver
 from core.cache.probe import (
-    REFERENCE_TRIES,
     REUSE_SLACK,
     ProbeGate,
     check_answer,
     non_finite,
-    probe_reference,
-    probe_request,
     probe_request_for,
     scrub_request,
     second_look,
 )
-from core.cache.retention import Retention, save_problem
+from core.cache.retention import Retention
 from core.cache.slots import SlotMap
-from core.cache.store import StateRecord, StateStore, file_sha256
+from core.cache.store import StateRecord, StateStore
 from core.cache.warmup import disk_tier_for as disk_tier_for
 from core.clock import Clock
 from core.config import Settings
@@ -93,7 +90,6 @@ class UnloadSaves(TypedDict):
     conversations: NotRequired[dict[str, object]]  # core.cache.conversations.save_all
 
 
-SCRATCH_WAIT_S = 120.0  # longest a background save waits for the scratch slot to be idle
 # A new session takes another session's idle slot holding its prefix (that session's
 # conversation is saved and moves) only for a prefix at least this long: moving costs a
 # save now and a restore + verification later (tens of ms on the tiny model, ~3 s for a
@@ -724,7 +720,7 @@ class CacheManager:
         )
         return total
 
-    async def _wait_idle(self, exclude: int, timeout: float = 30.0) -> None:
+    async def wait_idle(self, exclude: int, timeout: float = 30.0) -> None:
         """Wait until no other slot is busy: a probe's log-probs depend on the batch it
         shares with other requests, so reference and check must both run alone."""
         deadline = time.monotonic() + timeout
@@ -747,119 +743,12 @@ class CacheManager:
         return idle[0].id if idle else None
 
     async def _persist(self, info: pfx.PrefixInfo, live: int | None = None) -> None:
-        """Get the prefix state onto disk: from the `live` slot that holds it (no prefill,
-        core.cache.prefix_save), or as the last resort built in a scratch slot; saved,
-        then its probe answer recorded."""
+        """Get the prefix state onto disk (core.cache.prefix_save); a later request may
+        start another save of it once this one ended."""
         try:
-            if not self.pressure.allows_persist():
-                why = self.pressure.paused().get("persist", "")
-                self.emit(CacheEventKind.PERSIST_SKIPPED, why, fp=info.fingerprint)
-                return
-            if live is not None and await self.prefix_saver.save(info, live):
-                return  # saved, covered by the conversation's state, or left for later
-            slot = self.scratch_slot()
-            deadline = time.monotonic() + SCRATCH_WAIT_S
-            while slot is None and time.monotonic() < deadline:
-                # The scratch slot is busy (a side call): wait for it rather than give up.
-                await asyncio.sleep(0.25)
-                slot = self.scratch_slot()
-            client = self.client
-            if slot is None or client is None or self.identity is None:
-                self.emit(
-                    CacheEventKind.PERSIST_SKIPPED,
-                    f"no idle scratch slot within {SCRATCH_WAIT_S:.0f} s;"
-                    " the next request with this prefix tries again",
-                    fp=info.fingerprint,
-                )
-                return
-            async with self.lock(slot):
-                await self._persist_in(info, slot, client)
-        except (UpstreamError, OSError) as e:
-            # After an answer (an HTTP error) the server no longer writes: its partial file
-            # goes now. After a timeout it may still write: the retention sweep deletes it.
-            answered = not isinstance(e, UpstreamError) or e.status != 0
-            name = state_filename(info.fingerprint)
-            self.retention.save_failed(
-                info.fingerprint, str(e), filename=name, server_answered=answered
-            )
+            await self.prefix_saver.persist(info, live)
         finally:
             self._persisting.discard(info.fingerprint)
-
-    async def _persist_in(self, info: pfx.PrefixInfo, slot: int, client: LlamaClient) -> None:
-        await self.prewarm(info, slot, reason="building the state to save")
-        name = state_filename(info.fingerprint)
-        self.retention.journal.begin(self.launch_id, name)  # a save that never ends is swept
-        saved = await client.slot_action(slot, "save", name)
-        path = self._server_slot_dir() / name
-        problem = save_problem(saved, info.n_tokens, path)
-        if problem is not None:
-            self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
-            return
-        await self.record_prefix(info, slot, name, saved, how="built in a scratch slot")
-
-    async def record_prefix(
-        self, info: pfx.PrefixInfo, slot: int, name: str, saved: dict[str, Any], *, how: str
-    ) -> None:
-        """Index the just-saved prefix file `name` with its probe reference, taken in
-        `slot` (idle, under its lock) after restoring that very file."""
-        client = self.client
-        assert client is not None
-        path = self._server_slot_dir() / name
-        await self._wait_idle(exclude=slot)
-        assert self.probe_suffix is not None
-        # The reference comes from the file as a restore lays it out, so that a later
-        # restore reproduces it bit for bit, sliding-window ring included
-        # (docs/cache.md#verification).
-        # A reference taken while another slot works shares its batches and moves in the
-        # last bits, and every later bit-exact check of this correct state would fail (seen
-        # with prefixes saved from a live slot while the session's next request started, and
-        # beside a conversation's own reference): it must come from a probe that ran alone
-        # (core.cache.probe.ProbeGate); a state without such a reference is not indexed.
-        answer, _ = await self.probe_gate.reference(
-            client,
-            probe_request(info.tokens, self.probe_suffix, slot),
-            slot,
-            lambda: client.slot_action(slot, "restore", name),
-        )
-        if answer is None:
-            problem = f"no probe reference ran alone in {REFERENCE_TRIES} tries (a busy server)"
-            self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
-            return
-        now = self.clock.time()
-        rec = StateRecord(
-            filename=name,
-            identity=self.launch_id,
-            fingerprint=info.fingerprint,
-            client=info.client,
-            source=info.source,
-            prefix_n=info.n_tokens,
-            n_tokens=int(saved["n_saved"]),
-            bytes=path.stat().st_size,
-            sha256=file_sha256(path),
-            ttl_class=self.settings.cache.prefix_class,
-            pinned=False,
-            created=now,
-            last_used=now,
-            verified_at=now,
-            verify_result="reference",
-            probe={"prefix": info.tokens, "suffix": self.probe_suffix, **probe_reference(answer)},
-            owner=self.prefix_owners.get(info.fingerprint, ""),
-        )
-        self.store.add(rec)
-        self.retention.journal.end(name)
-        self.retention.save_succeeded(info.fingerprint)
-        st = self.slots.slots[slot]  # it holds the prefix (and the probe's suffix) now
-        st.prefix_fp, st.tokens_hint = info.fingerprint, info.n_tokens
-        self.emit(
-            CacheEventKind.SAVE,
-            f"saved the {info.n_tokens}-token prefix ({how})",
-            fp=info.fingerprint,
-            slot=slot,
-            tokens=info.n_tokens,
-            nbytes=rec.bytes,
-            save_ms=(saved.get("timings") or {}).get("save_ms"),
-            how=how,
-        )
 
     def _server_slot_dir(self) -> Path:
         sup = self.server
@@ -975,7 +864,7 @@ class CacheManager:
 
     async def _probe(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
         probe = rec.probe
-        await self._wait_idle(exclude=slot)
+        await self.wait_idle(exclude=slot)
         # Under the gate: never beside another of our probes (docs/cache.md#verification).
         run = await self.probe_gate.probe(client, probe_request_for(probe, slot), slot)
         resp = run.answer

@@ -15,7 +15,7 @@ conversation. The prefix's state goes to disk from there:
    request that extends the prefix restores it (the server keeps the common part).
 3. Only where neither can cover the prefix (the slot holds little beyond it, or the
    conversation is too large for the disk cap) is the prefix built again in a scratch
-   slot (`CacheManager._persist`): the last resort.
+   slot (`PrefixSaver.persist`): the last resort.
 
 A save that would have to wait — the slot is busy again, or no longer holds the prefix —
 is left to the next response; no client waits for one and nothing is prefilled for it.
@@ -32,7 +32,9 @@ from core.cache import prefix as pfx
 from core.cache.conversations import read_tokens
 from core.cache.deps import CacheHost
 from core.cache.fingerprint import state_filename
+from core.cache.probe import REFERENCE_TRIES, probe_reference, probe_request
 from core.cache.retention import save_problem
+from core.cache.store import StateRecord, file_sha256
 from core.errors import UpstreamError
 from core.events import CacheEventKind
 from core.status import PrefixSaveStatus
@@ -40,21 +42,25 @@ from core.status import PrefixSaveStatus
 if TYPE_CHECKING:
     from core.cache.conversations import Conversations
     from core.cache.retention import Retention
+    from core.server.client import LlamaClient
 
 log = logging.getLogger("warmslot.cache")
 
 PATCH_PREFIX_SAVE = "prefix-save-v1"  # GET /props → warmslot_patches (patches/0004)
 SCRATCH_WAIT_S = 30.0  # longest a saved prefix waits for an idle slot to be verified in
+BUILD_WAIT_S = 120.0  # longest a prefix to build waits for the scratch slot to be idle
 
 
 class PrefixHost(CacheHost, Protocol):
     """The cache manager as the prefix saver uses it."""
 
+    prefix_owners: dict[str, str]  # fingerprint → the user whose request brought it
+
     def scratch_slot(self, exclude: int | None = None) -> int | None: ...
 
-    async def record_prefix(
-        self, info: pfx.PrefixInfo, slot: int, name: str, saved: dict[str, Any], *, how: str
-    ) -> None: ...
+    async def wait_idle(self, exclude: int, timeout: float = 30.0) -> None:
+        """Wait (up to `timeout`) until no slot but `exclude` serves a request."""
+        ...
 
 
 class PrefixSaver:
@@ -90,6 +96,122 @@ class PrefixSaver:
             if done is not None:
                 return done
         return await self._cover_with_conversation(info, slot)
+
+    async def persist(self, info: pfx.PrefixInfo, live: int | None = None) -> None:
+        """Get the prefix state onto disk: from the `live` slot that holds it (no prefill),
+        or as the last resort built in a scratch slot; saved, then its probe answer
+        recorded. A failure is recorded (core.cache.retention), never raised."""
+        m = self.mgr
+        try:
+            if not m.pressure.allows_persist():
+                why = m.pressure.paused().get("persist", "")
+                m.emit(CacheEventKind.PERSIST_SKIPPED, why, fp=info.fingerprint)
+                return
+            if live is not None and await self.save(info, live):
+                return  # saved, covered by the conversation's state, or left for later
+            slot = m.scratch_slot()
+            deadline = time.monotonic() + BUILD_WAIT_S
+            while slot is None and time.monotonic() < deadline:
+                # The scratch slot is busy (a side call): wait for it rather than give up.
+                await asyncio.sleep(0.25)
+                slot = m.scratch_slot()
+            client = m.client
+            if slot is None or client is None or m.identity is None:
+                m.emit(
+                    CacheEventKind.PERSIST_SKIPPED,
+                    f"no idle scratch slot within {BUILD_WAIT_S:.0f} s;"
+                    " the next request with this prefix tries again",
+                    fp=info.fingerprint,
+                )
+                return
+            async with m.lock(slot):
+                await self._build(info, slot, client)
+        except (UpstreamError, OSError) as e:
+            # After an answer (an HTTP error) the server no longer writes: its partial file
+            # goes now. After a timeout it may still write: the retention sweep deletes it.
+            answered = not isinstance(e, UpstreamError) or e.status != 0
+            name = state_filename(info.fingerprint)
+            self.retention.save_failed(
+                info.fingerprint, str(e), filename=name, server_answered=answered
+            )
+
+    async def _build(self, info: pfx.PrefixInfo, slot: int, client: LlamaClient) -> None:
+        """3. The last resort: read the prefix into the idle `slot`, save and index it."""
+        m = self.mgr
+        await m.prewarm(info, slot, reason="building the state to save")
+        name = state_filename(info.fingerprint)
+        self.retention.journal.begin(m.launch_id, name)  # a save that never ends is swept
+        saved = await client.slot_action(slot, "save", name)
+        path = m.store.dir_for(m.launch_id) / name
+        problem = save_problem(saved, info.n_tokens, path)
+        if problem is not None:
+            self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
+            return
+        await self._record(info, slot, name, saved, how="built in a scratch slot")
+
+    async def _record(
+        self, info: pfx.PrefixInfo, slot: int, name: str, saved: dict[str, Any], *, how: str
+    ) -> None:
+        """Index the just-saved prefix file `name` with its probe reference, taken in
+        `slot` (idle, under its lock) after restoring that very file."""
+        m = self.mgr
+        client = m.client
+        assert client is not None and m.probe_suffix is not None
+        path = m.store.dir_for(m.launch_id) / name
+        await m.wait_idle(exclude=slot)
+        # The reference comes from the file as a restore lays it out, so that a later
+        # restore reproduces it bit for bit, sliding-window ring included
+        # (docs/cache.md#verification).
+        # A reference taken while another slot works shares its batches and moves in the
+        # last bits, and every later bit-exact check of this correct state would fail (seen
+        # with prefixes saved from a live slot while the session's next request started, and
+        # beside a conversation's own reference): it must come from a probe that ran alone
+        # (core.cache.probe.ProbeGate); a state without such a reference is not indexed.
+        answer, _ = await m.probe_gate.reference(
+            client,
+            probe_request(info.tokens, m.probe_suffix, slot),
+            slot,
+            lambda: client.slot_action(slot, "restore", name),
+        )
+        if answer is None:
+            problem = f"no probe reference ran alone in {REFERENCE_TRIES} tries (a busy server)"
+            self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
+            return
+        now = m.clock.time()
+        rec = StateRecord(
+            filename=name,
+            identity=m.launch_id,
+            fingerprint=info.fingerprint,
+            client=info.client,
+            source=info.source,
+            prefix_n=info.n_tokens,
+            n_tokens=int(saved["n_saved"]),
+            bytes=path.stat().st_size,
+            sha256=file_sha256(path),
+            ttl_class=m.settings.cache.prefix_class,
+            pinned=False,
+            created=now,
+            last_used=now,
+            verified_at=now,
+            verify_result="reference",
+            probe={"prefix": info.tokens, "suffix": m.probe_suffix, **probe_reference(answer)},
+            owner=m.prefix_owners.get(info.fingerprint, ""),
+        )
+        m.store.add(rec)
+        self.retention.journal.end(name)
+        self.retention.save_succeeded(info.fingerprint)
+        st = m.slots.slots[slot]  # it holds the prefix (and the probe's suffix) now
+        st.prefix_fp, st.tokens_hint = info.fingerprint, info.n_tokens
+        m.emit(
+            CacheEventKind.SAVE,
+            f"saved the {info.n_tokens}-token prefix ({how})",
+            fp=info.fingerprint,
+            slot=slot,
+            tokens=info.n_tokens,
+            nbytes=rec.bytes,
+            save_ms=(saved.get("timings") or {}).get("save_ms"),
+            how=how,
+        )
 
     # ------------------------------------------------------------ 1. part of the slot
     async def _save_prefix(self, info: pfx.PrefixInfo, slot: int) -> bool | None:
@@ -162,7 +284,7 @@ class PrefixSaver:
             self.retention.save_failed(info.fingerprint, why, filename=name, slot=slot)
             return True
         async with m.lock(probe_slot):
-            await m.record_prefix(
+            await self._record(
                 info,
                 probe_slot,
                 name,
