@@ -638,6 +638,7 @@ class Proxy:
         if generation:
             body.setdefault("cache_prompt", True)
             if req.policy is not None:
+                req.gone = lambda: _client_gone(request)
                 try:
                     req.plan = await req.policy.prepare(req)
                 except Exception as e:  # fail-open: the request goes through untouched

@@ -24,6 +24,7 @@ import logging
 import sqlite3
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
@@ -396,7 +397,7 @@ class CacheManager:
                 if self.disk.rewinds and boundary.needs_mark(
                     st, info.fingerprint, info.n_tokens, chat, session
                 ):
-                    req.split = await self._mark_boundary(info, slot)
+                    req.split = await self._mark_boundary(info, slot, req.gone)
         body["id_slot"] = slot
         body["cache_prompt"] = True
         self.slots.begin(slot)
@@ -418,19 +419,42 @@ class CacheManager:
             req.response_headers["X-Warmslot-Prefix"] = f"{info.fingerprint[:16]}:{info.n_tokens}"
         return plan
 
-    async def _mark_boundary(self, info: pfx.PrefixInfo, slot: int) -> Timings | None:
+    async def _mark_boundary(
+        self,
+        info: pfx.PrefixInfo,
+        slot: int,
+        gone: Callable[[], Awaitable[None]] | None = None,
+    ) -> Timings | None:
         """Read the stable prefix alone into `slot` just before its request, so that the
         server takes a checkpoint at its end (core.cache.boundary); the timings of that
-        read, None when it failed (the request then goes on as it came)."""
+        read, None when it failed (the request then goes on as it came) or when the
+        client hung up first (`gone` returned): closing the read stops the server's
+        prefill, as the request's own would have (the proxy then answers 499)."""
         client = self.client
         if client is None:
             return None
         async with self.lock(slot):
+            read = asyncio.ensure_future(client.completion(prewarm_body(info.tokens, slot)))
+            watch = asyncio.ensure_future(gone()) if gone is not None else None
+            waits: set[asyncio.Future[Any]] = {read} if watch is None else {read, watch}
             try:
-                resp = await client.completion(prewarm_body(info.tokens, slot))
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if watch is not None:
+                    watch.cancel()
+                if not read.done():
+                    read.cancel()
+            try:
+                resp = await read
+            except asyncio.CancelledError:
+                if read.cancelled():  # the client left: no need to read anything for it
+                    log.info("slot %d: the client left while its prefix was read", slot)
+                    return None
+                raise
             except (UpstreamError, OSError) as e:  # fail open: the request reads it itself
                 log.warning("could not read the prefix alone into slot %d: %s", slot, e)
                 return None
+        log.debug("slot %d: read the %d-token prefix alone first", slot, info.n_tokens)
         return Timings.parse(resp.get("timings"))
 
     def _api_managed(self, req: ProxyRequest) -> bool:

@@ -43,6 +43,7 @@ PATCH_LEVELS = (
     b"swa-full-state-v1",
     b"api-parity-v1",  # 0004: /v1/messages keeps id_slot; timings on every chat API
     b"prefix-save-v1",  # 0004: POST /slots/{id}?action=save with n_tokens
+    b"cancel-check-v1",  # 0005: an abandoned request is noticed while other slots work
 )
 CHECKPOINT_PATCH = "slot-checkpoints-v1"
 # slot-api-v2 also answers a truncated slot file with a 400 where v1 aborted the server.

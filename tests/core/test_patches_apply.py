@@ -28,6 +28,7 @@ EXPECTED_PATCH_LEVEL = [
     "swa-full-state-v1",
     "api-parity-v1",
     "prefix-save-v1",
+    "cancel-check-v1",
 ]
 
 

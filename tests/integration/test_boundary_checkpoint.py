@@ -16,27 +16,47 @@ guards against on this very server, not a number remembered from elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from core.cache import boundary
 from core.cache.manager import policy_factory
+from core.engine import Core
 from core.events import RequestCompleted
 from tests.conftest import MakeCore
-from tests.helpers import WORDS, EventLog, wait_until
+from tests.helpers import WORDS, EventLog, cache_manager, metric_values, wait_until
 
 pytestmark = pytest.mark.integration
 
 TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "resources/templates/gemma3-tools.jinja"
 
 
-def _system() -> str:
+def _system(n_words: int = 1400) -> str:
     rng = random.Random(11)
-    return "You are a coding agent.\n" + " ".join(rng.choice(WORDS) for _ in range(1400))
+    return "You are a coding agent.\n" + " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _gemma_core(make_core: MakeCore, gemma_model: Path) -> Core:
+    core = make_core(
+        policy_factory=policy_factory,
+        server__model=str(gemma_model),
+        server__slots=2,
+        server__ctx_per_slot=8192,
+        server__cache_ram_mib=0,  # what comes back comes from the slot, not from RAM
+        # The template agents use on Gemma 3 (docs/clients.md). llama-server finds no
+        # message starts in it, so it checkpoints only near each prompt's end; with the
+        # model's own template it also checkpoints the last user message's start.
+        server__chat_template_file=str(TOOLS_TEMPLATE),
+    )
+    core.start(wait_ready=True, timeout=300)
+    assert core.proxy is not None
+    return core
 
 
 def _chat(port: int, messages: list[dict[str, str]], session: str) -> dict[str, str]:
@@ -58,20 +78,9 @@ def test_a_second_session_goes_back_to_the_stable_boundary(
 ) -> None:
     if not mark:
         monkeypatch.setattr(boundary, "needs_mark", lambda *a, **k: False)
-    core = make_core(
-        policy_factory=policy_factory,
-        server__model=str(gemma_model),
-        server__slots=2,
-        server__ctx_per_slot=4096,
-        server__cache_ram_mib=0,  # what comes back comes from the slot, not from RAM
-        # The template agents use on Gemma 3 (docs/clients.md). llama-server finds no
-        # message starts in it, so it checkpoints only near each prompt's end; with the
-        # model's own template it also checkpoints the last user message's start.
-        server__chat_template_file=str(TOOLS_TEMPLATE),
-    )
+    core = _gemma_core(make_core, gemma_model)
     log = EventLog()
     core.subscribe(log.append, (RequestCompleted,))
-    core.start(wait_ready=True, timeout=300)
     assert core.proxy is not None
     port = core.proxy.port
     system = {"role": "system", "content": _system()}
@@ -96,3 +105,57 @@ def test_a_second_session_goes_back_to_the_stable_boundary(
         assert cached >= prefix - boundary.CHECKPOINT_TAIL - 1
     else:
         assert cached < prefix - 300  # the loss the mark prevents, on this server
+
+
+@pytest.mark.timeout(600)
+def test_a_client_that_hangs_up_stops_the_prefix_read(
+    make_core: MakeCore, gemma_model: Path
+) -> None:
+    """The prefix read alone runs before the request is forwarded, where the proxy's
+    watch of the client's socket does not reach: a client that gave up would leave
+    llama-server reading the whole prefix (minutes for a large model on a CPU). The read
+    stops with the client, as the request's own prefill does (issue 19)."""
+    core = _gemma_core(make_core, gemma_model)
+    assert core.proxy is not None and core.supervisor is not None
+    sup = core.supervisor
+    mgr = cache_manager(core)
+    url = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
+    messages = [{"role": "system", "content": _system(5000)}, {"role": "user", "content": "Hi"}]
+
+    async def give_up() -> None:
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(TimeoutError):
+                async with s.post(
+                    url,
+                    json={"messages": messages, "max_tokens": 2},
+                    headers={"x-session-affinity": "s1"},
+                    timeout=aiohttp.ClientTimeout(total=1.5),
+                ) as r:
+                    await r.read()
+
+    asyncio.run(give_up())
+    # Warmslot let go of the slot at once (the read holds its lock) …
+    wait_until(
+        lambda: not core.call(lambda: mgr.lock(0).locked()).result(5),
+        5,
+        message="the prefix read still holds slot 0",
+    )
+
+    def server_slots() -> list[dict[str, object]]:
+        req = urllib.request.Request(f"{sup.base_url}/slots", headers=sup.auth_headers())
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return list(json.loads(resp.read()))
+
+    # … and llama-server stopped at its next batch, well before the prefix's end.
+    wait_until(lambda: not any(s["is_processing"] for s in server_slots()), 30, interval=0.5)
+    req = urllib.request.Request(f"{sup.base_url}/metrics", headers=sup.auth_headers())
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        metrics = metric_values(resp.read().decode(), ["llamacpp:prompt_tokens_total"])
+    prefix = sum(len(m["content"].split()) for m in messages)  # ≥ 1 token per word
+    assert metrics["llamacpp:prompt_tokens_total"] < prefix
+    row = wait_until(
+        lambda: next(iter(core.query("recent_requests", limit=1).result(5)), None),
+        60,
+        message="the request was recorded",
+    )
+    assert row["status"] == 499
