@@ -1,7 +1,7 @@
 """A new agent session on a sliding-window model reuses the whole shared prefix (issue 16, 0d).
 
 Gemma 3 270M (sliding window, no --swa-full) with the tools template agents use on it, on
-a real llama-server through Warmslot: a first session reads its ~1,400-token system text,
+a real llama-server through Warmslot: a first session reads its ~1,500-token system text,
 then grows by ~900 tokens, far past the window. A second session with the same system
 text shares the first one's prompt up to its own user message, but llama-server can go
 back only to a context checkpoint, and it had one only near the end of each prompt it
