@@ -313,6 +313,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             "  → the chosen binary lacks Warmslot's patches: sliding-window/hybrid models get "
             'no disk tier until the patched build (server.build = "auto") is done'
         )
+    elif found.found.missing_patches:
+        print(
+            "  → the chosen build predates Warmslot's current patches (missing: "
+            f"{', '.join(found.found.missing_patches)}; docs/patches.md): `warmslot build` "
+            "makes one that has them"
+        )
     try:
         m = model.resolve(paths, settings.server.model)
         print(f"model:       ✔ {m.path} ({m.source}, {m.size / 1e6:.0f} MB)")

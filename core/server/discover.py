@@ -48,6 +48,7 @@ PATCH_LEVELS = (
 CHECKPOINT_PATCH = "slot-checkpoints-v1"
 # slot-api-v2 also answers a truncated slot file with a 400 where v1 aborted the server.
 SLOT_API_LEVELS = ("slot-api-v1", "slot-api-v2")
+SUPERSEDED_LEVELS = ("slot-api-v1",)  # a current build has its successor instead
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,15 @@ class ServerBinary:
     def patched(self) -> bool:
         """Carries the checkpoint patch (slot files of SWA/hybrid models restore)."""
         return CHECKPOINT_PATCH in self.patches
+
+    @property
+    def missing_patches(self) -> tuple[str, ...]:
+        """The patch levels of Warmslot's current patch set this (patched) build lacks: it
+        was built before they existed, and `warmslot build` makes one that has them."""
+        if not self.patched:
+            return ()
+        current = [p.decode() for p in PATCH_LEVELS if p.decode() not in SUPERSEDED_LEVELS]
+        return tuple(p for p in current if p not in self.patches)
 
     @property
     def slot_api(self) -> int:

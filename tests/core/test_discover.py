@@ -165,3 +165,15 @@ def test_identity_covers_the_libraries_beside_the_binary(tmp_path: Path) -> None
     assert second != first
     (tmp_path / "notes.txt").write_text("unrelated")
     assert discover.binary_identity(binary) == second
+
+
+def test_a_build_from_an_older_patch_set_names_what_it_lacks() -> None:
+    def binary(*patches: str) -> discover.ServerBinary:
+        return discover.ServerBinary(Path("/x"), "build-cache", "1", "", "", patches=patches)
+
+    current = [p.decode() for p in discover.PATCH_LEVELS if p != b"slot-api-v1"]
+    assert binary(*current).missing_patches == ()
+    older = [p for p in current if p != "cancel-check-v1"]
+    assert binary(*older).missing_patches == ("cancel-check-v1",)
+    # An unpatched binary is told about differently (no disk tier for SWA models at all).
+    assert binary().missing_patches == ()
