@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 
+from core.server import discover
 from tests.conftest import test_cache
 from tests.helpers import wait_until
 
@@ -47,7 +48,10 @@ LEN_A = 2000  # the saved prompt
 # llama-server's default -ub: the end-of-prompt checkpoints sit at n-4-N_UBATCH and n-4
 N_UBATCH = 512
 LAST_CKPT_BEFORE_1500 = LEN_A - 4 - N_UBATCH - 1  # 1,483: pos_max of the n-4-ubatch checkpoint
-PATCH_LEVEL = {"slot-api-v2", "slot-checkpoints-v1", "swa-full-state-v1"}
+# Every level of the current patch set (patches/), as discovery knows them.
+PATCH_LEVEL = {
+    p.decode() for p in discover.PATCH_LEVELS if p.decode() not in discover.SUPERSEDED_LEVELS
+}
 _VOCAB = (
     "the a system worker node cache window token prompt model server slot memory layer river "
     "mountain quiet bright engine signal record table paper letter city market garden winter "
