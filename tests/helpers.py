@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -103,6 +106,33 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def bare_llama_server(binary: Path, model: Path, workdir: Path, *args: str) -> Iterator[str]:
+    """A llama-server of its own (no Warmslot in front) on a free loopback port, with `args`;
+    yields its base URL once healthy, and stops it. Its output goes to workdir/server.log."""
+    port = free_port()
+    log = workdir / "server.log"
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text()
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    try:
+        wait_until(healthy, 120, interval=0.1, message=lambda: log.read_text()[-2000:])
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def make_fake_binary(directory: Path, *fake_args: str) -> Path:

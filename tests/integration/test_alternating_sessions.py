@@ -31,24 +31,12 @@ from core.engine import Core
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
+from tests.helpers import WORDS as SHARED_WORDS
 from tests.helpers import cache_idle, wait_until
 
 pytestmark = pytest.mark.integration
 
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "kernel",
-    "buffer",
-    "socket",
-    "thread",
-    "module",
-    "parser",
-    "vector",
-    "matrix",
-]
+WORDS = SHARED_WORDS[:12]
 
 
 def _text(seed: int, n_words: int) -> str:

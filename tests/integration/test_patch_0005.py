@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ import aiohttp
 import pytest
 
 from core.server import discover
-from tests.helpers import free_port, metric_values, wait_until
+from tests.helpers import bare_llama_server, metric_values, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -39,30 +38,11 @@ def server(
 ) -> Iterator[str]:
     if LEVEL not in discover.patch_levels(server_binary):
         pytest.skip(f"{server_binary} was built without patch 0005")
-    work = tmp_path_factory.mktemp("p0005")
-    port = free_port()
-    log = work / "server.log"
-    args = [str(server_binary), "-m", str(gemma_model), "--host", "127.0.0.1"]
-    args += ["--port", str(port), "-c", "16384", "-np", "2", "-t", "2"]
-    args += ["--cache-ram", "0", "--metrics"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, log.read_text()
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    try:
-        wait_until(healthy, 120, interval=0.1, message=lambda: log.read_text()[-2000:])
+    args = ["-c", "16384", "-np", "2", "-t", "2", "--cache-ram", "0", "--metrics"]
+    with bare_llama_server(
+        server_binary, gemma_model, tmp_path_factory.mktemp("p0005"), *args
+    ) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def _get(url: str) -> bytes:

@@ -32,23 +32,12 @@ from core.server.client import parse_metrics
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
+from tests.helpers import WORDS as SHARED_WORDS
 from tests.helpers import cache_manager, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "kernel",
-    "buffer",
-    "socket",
-    "thread",
-    "module",
-    "parser",
-    "vector",
-]
+WORDS = SHARED_WORDS[:11]
 # No client-profile marker anywhere: the stable prefix is found at the system message's end.
 SYSTEM = "You are a careful coding assistant. Project notes follow.\n" + " ".join(
     WORDS[(i * 7 + i // 5) % len(WORDS)] for i in range(1500)

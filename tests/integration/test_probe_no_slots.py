@@ -12,8 +12,6 @@ whose restores alternate with a corrupted copy gives none.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from core.cache.probe import (
 )
 from core.errors import UpstreamError
 from core.server.client import LlamaClient, Timings
-from tests.helpers import WORDS, free_port, wait_until
+from tests.helpers import WORDS, bare_llama_server
 from tests.integration.test_restore_mutations import parse_layout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -44,29 +42,10 @@ def no_slots_server(
     work = tmp_path_factory.mktemp("noslots")
     slots = work / "slots"
     slots.mkdir()
-    port = free_port()
-    log = work / "server.log"
-    args = [str(server_binary), "-m", str(tiny_model), "--host", "127.0.0.1"]
-    args += ["--port", str(port), "-c", "4096", "-np", "2", "-t", "2", "--no-slots"]
+    args = ["-c", "4096", "-np", "2", "-t", "2", "--no-slots"]
     args += ["--slot-save-path", str(slots), "--cache-ram", "0"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, log.read_text()
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    try:
-        wait_until(healthy, 120, interval=0.1, message=lambda: log.read_text()[-2000:])
+    with bare_llama_server(server_binary, tiny_model, work, *args) as base:
         yield base, slots
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def _corrupt(good: Path, bad: Path) -> None:
