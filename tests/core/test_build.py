@@ -752,6 +752,24 @@ async def test_cache_hit_returns_at_once_without_subprocesses(
 
 
 @needs_toolchain
+async def test_two_builds_of_the_same_inputs_compile_once(fake_src: Path, paths: Paths) -> None:
+    """Two builds of one build id at the same time (a tray and a test session, two test
+    runs): one compiles, the other waits for its lock and takes its result."""
+    records: list[dict[str, Any]] = []
+    events: list[BuildProgress] = []
+    first, second = await asyncio.gather(
+        b.build(_request(fake_src), paths, record=records.append),
+        b.build(_request(fake_src), paths, events.append, record=records.append),
+    )
+    assert first.build_id == second.build_id and first.binary == second.binary
+    assert sorted(r["outcome"] for r in records) == ["built", "cached"]
+    waited = [e.step for e in events if "waiting for another build" in e.step]
+    built_second = next(r for r in records if r["outcome"] == "built") is records[-1]
+    assert waited or built_second  # the second either waited or won the lock
+    assert _cache_entries(paths).count(first.build_id) == 1
+
+
+@needs_toolchain
 async def test_changing_the_source_changes_the_build(fake_src: Path, paths: Paths) -> None:
     first = await b.build(_request(fake_src), paths)
     (fake_src / "src" / "llama.c").write_text("int fake_llama_answer(void) { return 5; }\n")
