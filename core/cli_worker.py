@@ -92,14 +92,7 @@ class WorkerRunner:
         delay = 0.5
         while not self._stop.is_set():
             started = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=process.die_with_parent if sys.platform.startswith("linux") else None,
-                **process.new_group_kwargs(),
-            )
+            proc = await process.spawn(self.argv)
             self.pid = proc.pid
             self._say(f"started {' '.join(self.argv)} (pid {proc.pid})")
             pump = asyncio.create_task(self._pump(proc))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import os
 import re
 import shutil
 import threading
@@ -253,7 +252,8 @@ async def terminate_group(proc: asyncio.subprocess.Process) -> None:
 # Build steps running now (their group/session leaders). A Python that exits without
 # cancelling its build (an exception in the owner, sys.exit) must not leave cmake and
 # ninja compiling: the atexit hook kills what is left. A SIGKILLed Python runs no hook;
-# then `die_with_parent` stops the step's leader and the next build sweeps the folder.
+# then the step's watch (`process.spawn`) stops its group and the next build sweeps
+# the folder.
 _LIVE_STEPS: set[int] = set()
 
 
@@ -276,17 +276,7 @@ async def run_step(
     """Run one command in its own process group, streaming its output to the log."""
     blog.note("$ " + " ".join(cmd))
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            cwd=cwd,
-            env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            limit=1 << 20,
-            preexec_fn=process.die_with_parent if os.name == "posix" else None,
-            **process.new_group_kwargs(),
-        )
+        proc = await process.spawn(cmd, cwd=cwd, env=env, limit=1 << 20)
     except FileNotFoundError as e:
         raise BuildError(
             f"{cmd[0]} is not installed", hint="Install CMake (3.14 or newer) and a C/C++ compiler."
@@ -329,6 +319,9 @@ async def run_step(
         await asyncio.shield(terminate_group(proc))
         raise
     finally:
+        # Whatever is left of its group goes too (none of it may outlive the step), and
+        # its watch leaves.
+        process.kill_leftovers(proc.pid)
         _LIVE_STEPS.discard(proc.pid)
         for t in (reader, waiter, stopper):
             if t is not None and not t.done():

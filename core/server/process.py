@@ -19,6 +19,18 @@ and nothing outlives Warmslot. One implementation, a branch per OS:
   found through its living leader: helpers orphaned by a leader that already exited
   are out of reach there (a Job Object would hold them; not done).
 
+Nothing outlives Warmslot, even a ``kill -9`` of it (POSIX): `spawn` starts, beside
+each child, a small ``/bin/sh`` watch in a session of its own that holds the read end
+of a pipe whose write end only Warmslot holds. When Warmslot's process ends, however
+it ends, the kernel closes that end; the watch reads end-of-file and stops the
+child's group (``SIGTERM``, then ``SIGKILL`` after `WATCH_GRACE_S`). Once the child
+has exited and its group is dealt with (`kill_leftovers`, which `stop_group` ends
+with), the watch is told so and leaves quietly. No Python runs in a forked child
+(no ``preexec_fn``): the process forks from a threaded one, and CPython documents
+that code run between fork and exec there can deadlock (a lock another thread held
+at the fork stays locked in the child for ever); ``PR_SET_PDEATHSIG`` set through
+ctypes in a ``preexec_fn``, which this replaces, was such code.
+
 Every function is safe to call on a process that is already gone.
 """
 
@@ -26,23 +38,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
-import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypedDict
 
 import psutil
 
 __all__ = [
+    "WATCH_GRACE_S",
     "ask_to_stop",
-    "die_with_parent",
     "kill_group",
     "kill_leftovers",
     "new_group_kwargs",
+    "spawn",
     "stop_group",
     "wait_exit",
 ]
+
+log = logging.getLogger("warmslot.server")
 
 # The branch taken; a module attribute so the tests can take the Windows branch here.
 _WINDOWS = os.name == "nt"
@@ -62,23 +81,125 @@ class GroupKwargs(TypedDict, total=False):
 
 def new_group_kwargs() -> GroupKwargs:
     """Keyword arguments for `subprocess.Popen` or `asyncio.create_subprocess_exec` that
-    start the child as the leader of its own group (see the module docstring)."""
+    start the child as the leader of its own group (see the module docstring); `spawn`
+    uses them and adds the watch."""
     if _WINDOWS:
         return {"creationflags": _CREATE_NEW_PROCESS_GROUP}
     return {"start_new_session": True}
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
-    """`preexec_fn` for a child that must not outlive the thread that started it: the
-    kernel sends it SIGTERM when that thread dies, even by SIGKILL (Linux only; a no-op
-    elsewhere). Only the direct child is covered — its own children are reached through
-    its group or session (`kill_group`)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+# The watch (POSIX shell, `spawn`). It reads the child's group id, then waits for a
+# second line: "done" once the child's group is dealt with, end-of-file when
+# Warmslot's process is gone. `kill -s SIG -- -PGID` is the spelling dash, bash and
+# BSD sh all take.
+_WATCH_SCRIPT = """\
+read -r pg || exit 0
+read -r word
+[ "$word" = done ] && exit 0
+kill -s TERM -- "-$pg" 2>/dev/null || exit 0
+n=0
+while [ "$n" -lt "$1" ] && kill -s 0 -- "-$pg" 2>/dev/null; do sleep 1; n=$((n + 1)); done
+kill -s KILL -- "-$pg" 2>/dev/null
+exit 0
+"""
+# Seconds the watch gives a child's group between SIGTERM and SIGKILL once Warmslot
+# is gone (llama-server exits at once on SIGTERM; ninja stops its compilers first).
+WATCH_GRACE_S = 5
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+@dataclass
+class _Watch:
+    proc: subprocess.Popen[bytes]
+    fd: int  # the pipe's write end: only this process holds it
+
+
+# Watches by the pid of the child they watch, and watches told to leave that may not
+# have exited yet (collected on the next `spawn` or release). Any thread may release.
+_WATCHES: dict[int, _Watch] = {}
+_LEAVING: list[subprocess.Popen[bytes]] = []
+_WATCH_LOCK = threading.Lock()
+
+
+async def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    limit: int = 1 << 16,
+) -> asyncio.subprocess.Process:
+    """Start `argv` as the leader of its own group (`new_group_kwargs`), watched so that
+    it does not outlive Warmslot (see the module docstring); its stdout and stderr
+    come merged on ``proc.stdout`` (a reader with a line `limit`), stdin is empty.
+
+    End every child so started with `stop_group`, or with `kill_leftovers` once it has
+    exited: that kills what is left of its group and tells the watch to leave.
+    """
+    watch = _start_watch()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            limit=limit,
+            **new_group_kwargs(),
+        )
+    except BaseException:
+        if watch is not None:  # end-of-file before a group id: it leaves at once
+            _leave(watch, b"")
+        raise
+    if watch is not None:
+        with contextlib.suppress(OSError):  # the watch died: the child runs unwatched
+            os.write(watch.fd, b"%d\n" % proc.pid)
+        with _WATCH_LOCK:
+            _WATCHES[proc.pid] = watch
+    return proc
+
+
+def _start_watch() -> _Watch | None:
+    """The watch for the next child (POSIX), or None: none on Windows, or no /bin/sh.
+    A plain fork and exec of the shell: no event loop is needed to keep or collect it."""
+    if _WINDOWS:
+        return None
+    read_end, write_end = os.pipe()  # neither is inherited by any other child
+    try:
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", _WATCH_SCRIPT, "warmslot-watch", str(WATCH_GRACE_S)],
+            stdin=read_end,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            # Out of Warmslot's group and session: a terminal's Ctrl-C or hang-up, which
+            # Warmslot answers with its own orderly stop, must not end the watch first.
+            start_new_session=True,
+        )
+    except OSError as e:
+        os.close(write_end)
+        log.warning("no /bin/sh to watch a child with (%s): it may outlive a killed Warmslot", e)
+        return None
+    finally:
+        os.close(read_end)
+    return _Watch(proc, write_end)
+
+
+def _release(pid: int) -> None:
+    """Tell the watch of the child `pid`, if it has one, that its group is dealt with."""
+    with _WATCH_LOCK:
+        watch = _WATCHES.pop(pid, None)
+    if watch is not None:
+        _leave(watch, b"done\n")
+
+
+def _leave(watch: _Watch, word: bytes) -> None:
+    with contextlib.suppress(OSError):  # a watch that died reads nothing
+        if word:
+            os.write(watch.fd, word)
+    os.close(watch.fd)
+    with _WATCH_LOCK:
+        _LEAVING.append(watch.proc)
+        # Collect the ones that have left (a watch exits at once on "done").
+        _LEAVING[:] = [p for p in _LEAVING if p.poll() is None]
 
 
 def ask_to_stop(pid: int) -> bool:
@@ -127,10 +248,11 @@ def kill_leftovers(pid: int) -> None:
 
     POSIX only: the group id outlives its leader while any member lives. On Windows
     the pid alone no longer leads anywhere (and may already name another program), so
-    this does nothing there.
+    this does nothing there. Either way the child's watch (`spawn`) is told to leave.
     """
     if not _WINDOWS:
         kill_group(pid)
+    _release(pid)
 
 
 def _kill_tree(pid: int) -> None:

@@ -2,8 +2,8 @@
 
 States: ``stopped → starting → ready → stopping → stopped``, and ``failed`` when
 it cannot be (re)started. ``ready`` means ``GET /health`` answered 200. The
-process runs in its own process group (so stop kills helpers too) and, on Linux,
-with a parent-death signal so it never outlives Warmslot. A crash restarts it
+process runs in its own process group (so stop kills helpers too), watched so that
+it never outlives Warmslot, even a killed one (`core.server.process.spawn`). A crash restarts it
 with capped exponential backoff. A crash during warm-up on a build that repacks
 weights for AMX is retried once with ``--no-repack`` and remembered for that
 binary (docs/llama-server-facts.md#amx-repack-crash).
@@ -27,7 +27,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import time
 import uuid
 from collections import deque
@@ -447,15 +446,7 @@ class Supervisor:
         )
         log.info("launching llama-server: %s %s", cors_note, " ".join(argv))
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-                preexec_fn=process.die_with_parent if sys.platform.startswith("linux") else None,
-                **process.new_group_kwargs(),
-            )
+            proc = await process.spawn(argv, env=env)
         except BaseException:
             _remove(key_file)
             raise

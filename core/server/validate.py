@@ -210,11 +210,10 @@ def _http(url: str, body: Mapping[str, object] | None, timeout: float) -> tuple[
         return int(e.code), e.read()
 
 
-def _no_core_dumps() -> None:  # pragma: no cover - runs in the child
-    """A binary that dies by SIGILL here is expected; leave no core file behind."""
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# A binary that dies by SIGILL here is expected: no core file is left behind. The shell
+# sets the limit and execs the binary (same pid): no Python may run in a child forked
+# from a threaded process (core.server.process).
+_NO_CORE_DUMPS = ["/bin/sh", "-c", 'ulimit -c 0 && exec "$@"', "warmslot-smoke"]
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -250,13 +249,12 @@ def smoke_start(
     tail: deque[str] = deque(maxlen=20)
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(
-            argv,
+            _NO_CORE_DUMPS + argv if os.name == "posix" else argv,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # the whole group goes with it, helpers included
-            preexec_fn=_no_core_dumps if os.name == "posix" else None,
         )
         ok, timed_out = False, False
         try:

@@ -203,3 +203,54 @@ def test_an_owner_that_exits_mid_build_leaves_no_compiler_running(tmp_path: Path
         for p in _alive(tree):
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+@posix_only
+@needs_cmake
+def test_a_killed_warmslot_build_leaves_no_compiler_running(tmp_path: Path) -> None:
+    """kill -9 of `warmslot build` runs no handler and no atexit hook: each step's watch
+    (core.server.process.spawn) sends its group SIGTERM, and ninja stops the command it
+    runs in a group of its own. Before, the parent-death signal reached cmake alone and
+    the 300 s step ran on under PID 1."""
+    src = tmp_path / "llama-src"
+    shutil.copytree(FAKE_SRC, src)
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "core.cli",
+            "build",
+            "--source",
+            str(src),
+            "--no-patches",
+            "--backend",
+            "cpu",
+            "--no-native",
+            "--cmake-arg=-DFAKE_SLOW=ON",
+            "--dev-dir",
+            str(tmp_path / "home"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    tree: list[psutil.Process] = []
+    try:
+
+        def slow_step_runs() -> list[psutil.Process]:
+            kids = psutil.Process(cli.pid).children(recursive=True)
+            return kids if any(_is_slow_step(p) for p in kids) else []
+
+        tree = wait_until(slow_step_runs, 120, interval=0.05, message="no slow step")
+        cli.kill()
+        assert cli.wait(30) == -signal.SIGKILL
+        wait_until(
+            lambda: not _alive(tree),
+            60,
+            message=lambda: f"still running: {[p.cmdline() for p in _alive(tree)]}",
+        )
+    finally:
+        cli.kill()
+        for p in _alive(tree):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
