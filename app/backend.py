@@ -34,7 +34,7 @@ from core.status import Status
 from core.telemetry import QUERIES, Telemetry
 
 # The Core methods the GUI calls by name (docs/gui.md, "Core API the GUI uses").
-CACHE_COMMANDS = ("pin", "evict", "rewarm")
+CACHE_COMMANDS = ("pin", "evict", "rewarm", "explain")
 BUILD_COMMANDS = ("build_server", "cancel_build")
 SERVER_COMMANDS = ("start_server", "stop_server", "restart_server")
 COMMANDS = frozenset((*CACHE_COMMANDS, *BUILD_COMMANDS, *SERVER_COMMANDS))

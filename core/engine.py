@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -44,6 +43,7 @@ from core.models.pool import ModelPool
 from core.paths import Paths
 from core.pressure import PressureMonitor, Sampler
 from core.proxy import CacheService, Proxy
+from core.proxy_headers import PrefillRates
 from core.server import discover
 from core.server.fit import FitPlan
 from core.server.fit_report import format_plan
@@ -52,7 +52,7 @@ from core.server.provision import PATCHED_PURPOSE, Provisioner
 from core.server.rpc import WorkerSet, watch_in_use
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
-from core.status import EvictResult, PinResult, RewarmResult, Status
+from core.status import EvictResult, Explanation, PinResult, RewarmResult, Status
 from core.sweeps import Outcome, Sweeps
 from core.telemetry import QUERIES, Telemetry
 
@@ -98,6 +98,8 @@ class Core:
         self.sweeps: Sweeps | None = None
         self.pressure: PressureMonitor | None = None
         self.background: Background | None = None
+        # Each model's measured cold prefill rate: fed by the proxy, read by the cache.
+        self.prefill_rates = PrefillRates()
         self.fit_plan: FitPlan | None = None  # the primary's memory plan, launched with
         # llama.cpp RPC workers ([[workers]], docs/scale.md): checked before each launch.
         self.workers = WorkerSet(
@@ -253,11 +255,10 @@ class Core:
             status=self._status_async,
             extra_metrics=self._extra_metrics,
             allowed_origins=lambda: self.settings.proxy.allowed_origins,
+            prefill_rates=self.prefill_rates,
         )
         self.proxy.on_demand = self._start_for_request
-        self.proxy.explain = functools.partial(
-            explain.lookup, self.cache_managers, lambda: self.telemetry
-        )
+        self.proxy.explain = self._explain
         self.proxy.strip_billing_header = lambda: self.settings.proxy.strip_billing_header
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
@@ -491,6 +492,17 @@ class Core:
     def rewarm(self, fingerprint: str) -> concurrent.futures.Future[RewarmResult]:
         """Bring a prefix back into its slot (re-warm, or restore into a free slot)."""
         return self.submit(self._cache().rewarm(fingerprint))
+
+    def explain(
+        self, request_id: str | None = None
+    ) -> concurrent.futures.Future[Explanation | None]:
+        """Why a request reused what it did (the latest request when None): computed now
+        by its cache manager while it keeps the request, else read from the history; None
+        when neither has it (`core.cache.explain`)."""
+        return self.submit(self._explain(request_id))
+
+    async def _explain(self, request_id: str | None) -> Explanation | None:
+        return await explain.lookup(self.cache_managers, lambda: self.telemetry, request_id)
 
     def _cache(self) -> CacheService:
         if self.policy is None:

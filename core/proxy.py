@@ -47,7 +47,7 @@ from core.proxy_checks import (
 )
 from core.proxy_errors import auth_response, error_response, invalid_response
 from core.proxy_headers import (
-    PrefillRate,
+    PrefillRates,
     Reuse,
     StreamNumbers,
     cache_headers,
@@ -201,6 +201,7 @@ class Proxy:
         policy: CachePolicy | None = None,
         allowed_origins: Callable[[], Sequence[str]] = lambda: (),
         keys: KeyRing | None = None,
+        prefill_rates: PrefillRates | None = None,
     ) -> None:
         self._upstream = upstream
         # Who may call: named keys, proxy.api_key as "default" (core.keys).
@@ -229,8 +230,9 @@ class Proxy:
         self.strip_billing_header: Callable[[], bool] = lambda: True
         self.counters = ProxyCounters()
         # Per model profile ("" for the primary): the cold prefill rate seen so far, which
-        # prices the cached tokens in X-Warmslot-Est-Saved-Ms.
-        self.prefill_rates: dict[str, PrefillRate] = {}
+        # prices the cached tokens in X-Warmslot-Est-Saved-Ms (and, read by the cache,
+        # explanations and restore decisions).
+        self.prefill_rates = prefill_rates if prefill_rates is not None else PrefillRates()
         # Per request: the session is the upstream's, shared with Warmslot's own calls.
         self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=10)
         self._runner: web.AppRunner | None = None
@@ -872,7 +874,7 @@ class Proxy:
     def _add_cache_headers(self, req: ProxyRequest, reuse: Reuse | None) -> None:
         """The X-Warmslot-* cache headers from the server's reuse numbers (core.proxy_headers);
         a bypassed request keeps its ``X-Warmslot-Cache: bypass``."""
-        rate = self.prefill_rates.get(req.model)
+        rate = self.prefill_rates.ms_per_token(req.model)
         if reuse is not None and req.split is not None:
             reuse = reuse.with_split(req.split.prompt_n, req.split.prompt_ms)
         restored = req.response_headers.get("X-Warmslot-Restored", "0")
@@ -881,7 +883,7 @@ class Proxy:
             slot=req.slot,
             session=req.decision.session,
             restored=int(restored) if restored.isdigit() else 0,
-            ms_per_token=rate.ms_per_token if rate is not None else None,
+            ms_per_token=rate,
         )
         if req.response_headers.get("X-Warmslot-Cache") == "bypass":
             del headers["X-Warmslot-Cache"]
@@ -911,8 +913,7 @@ class Proxy:
         if t is not None:
             c.prompt_tokens += t.prompt_n
             c.cached_tokens += t.cache_n
-            rate = self.prefill_rates.setdefault(req.model, PrefillRate())
-            rate.feed(t.cache_n, t.prompt_n, t.prompt_ms)
+            self.prefill_rates.feed(req.model, t.cache_n, t.prompt_n, t.prompt_ms)
         self._emit(
             RequestCompleted(
                 request_id=req.request_id,

@@ -116,7 +116,11 @@ class StreamNumbers:
 
 class PrefillRate:
     """Milliseconds per token of cold prefills seen so far (one model's): what reading the
-    cached tokens again would have cost. None until one cold prefill was measured."""
+    cached tokens again would have cost. None until one cold prefill was measured.
+
+    The one rule for a prefill rate: the response headers' estimate, the explanations'
+    cost, the cache's restore-or-prefill decisions (all through `PrefillRates`) and the
+    dashboard's history query (`core.telemetry.queries`, same constants) use it."""
 
     def __init__(self) -> None:
         self.tokens = 0
@@ -131,6 +135,23 @@ class PrefillRate:
     @property
     def ms_per_token(self) -> float | None:
         return self.ms / self.tokens if self.tokens else None
+
+
+class PrefillRates:
+    """Each model's `PrefillRate`, by model profile name ("" for the primary server):
+    fed by the proxy with every completed request, read wherever a prefill is priced."""
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, PrefillRate] = {}
+
+    def feed(self, model: str, cached: int, prefilled: int, prompt_ms: float | None) -> None:
+        """Count one finished request of `model` (see `PrefillRate.feed`)."""
+        self._by_model.setdefault(model, PrefillRate()).feed(cached, prefilled, prompt_ms)
+
+    def ms_per_token(self, model: str) -> float | None:
+        """`model`'s measured cold prefill rate; None until one was measured."""
+        rate = self._by_model.get(model)
+        return rate.ms_per_token if rate is not None else None
 
 
 def stream_body(body: MutableMapping[str, object]) -> None:

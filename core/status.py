@@ -574,6 +574,7 @@ class Explanation(ExplainedRequest):
     sections: NotRequired[list[ExplainedSection]]
     ms_per_token: NotRequired[float | None]  # kept in memory, not in the database
     note: NotRequired[str]
+    where: NotRequired[DivergenceWhere]  # the same point in the rendered text
     id: NotRequired[int]  # the keys below: read back from the database
     div_token: NotRequired[int | None]
     div_section: NotRequired[str]

@@ -1,7 +1,9 @@
 """Requests: the last requests with their reuse (cached vs new tokens), prefill time,
 slot, session and kind, and why (core.cache.explain); selecting one expands it: its
 prompt's sections with their token counts and where it left its slot's previous
-prompt (section, token, what changed, what it cost), then all its fields."""
+prompt (section, token, what changed, what it cost), then all its fields. A request
+not explained yet is explained when selected (the core renders it on the server then,
+never on the request's path)."""
 
 from __future__ import annotations
 
@@ -129,6 +131,34 @@ class RequestsTab(Tab):
         rec = self.explained.get(r["request_id"])
         if rec is not None:
             self.show_why(rec)
+        elif self.ctx.backend.supports("explain"):
+            rid = r["request_id"]
+            self.why.addTopLevelItem(QtWidgets.QTreeWidgetItem(["why: explaining…", "", "", ""]))
+            self.ctx.tasks.watch(
+                self.ctx.backend.command("explain", rid),
+                lambda found: self._explained(rid, found),
+                lambda exc: self._explained(rid, None),
+                owner=self,
+            )
+
+    def _explained(self, request_id: str, rec: Explanation | None) -> None:
+        """An explanation asked for on selection arrived (None: none could be made)."""
+        picked = self.table.selectionModel().selectedRows()
+        current = (
+            self.rows[picked[0].row()] if picked and picked[0].row() < len(self.rows) else None
+        )
+        if current is None or current["request_id"] != request_id:
+            return  # another row is selected by now
+        if rec is None:
+            self.why.clear()
+            self.why.addTopLevelItem(
+                QtWidgets.QTreeWidgetItem(
+                    ["why: not explained (the request is no longer kept)", "", "", ""]
+                )
+            )
+            return
+        self.explained[request_id] = rec
+        self.show_why(rec)
 
     def show_why(self, rec: Explanation) -> None:
         """The request's explanation as a tree: why, then its sections (the one where it

@@ -47,7 +47,6 @@ from core.cache.store import StateRecord, file_sha256
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEventKind
 from core.proxy_types import ProxyRequest
-from core.server.client import Timings
 
 if TYPE_CHECKING:
     from core.cache.retention import Retention
@@ -214,7 +213,6 @@ class Conversations:
         self.retention = retention
         self._spawn = spawn  # runs a background job (the manager's, cancelled at close)
         self._saved: dict[int, _Saved] = {}  # slot → its conversation's last save
-        self._prefill: float | None = None  # measured ms per prompt token (moving average)
         self._verify: deque[float] = deque(maxlen=20)  # probe times measured at saves (ms)
         self.last_saves: list[SaveSize] = []  # recent saves' numbers (status, docs)
 
@@ -222,16 +220,6 @@ class Conversations:
     def server_gone(self) -> None:
         """Slots were emptied (the server stopped or restarts)."""
         self._saved.clear()
-
-    def observe(self, t: Timings) -> None:
-        """Learn the server's prefill speed from a response's timings."""
-        if t.prompt_n >= 64 and t.prompt_ms > 0:
-            rate = t.prompt_ms / t.prompt_n
-            self._prefill = rate if self._prefill is None else 0.7 * self._prefill + 0.3 * rate
-
-    @property
-    def prefill_ms_per_token(self) -> float | None:
-        return self._prefill
 
     def _usable(self) -> str:
         """Why conversations cannot be saved or restored now ("" when they can)."""
@@ -259,9 +247,8 @@ class Conversations:
         return max(0, st.tokens_hint - max(done, info.n_tokens))
 
     # ------------------------------------------------------------ save
-    def after_response(self, slot: int, t: Timings) -> bool:
+    def after_response(self, slot: int) -> bool:
         """Note a finished request in `slot`; True when a debounced save was started."""
-        self.observe(t)
         every = self.mgr.settings.cache.conversation_save_tokens
         if every <= 0 or self._usable() or self.unsaved(slot) < every:
             return False
@@ -402,7 +389,7 @@ class Conversations:
                 "restore_ms": round(restore_ms, 2),
                 "verify_ms": round(verify_est, 2),
                 "verify_ms_measured": round(verify_ms, 2),
-                "prefill_ms_per_token": self._prefill,
+                "prefill_ms_per_token": m.prefill_rate(),
             },
             kind=KIND,
             session=session,
@@ -590,7 +577,7 @@ class Conversations:
         # (core.cache.prefix_save), so any state that extends it then counts.
         has_prefix = st.prefix_fp == info.fingerprint or m.store.for_fingerprint(info.fingerprint)
         base_n = info.n_tokens if has_prefix else 0
-        choice, skipped = choose(cands, prompt, session, base_n, self._prefill, quickest)
+        choice, skipped = choose(cands, prompt, session, base_n, self.mgr.prefill_rate(), quickest)
         if choice is None:
             if skipped:
                 m.emit(

@@ -32,6 +32,7 @@ from core.clock import Clock
 from core.config import Settings
 from core.events import Event
 from core.pressure import PressureMonitor
+from core.proxy_headers import PrefillRates
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
 from core.sweeps import Sweeps
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
     from core.telemetry import Telemetry
 
 Subscriber = Callable[[Event], None]
+
+
+def _unmeasured() -> float | None:
+    return None
 
 
 @dataclass
@@ -86,6 +91,9 @@ class CacheDeps:
     pressure: PressureMonitor  # the machine's one pressure monitor
     sweeps: Sweeps | None = None  # the engine's scheduler (for status)
     model: str = ""  # the model profile's name; "" for the primary server
+    # This model's measured cold prefill rate in ms per token (the proxy's
+    # `PrefillRates`, the one estimator); None until measured.
+    prefill_rate: Callable[[], float | None] = _unmeasured
 
 
 class EngineParts(Protocol):
@@ -107,6 +115,8 @@ class EngineParts(Protocol):
     def pressure(self) -> PressureMonitor | None: ...
     @property
     def sweeps(self) -> Sweeps | None: ...
+    @property
+    def prefill_rates(self) -> PrefillRates: ...
     def emit(self, event: Event) -> None: ...
     def subscribe(
         self, callback: Subscriber, types: tuple[type[Event], ...] | None = None
@@ -147,6 +157,7 @@ def deps_from(
         pressure=pressure,
         sweeps=core.sweeps,
         model=model,
+        prefill_rate=lambda: core.prefill_rates.ms_per_token(model),
     )
 
 
@@ -196,6 +207,10 @@ class CacheHost(Protocol):
 
     def publish(self, event: Event) -> None:
         """Emit any event as it is."""
+        ...
+
+    def prefill_rate(self) -> float | None:
+        """This model's measured cold prefill rate (ms per token); None until measured."""
         ...
 
     def remember(self, info: PrefixInfo) -> None: ...

@@ -1,15 +1,17 @@
 """Why a request reused what it did: its prompt in sections, and where it left the slot's.
 
-For each managed request, after its response is complete (never on its path): the
-prompt as the server renders it (`/apply-template`), tokenized with each token's bytes,
-is split into sections — the system text, each tool definition, each message — with
-their token counts; compared with the previous prompt the same slot processed, the
-first token that differs is named by section and index, and the cached tokens that
-were thrown away from there on are priced at the measured cold prefill rate
-(docs/cache.md#why-a-request-missed).
+When asked — `warmslot explain`, a selected row in the dashboard's Requests tab, or the
+cache manager for a request that reused less than it expected, once its server is quiet
+— never on a request's path: the prompt as the server renders it (`/apply-template`),
+tokenized with each token's bytes, is split into sections — the system text, each tool
+definition, each message — with their token counts; compared with the previous prompt
+the same slot processed, the first token that differs is named by section and index,
+and the cached tokens that were thrown away from there on are priced at the measured
+cold prefill rate (docs/cache.md#why-a-request-missed).
 
-The last `KEEP` explanations stay in memory (`Explainer.recent`); each one's summary is
-published as a `RequestExplained` event, which telemetry stores.
+The last `KEEP` requests can be explained (`Explainer.kept`: their chat views, already in
+memory); the last `KEEP` explanations stay in memory (`Explainer.recent`), and each one's
+summary is published as a `RequestExplained` event, which telemetry stores.
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ import bisect
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from core.cache import prefix as pfx
 from core.events import Event, RequestExplained
-from core.proxy_headers import PrefillRate
 from core.status import (
     ExplainedRequest,
     ExplainedSection,
@@ -36,8 +37,10 @@ from core.telemetry_rows import ExplanationRow
 
 log = logging.getLogger("warmslot.cache.explain")
 
-KEEP = 200  # explanations kept in memory
-MAX_WAITING = 8  # explanations queued behind the running one; more are skipped
+KEEP = 200  # requests that can be explained, and explanations, kept in memory
+# Most bytes of request bodies kept for explaining (their chat views, already in memory
+# for the request): a long agent conversation's body is 1-2 MB.
+KEEP_BYTES = 64 * 1024 * 1024
 MAX_SECTIONS = 400  # sections stored per explanation (a long conversation's last ones)
 CONTEXT_TOKENS = 8  # tokens of text shown on each side of a divergence
 # A server that reused this many tokens less than the prompts share says its slot did
@@ -192,11 +195,35 @@ class TokenMap:
 
 @dataclass
 class SlotPrompt:
-    """The last prompt a slot processed, as the explainer saw it."""
+    """A prompt as the server renders and tokenizes it, in sections."""
 
     ids: list[int]
     pieces: list[bytes]
     sections: list[ExplainedSection]
+    rendered: str = ""
+
+
+@dataclass
+class Kept:
+    """A completed request that can still be explained: its chat body for
+    `/apply-template` and the request before it in the same slot, which it is compared
+    with. Nothing is rendered until an explanation is asked for."""
+
+    request: ExplainedRequest
+    render: Mapping[str, object] | None  # None: too large to render (core.cache.learner)
+    nbytes: int
+    cache_n: int
+    prompt_n: int
+    ms_per_token: float | None
+    previous: Kept | None
+    at: float = 0.0  # when it completed (time.time())
+    prompt: SlotPrompt | None = None  # once rendered and tokenized
+
+    def drop(self) -> None:
+        """Let go of the body and what it leads to (the request is no longer kept)."""
+        self.render = None
+        self.previous = None
+        self.prompt = None
 
 
 def section_at(sections: list[ExplainedSection], token: int) -> ExplainedSection | None:
@@ -229,104 +256,142 @@ def summary(rec: Explanation) -> str:
 
 
 class Explainer:
-    """Explains each completed request of one cache manager, one at a time, off the
-    request path; keeps the last `KEEP` and each slot's previous prompt."""
+    """Why the requests of one cache manager reused what they did, computed when asked.
+
+    `record` notes each completed request (no server call, no copy of its body: the
+    chat view it already has); `explain` renders and tokenizes a kept request and the
+    one before it in its slot when an explanation is asked for (`warmslot explain`, a
+    selected row in the Requests tab) or for a request that reused less than expected
+    (the cache manager asks when its server is quiet). The last `KEEP` requests (at
+    most `KEEP_BYTES` of bodies) can be explained; the last `KEEP` explanations stay."""
 
     def __init__(self, publish: Callable[[Event], None]) -> None:
         self._publish = publish
         self.recent: deque[Explanation] = deque(maxlen=KEEP)
-        self.rate = PrefillRate()
-        self.previous: dict[int, SlotPrompt] = {}  # by slot
+        self.kept: OrderedDict[str, Kept] = OrderedDict()  # by request id, oldest first
+        self.kept_bytes = 0
+        self.last: dict[int, Kept] = {}  # by slot: the request it processed last
         self._lock = asyncio.Lock()
-        self._waiting = 0
-        self.skipped = 0
 
     def forget(self) -> None:
         """The server restarted: no slot holds what it held."""
-        self.previous.clear()
+        self.last.clear()
 
     def slot_changed(self, slot: int) -> None:
         """Something other than a request filled `slot` (a restore, a prewarm)."""
-        self.previous.pop(slot, None)
+        self.last.pop(slot, None)
 
-    async def explain(
+    def record(
         self,
-        client: Tokenizer,
         request: ExplainedRequest,
         render: Mapping[str, object] | None,
+        nbytes: int,
         cache_n: int,
         prompt_n: int,
-        prompt_ms: float | None,
-    ) -> Explanation | None:
-        """Explain one completed request (`request`: request_id, client, session, slot,
-        kind, endpoint). `render` is its chat body for `/apply-template` (None: it cannot
-        be rendered, and the slot's previous prompt is forgotten). Never raises."""
-        self.rate.feed(cache_n, prompt_n, prompt_ms)
+        ms_per_token: float | None,
+    ) -> None:
+        """Note a completed request (`render`: its chat body, None when it cannot be
+        rendered). Costs no server call and copies nothing."""
         slot = request["slot"]
-        if render is None or self._waiting >= MAX_WAITING:
-            self.skipped += render is not None
-            if isinstance(slot, int):
-                self.previous.pop(slot, None)
-            return None
-        self._waiting += 1
-        try:
-            async with self._lock:
-                return await self._explain(client, request, render, cache_n, prompt_n)
-        except Exception as e:  # explaining never breaks anything; the slot is forgotten
-            log.warning("could not explain request %s: %r", request["request_id"], e)
-            if isinstance(slot, int):
-                self.previous.pop(slot, None)
-            return None
-        finally:
-            self._waiting -= 1
+        previous = self.last.get(slot) if isinstance(slot, int) else None
+        kept = Kept(
+            request,
+            render,
+            nbytes if render is not None else 0,
+            cache_n,
+            prompt_n,
+            ms_per_token,
+            previous,
+        )
+        rid = request["request_id"]
+        if rid in self.kept:
+            self._evict(rid)
+        self.kept[rid] = kept
+        self.kept_bytes += kept.nbytes
+        if isinstance(slot, int):
+            self.last[slot] = kept
+        while self.kept and (len(self.kept) > KEEP or self.kept_bytes > KEEP_BYTES):
+            self._evict(next(iter(self.kept)))
 
-    async def _explain(
-        self,
-        client: Tokenizer,
-        request: ExplainedRequest,
-        render: Mapping[str, object],
-        cache_n: int,
-        prompt_n: int,
-    ) -> Explanation:
+    @property
+    def latest_ts(self) -> float:
+        """When the latest kept request completed, or the latest explanation was made."""
+        kept = self.kept[next(reversed(self.kept))].at if self.kept else 0.0
+        return max(kept, float(self.recent[0]["ts"]) if self.recent else 0.0)
+
+    def _evict(self, rid: str) -> None:
+        kept = self.kept.pop(rid)
+        self.kept_bytes -= kept.nbytes
+        kept.drop()
+
+    async def explain(self, client: Tokenizer, request_id: str | None) -> Explanation | None:
+        """The explanation of a kept request (the latest when None), computed now if it
+        was not before; None when the request is not known (or no longer kept).
+        Failures are logged and answer None."""
+        if request_id is None:
+            latest = next(reversed(self.kept), None)
+            if latest is None:
+                return self.find(None)
+            request_id = latest
+        async with self._lock:  # one at a time: each renders and tokenizes on the server
+            done = self.find(request_id)
+            kept = self.kept.get(request_id)
+            if done is not None or kept is None or kept.render is None:
+                return done
+            try:
+                return await self._explain(client, kept)
+            except Exception as e:  # explaining never breaks anything
+                log.warning("could not explain request %s: %r", request_id, e)
+                return None
+
+    async def _prompt(self, client: Tokenizer, kept: Kept) -> SlotPrompt | None:
+        if kept.prompt is None and kept.render is not None:
+            rendered = await client.apply_template(kept.render)
+            toks = await client.tokenize_pieces(rendered, add_special=True)
+            ids = [t for t, _ in toks]
+            pieces = [p for _, p in toks]
+            parts = spans(kept.render, rendered)
+            starts = TokenMap(rendered, pieces).tokens_at(s.start for s in parts)
+            sections: list[ExplainedSection] = []
+            for k, (span, first) in enumerate(zip(parts, starts, strict=True)):
+                last = starts[k + 1] if k + 1 < len(starts) else len(ids)
+                if span.start == 0:
+                    first = 0  # the tokens before the text (BOS) are the first section's
+                sections.append(
+                    {"name": span.name, "start": first, "n_tokens": max(0, last - first)}
+                )
+            kept.prompt = SlotPrompt(ids, pieces, sections, rendered)
+        return kept.prompt
+
+    async def _explain(self, client: Tokenizer, kept: Kept) -> Explanation:
         t0 = time.perf_counter()
-        rendered = await client.apply_template(render)
-        toks = await client.tokenize_pieces(rendered, add_special=True)
-        ids = [t for t, _ in toks]
-        pieces = [p for _, p in toks]
-        parts = spans(render, rendered)
-        starts = TokenMap(rendered, pieces).tokens_at(s.start for s in parts)
-        sections: list[ExplainedSection] = []
-        for k, (span, first) in enumerate(zip(parts, starts, strict=True)):
-            last = starts[k + 1] if k + 1 < len(starts) else len(ids)
-            if span.start == 0:
-                first = 0  # the tokens before the text (BOS) are the first section's
-            sections.append({"name": span.name, "start": first, "n_tokens": max(0, last - first)})
-        slot = request["slot"]
-        before = self.previous.get(slot) if slot is not None else None
+        now = await self._prompt(client, kept)
+        assert now is not None
+        before = await self._prompt(client, kept.previous) if kept.previous else None
+        ids, pieces, sections = now.ids, now.pieces, now.sections
+        request = kept.request
+        cache_n = kept.cache_n
         rec: Explanation = {
             "request_id": request["request_id"],
             "client": request["client"],
             "session": request["session"],
-            "slot": slot,
+            "slot": request["slot"],
             "ts": time.time(),
             "n_tokens": len(ids),
             "cache_n": cache_n,
-            "prompt_n": prompt_n,
+            "prompt_n": kept.prompt_n,
             "previous_tokens": len(before.ids) if before else None,
             "divergence": None,
             "lost_tokens": 0,
-            "ms_per_token": self.rate.ms_per_token,
+            "ms_per_token": kept.ms_per_token,
             "cost_s": None,
             "note": "",
             "summary": "",
             "compute_ms": 0.0,
         }
-        if "kind" in request:
-            rec["kind"] = request["kind"]
-        if "endpoint" in request:
-            rec["endpoint"] = request["endpoint"]
-        if "edits" in request:
-            rec["edits"] = request["edits"]
+        for key in ("kind", "endpoint", "edits"):
+            if key in request:
+                rec[key] = request[key]
         if before is None:
             rec["note"] = "no earlier prompt of this slot to compare with"
         else:
@@ -345,6 +410,10 @@ class Explainer:
                     "new": _text(pieces[i : i + CONTEXT_TOKENS]),
                 }
                 rec["lost_tokens"] = len(before.ids) - i
+                where = pfx.divergence(before.rendered, now.rendered)
+                if where is not None:
+                    where["token_index"] = i
+                    rec["where"] = where
             elif i < len(before.ids):
                 rec["note"] = "the prompt is a shorter part of the slot's previous prompt"
             else:
@@ -355,11 +424,9 @@ class Explainer:
                     "slot no longer held the previous prompt (another request, a restore, "
                     "or a sliding-window checkpoint before that point)"
                 )
-        rate = self.rate.ms_per_token
+        rate = kept.ms_per_token
         if rec["lost_tokens"] and rate is not None:
             rec["cost_s"] = round(rec["lost_tokens"] * rate / 1000, 3)
-        if slot is not None:
-            self.previous[slot] = SlotPrompt(ids, pieces, sections)
         if len(sections) > MAX_SECTIONS:
             sections = sections[:1] + sections[-(MAX_SECTIONS - 1) :]
         rec["sections"] = sections
@@ -370,7 +437,7 @@ class Explainer:
         return rec
 
     def find(self, request_id: str | None) -> Explanation | None:
-        """A kept explanation by request id (the latest when None)."""
+        """A computed explanation by request id (the latest when None)."""
         if request_id is None:
             return self.recent[0] if self.recent else None
         return next((r for r in self.recent if r["request_id"] == request_id), None)
@@ -479,8 +546,12 @@ def format_recent(explained: list[Explanation], n: int = 3) -> str:
     return "\n".join(lines)
 
 
-class _HasExplainer(Protocol):
+class _Explains(Protocol):
+    """A cache manager, as `lookup` asks it (`core.cache.manager.CacheManager`)."""
+
     explainer: Explainer
+
+    async def explain(self, request_id: str | None) -> Explanation | None: ...
 
 
 class _Queries(Protocol):
@@ -488,15 +559,26 @@ class _Queries(Protocol):
 
 
 async def lookup(
-    managers: Callable[[], Iterable[_HasExplainer]],
+    managers: Callable[[], Iterable[_Explains]],
     telemetry: Callable[[], _Queries | None],
     request_id: str | None,
 ) -> Explanation | None:
-    """A request's explanation (the latest when `request_id` is None): from the cache
-    managers' memory, else from the telemetry database; None when there is none."""
-    kept = [r for m in managers() if (r := m.explainer.find(request_id)) is not None]
-    if kept:
-        return max(kept, key=lambda r: float(r["ts"]))
+    """A request's explanation (the latest request's when `request_id` is None),
+    computed now by the cache manager that served it when it still keeps the request;
+    else from the telemetry database; None when there is none."""
+    found = list(managers())
+    if request_id is None:
+        latest = max(
+            (m for m in found if m.explainer.kept or m.explainer.recent),
+            key=lambda m: m.explainer.latest_ts,
+            default=None,
+        )
+        found = [latest] if latest is not None else []
+    for m in found:
+        if request_id is None or request_id in m.explainer.kept or m.explainer.find(request_id):
+            rec = await m.explain(request_id)
+            if rec is not None:
+                return rec
     tel = telemetry()
     row = tel.explanation(request_id) if tel is not None else None
     return from_row(row) if row is not None else None

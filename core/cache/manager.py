@@ -73,6 +73,7 @@ from core.status import (
     DivergenceWhere,
     EvictResult,
     ExplainedRequest,
+    Explanation,
     PinResult,
     RewarmResult,
     Shortfall,
@@ -98,6 +99,9 @@ class UnloadSaves(TypedDict):
 # prefix faster than a restore pays: the moved session then re-read its turn).
 DISPLACE_MIN_TOKENS = 4096
 IDENTITY_WAIT_S = 10.0  # longest a request waits for the server identity after a start
+# Longest a request that reused less than expected waits for a quiet server to be
+# explained (its explanation renders and tokenizes two prompts there); then it is not.
+DIAGNOSE_WAIT_S = 300.0
 
 RESTORE_AT_START = 3  # most recently used prefixes restored after a (re)start
 
@@ -198,6 +202,10 @@ class CacheManager:
     def publish(self, event: Event) -> None:
         """Emit any event as it is."""
         self.deps.emit(event)
+
+    def prefill_rate(self) -> float | None:
+        """This model's measured cold prefill rate (ms per token); None until measured."""
+        return self.deps.prefill_rate()
 
     def lock(self, slot: int) -> asyncio.Lock:
         """Held while Warmslot itself uses `slot` (restore + verify, build + save + probe):
@@ -587,7 +595,7 @@ class CacheManager:
         promised, st.promised = st.promised, (0, "")
         if status != 200 or timings is None:
             return
-        self._explain_soon(req, timings)
+        self._keep_for_explaining(req, timings)
         if promised[0]:
             self._check_promise(req, promised, timings)
         previous_body, previous_fp = st.last_body, st.prefix_fp
@@ -618,9 +626,9 @@ class CacheManager:
         short = expected > 0 and timings.cache_n < expected
         if short and previous_body is not None and renderable(req):
             reason = f"reused {timings.cache_n} tokens; expected ≥ {expected} ({what})"
-            self._spawn(self._diagnose(req, previous_body, reason, timings))
+            self._spawn(self._diagnose(req, reason, timings))
         if plan.session:
-            self.conversations.after_response(slot, timings)  # debounced conversation save
+            self.conversations.after_response(slot)  # debounced conversation save
         if info is not None and self.disk.usable and fp not in self._persisting:
             rec = self.store.for_fingerprint(fp)
             if rec is not None:
@@ -628,10 +636,9 @@ class CacheManager:
             elif self.conversations.covering(info) is None:
                 self.persist_soon(info, slot)  # from this slot, which holds it now
 
-    def _explain_soon(self, req: ProxyRequest, timings: Timings) -> None:
-        """Why the request reused what it did (core.cache.explain), after its response."""
-        client = self.client
-        if client is None or req.plan is None:
+    def _keep_for_explaining(self, req: ProxyRequest, timings: Timings) -> None:
+        """Note the request for `explain` (core.cache.explain): no server call now."""
+        if req.plan is None:
             return
         request: ExplainedRequest = {
             "request_id": req.request_id,
@@ -643,25 +650,33 @@ class CacheManager:
             "edits": list(req.edits),  # what the proxy changed in the body (e.g. billing-header)
         }
         render = render_body(chat_of(req)) if renderable(req) else None
-        t = timings
-        self._spawn(
-            self.explainer.explain(client, request, render, t.cache_n, t.prompt_n, t.prompt_ms)
+        self.explainer.record(
+            request,
+            render,
+            req.body_bytes,
+            timings.cache_n,
+            timings.prompt_n,
+            self.prefill_rate(),
         )
 
-    async def _diagnose(
-        self, req: ProxyRequest, previous: dict[str, Any], reason: str, t: Timings
-    ) -> None:
+    async def explain(self, request_id: str | None) -> Explanation | None:
+        """Why a request reused what it did (the latest when None), computed now when it
+        was not yet: two renderings and tokenizations on the server. None when the
+        request is not kept (core.cache.explain)."""
         client = self.client
         if client is None:
+            return self.explainer.find(request_id)
+        return await self.explainer.explain(client, request_id)
+
+    async def _diagnose(self, req: ProxyRequest, reason: str, t: Timings) -> None:
+        """Explain a request that reused less than expected once the server is quiet
+        (its explanation costs two renderings and tokenizations there), and record where
+        it diverged."""
+        if not await self.slots.wait_quiet(DIAGNOSE_WAIT_S):
+            log.info("request %s not diagnosed: the server was never quiet", req.request_id)
             return
-        old = await client.apply_template(render_body(previous))
-        new = await client.apply_template(render_body(chat_of(req)))
-        where = pfx.divergence(old, new)
-        if where is not None:
-            where["token_index"] = len(
-                await client.tokenize(old[: where["char_index"]], add_special=True)
-            )
-        self._record_divergence(req, reason, where, t)
+        rec = await self.explain(req.request_id)
+        self._record_divergence(req, reason, rec.get("where") if rec else None, t)
 
     def _record_divergence(
         self, req: ProxyRequest, reason: str, where: DivergenceWhere | None, t: Timings
@@ -747,12 +762,8 @@ class CacheManager:
     async def wait_idle(self, exclude: int, timeout: float = 30.0) -> None:
         """Wait until no other slot is busy: a probe's log-probs depend on the batch it
         shares with other requests, so reference and check must both run alone."""
-        deadline = time.monotonic() + timeout
-        while any(s.inflight for s in self.slots.slots if s.id != exclude):
-            if time.monotonic() > deadline:
-                log.warning("probing while other requests run: verification may be noisy")
-                return
-            await asyncio.sleep(0.05)
+        if not await self.slots.wait_quiet(timeout, exclude=exclude):
+            log.warning("probing while other requests run: verification may be noisy")
 
     def scratch_slot(self, exclude: int | None = None) -> int | None:
         """An idle slot no session holds (the side-call slot first), other than `exclude`."""

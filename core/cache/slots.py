@@ -21,6 +21,8 @@ another user within their share out of a slot.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -55,6 +57,8 @@ class SlotMap:
     sessions: dict[str, int] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)  # sessions that ever had a slot
     owners: dict[str, str] = field(default_factory=dict)  # session → its user (with keys)
+    # Set (and replaced) whenever a request ends: what `wait_quiet` waits on.
+    _ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def __post_init__(self) -> None:
         self.slots = [SlotState(i) for i in range(self.n_slots)]
@@ -139,6 +143,28 @@ class SlotMap:
         st = self.slots[slot]
         st.inflight = max(0, st.inflight - 1)
         st.last_used = self.clock()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._ended.set()
+        self._ended = asyncio.Event()
+
+    def busy(self, exclude: int | None = None) -> bool:
+        """Whether a request is in flight in any slot but `exclude`."""
+        return any(s.inflight for s in self.slots if s.id != exclude)
+
+    async def wait_quiet(self, timeout: float, *, exclude: int | None = None) -> bool:
+        """Until no request is in flight in any slot but `exclude` (woken by `end`, not
+        polled); False when `timeout` seconds passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.busy(exclude):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), remaining)
+        return True
 
     def reset(self) -> None:
         """Forget slot contents (after a server restart); keep session pins."""
@@ -149,6 +175,7 @@ class SlotMap:
             s.last_body = None
             s.session_of_last = ""
             s.prompt_n_last = 0
+        self._wake()
 
     def release(self, session: str) -> int | None:
         slot = self.sessions.pop(session, None)

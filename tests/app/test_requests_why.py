@@ -94,3 +94,47 @@ def test_a_request_row_says_why_and_expands_to_its_sections(qtbot: Any, offline:
     # Another request without an explanation: nothing stale stays on screen.
     tab.table.selectRow(next(i for i, r in enumerate(tab.rows) if r["request_id"] != "req-why"))
     assert tab.why.topLevelItemCount() == 0
+
+
+def test_a_request_not_yet_explained_is_explained_when_selected(
+    qtbot: Any, known_db: Path
+) -> None:
+    """The core explains on demand (core.cache.explain): selecting a row without an
+    explanation asks for one and shows it when it comes."""
+    from app.backend import TelemetryBackend
+    from app.dashboard import ViewContext
+    from app.tasks import Tasks
+    from tests.fixtures import demo_data as demo
+
+    asked: list[str] = []
+
+    def explain(request_id: str) -> dict[str, Any] | None:
+        asked.append(request_id)
+        return {**EXPLAINED, "request_id": request_id, "summary": "made on demand"}
+
+    backend = TelemetryBackend(
+        known_db, snapshot=demo.status(NOW), clock=lambda: NOW, commands={"explain": explain}
+    )
+    tasks = Tasks()
+    try:
+        tab = RequestsTab(ViewContext(backend=backend, tasks=tasks, clock=lambda: NOW))
+        qtbot.addWidget(tab)
+        tab.refresh()
+        qtbot.waitUntil(lambda: tab.refresh_count > 0 and not tab.busy, timeout=10_000)
+        row = next(i for i, r in enumerate(tab.rows) if r["request_id"] != "req-why")
+        rid = tab.rows[row]["request_id"]
+        tab.table.selectRow(row)
+        qtbot.waitUntil(
+            lambda: tab.why.topLevelItemCount() == 1
+            and tab.why.topLevelItem(0).text(0) == "why: made on demand",
+            timeout=10_000,
+        )
+        assert asked == [rid]
+        # Selected again: the explanation is kept, not asked for twice.
+        tab.table.clearSelection()
+        tab.table.selectRow(row)
+        assert asked == [rid] and tab.why.topLevelItem(0).text(0) == "why: made on demand"
+    finally:
+        backend.close()
+        tasks.shutdown()
+        tasks.deleteLater()

@@ -27,6 +27,7 @@ from core.errors import UpstreamError
 from core.events import CacheEvent, Event
 from core.paths import Paths
 from core.pressure import PressureMonitor
+from core.proxy_headers import PrefillRates
 from core.server.client import SlotInfo
 from core.sweeps import Sweeps
 from core.telemetry import Telemetry
@@ -62,6 +63,7 @@ class FakeCore:
             telemetry=lambda: self.telemetry,
         )
         self.sweeps = Sweeps(self.clock, self.emit)
+        self.prefill_rates = PrefillRates()  # the engine's one prefill-rate estimator
 
     def subscribe(self, callback: Any, types: Any = None) -> Any:
         return lambda: None

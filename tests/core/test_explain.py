@@ -20,7 +20,6 @@ from core.cache.manager import CacheManager, policy_factory
 from core.engine import Core
 from core.events import Event, RequestExplained
 from core.telemetry import Telemetry
-from tests.helpers import wait_until
 
 WARMSLOT = Path(sys.executable).parent / "warmslot"
 
@@ -89,13 +88,16 @@ class _Server:
 
     def __init__(self) -> None:
         self.rendered: dict[str, str] = {}
+        self.calls = 0
 
     async def apply_template(self, body: dict[str, Any]) -> str:
+        self.calls += 1
         return self.rendered[json.dumps(body, sort_keys=True)]
 
     async def tokenize_pieces(
         self, content: str, *, add_special: bool = False
     ) -> list[tuple[int, bytes]]:
+        self.calls += 1
         out = [(1, b"<s>")] if add_special else []
         return out + [(ord(c), c.encode()) for c in content]
 
@@ -120,14 +122,18 @@ async def test_divergence_names_section_and_index_and_prices_it() -> None:
     req = {"request_id": "r1", "client": "cc", "session": "s", "slot": 0, "kind": "agent"}
     for b in (body("2026-11-30", "hi"), body("2026-12-01", "hi")):
         srv.rendered[json.dumps(b, sort_keys=True)] = render(b)
-    ex.rate.feed(0, 1000, 2000.0)  # a cold prefill: 2 ms per token
-    first = await ex.explain(srv, req, body("2026-11-30", "hi"), 0, 40, 80.0)
+    rate = 2.0  # ms per token, as measured on cold prefills (core.proxy_headers.PrefillRates)
+    ex.record(req, body("2026-11-30", "hi"), 100, 0, 40, rate)
+    ex.record({**req, "request_id": "r2"}, body("2026-12-01", "hi"), 100, 20, 21, rate)
+    # Recording renders nothing: the server is asked only when an explanation is.
+    assert srv.calls == 0 and ex.find("r1") is None
+    second = await ex.explain(srv, "r2")
+    assert second is not None
+    assert srv.calls == 4  # both prompts rendered and tokenized, once each
+    first = await ex.explain(srv, "r1")  # its own prompt is known by now: no call
+    assert srv.calls == 4
     assert first is not None and first["divergence"] is None
     assert "no earlier prompt" in first["note"]
-    second = await ex.explain(
-        srv, {**req, "request_id": "r2"}, body("2026-12-01", "hi"), 20, 21, 5.0
-    )
-    assert second is not None
     div = second["divergence"]
     old = render(body("2026-11-30", "hi"))
     index = old.index("2026-11-30") + len("2026-1")  # the first character that differs
@@ -139,11 +145,15 @@ async def test_divergence_names_section_and_index_and_prices_it() -> None:
     assert second["cost_s"] == pytest.approx(second["lost_tokens"] * 2.0 / 1000)
     assert "diverged at token" in second["summary"] and "in system" in second["summary"]
     # The telemetry event carries the summary and the sections.
-    ev = published[-1]
+    assert [e.request_id for e in published if isinstance(e, RequestExplained)] == ["r2", "r1"]
+    ev = published[0]
     assert isinstance(ev, RequestExplained) and ev.div_token == index + 1
     assert json.loads(ev.sections)[0]["name"] == "system"
-    assert ex.find("r1") is first and ex.find(None) is second
+    assert ex.find("r1") is first and ex.find(None) is first
+    assert await ex.explain(srv, "r2") is second  # computed once
     assert [r["request_id"] for r in ex.status()] == ["r2"]
+    # The rendered text's point of divergence, for the divergence event and status.
+    assert second["where"]["new"].startswith("2-01") and second["where"]["token_index"] == index + 1
 
 
 async def test_extension_is_no_divergence_and_a_restore_forgets_the_slot() -> None:
@@ -153,13 +163,37 @@ async def test_extension_is_no_divergence_and_a_restore_forgets_the_slot() -> No
     b = {"messages": [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]}
     srv.rendered[json.dumps(a, sort_keys=True)] = "U:one|"
     srv.rendered[json.dumps(b, sort_keys=True)] = "U:one|U:two|"
-    req = {"request_id": "x", "client": "cc", "session": None, "slot": 1}
-    await ex.explain(srv, req, a, 0, 7, None)
-    rec = await ex.explain(srv, req, b, 7, 6, None)
+    req = {"client": "cc", "session": None, "slot": 1}
+    ex.record({**req, "request_id": "x1"}, a, 10, 0, 7, None)
+    ex.record({**req, "request_id": "x2"}, b, 10, 7, 6, None)
+    rec = await ex.explain(srv, "x2")
     assert rec is not None and rec["divergence"] is None and "extends" in rec["note"]
     ex.slot_changed(1)
-    rec = await ex.explain(srv, req, b, 0, 13, None)
+    ex.record({**req, "request_id": "x3"}, b, 10, 0, 13, None)
+    rec = await ex.explain(srv, "x3")
     assert rec is not None and "no earlier prompt" in rec["note"]
+
+
+async def test_kept_requests_are_bounded_by_count_and_bytes() -> None:
+    ex = explain.Explainer(lambda e: None)
+    srv = _Server()
+    a = {"messages": [{"role": "user", "content": "one"}]}
+    srv.rendered[json.dumps(a, sort_keys=True)] = "U:one|"
+    big = explain.KEEP_BYTES // 3
+    for k in range(5):
+        ex.record(
+            {"request_id": f"r{k}", "client": "", "session": "", "slot": 0}, a, big, 0, 7, None
+        )
+    # Three bodies of a third of the budget do not fit with a fourth: the oldest go.
+    assert list(ex.kept) == ["r2", "r3", "r4"] and ex.kept_bytes == 3 * big
+    assert await ex.explain(srv, "r1") is None  # no longer kept
+    # A kept request whose predecessor was let go explains without it.
+    ex.kept["r2"].previous = None
+    rec = await ex.explain(srv, "r2")
+    assert rec is not None and "no earlier prompt" in rec["note"]
+    for k in range(explain.KEEP + 10):
+        ex.record({"request_id": f"s{k}", "client": "", "session": "", "slot": 1}, a, 1, 0, 7, None)
+    assert len(ex.kept) == explain.KEEP and f"s{explain.KEEP + 9}" in ex.kept
 
 
 # ------------------------------------------------------------------ telemetry
@@ -277,7 +311,8 @@ def test_explain_names_the_system_section_and_the_date_token(
     second, h2 = _chat(core, claude_code_body("2026-12-01"), "cc-session")
     assert h1["X-Warmslot-Slot"] == h2["X-Warmslot-Slot"]  # same session, same slot
     rid = h2["X-Warmslot-Request-Id"]
-    rec = wait_until(lambda: manager.explainer.find(rid), 60, message="no explanation")
+    rec = core.explain(rid).result(60)  # computed when asked, by the manager that served it
+    assert rec is not None
     # What the date line's tokens are, asked of the server independently of explain.py.
     client = manager.client
     assert client is not None
@@ -342,11 +377,19 @@ async def test_prepare_says_restored_only_for_a_verified_restore(tmp_path: Path)
         req = request(f"s{promised[0]}{header}")
         mgr.slots.slots[0].promised = promised
         mgr.slots.slots[1].promised = promised
-        mgr.explainer.previous[0] = mgr.explainer.previous[1] = explain.SlotPrompt([1], [b"a"], [])
+        for slot in (0, 1):
+            mgr.explainer.record(
+                {"request_id": f"before{slot}", "client": "", "session": "", "slot": slot},
+                {"messages": []},
+                10,
+                0,
+                1,
+                None,
+            )
         plan = await mgr.prepare(req)
         assert plan is not None
         assert req.response_headers.get("X-Warmslot-Restored") == header
-        assert (plan.slot in mgr.explainer.previous) == (promised[0] == 0)
+        assert (plan.slot in mgr.explainer.last) == (promised[0] == 0)
         await mgr.completed(req, None, 499)
 
 
