@@ -64,7 +64,7 @@ from core.proxy_stream import (
 )
 from core.proxy_types import Admit, CachePolicy, CacheService, ProxyRequest, Route
 from core.router import Refused, Router, metadata_session, session_key
-from core.server.client import STALE_RETRIES, Timings, stale_connection
+from core.server.client import Timings, send
 from core.server.upstream import Upstream
 from core.status import (
     Explanation,
@@ -779,26 +779,19 @@ class Proxy:
     async def _post_upstream(
         self, upstream: Upstream, url: str, payload: bytes, headers: dict[str, str]
     ) -> aiohttp.ClientResponse:
-        """POST to llama-server, resending if a pooled connection was already dead.
-
-        llama-server closes the connection after every streamed response (without
-        ``Connection: close``), and idle ones after 5 s. A pooled connection reused
-        just as the close arrives fails before any response byte (`stale_connection`):
-        that request never ran, so it is sent again.
-        """
-        session = upstream.session
-        kw: dict[str, Any] = {"timeout": self._timeout, "auto_decompress": False}
-        # The pool may hold more than one connection the server has just closed (after
-        # a burst of streams), so a resend can meet another: a few tries, each of which
-        # drops a dead connection from the pool.
-        for _ in range(STALE_RETRIES):
-            try:
-                return await session.post(url, data=payload, headers=headers, **kw)
-            except aiohttp.ClientError as e:
-                if not stale_connection(e):
-                    raise
-                log.debug("llama-server closed a pooled connection (%r); resending", e)
-        return await session.post(url, data=payload, headers=headers, **kw)
+        """POST to llama-server; sent again only when it provably did not go out
+        (`core.server.client.send`). One that went out and lost its connection before an
+        answer raises `RequestLost`, which the client gets as a 502 with that cause:
+        llama-server may have run it, and a generation must not run twice."""
+        return await send(
+            upstream.session,
+            "POST",
+            url,
+            data=payload,
+            headers=headers,
+            timeout=self._timeout,
+            auto_decompress=False,
+        )
 
     async def _stream(
         self, request: web.Request, req: ProxyRequest, up: aiohttp.ClientResponse, t0: float

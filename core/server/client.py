@@ -7,16 +7,22 @@ rendering templates, prewarm completions and slot save/restore/erase.
 
 from __future__ import annotations
 
-import errno
 import json
+import logging
 import re
+import weakref
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict
 
 import aiohttp
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.connector import Connection
 
 from core.errors import UpstreamError
+
+log = logging.getLogger("warmslot.server")
 
 # llama-server's own rules for slot file names, checked before we send one, so a bad
 # name is our bug and never reaches the server (docs/llama-server-facts.md#slot-file-names).
@@ -35,18 +41,105 @@ def valid_slot_filename(name: str) -> bool:
     )
 
 
-STALE_RETRIES = 3  # tries on stale pooled connections before the last plain one
+# Methods that may go again even once sent: sending them twice does what once does
+# (RFC 9110, section 9.2.2).
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
+# Resends of one request at most: each meets another pooled connection (a dead one is
+# dropped from the pool) or, once the pool is empty, a new connection.
+RESENDS = 3
 
 
-def stale_connection(e: BaseException) -> bool:
-    """A pooled keep-alive connection that llama-server had already closed when it was
-    reused: it ends before any response byte (a disconnect, or a reset/broken pipe when
-    the close and the write cross), so the request never ran and may be sent again."""
-    if isinstance(e, aiohttp.ServerDisconnectedError | ConnectionResetError):
-        # ConnectionResetError covers aiohttp's ClientConnectionResetError: "Cannot write
-        # to closing transport" when the request meets a connection being closed.
-        return True
-    return isinstance(e, aiohttp.ClientOSError) and e.errno in (errno.ECONNRESET, errno.EPIPE)
+@dataclass
+class Attempt:
+    """One try of a request, as its session's `AttemptRequest` saw it."""
+
+    reused: bool = False  # it went out on a pooled keep-alive connection
+    written: bool = False  # its body was handed to the connection
+
+
+class RequestLost(aiohttp.ClientConnectionError):
+    """The connection failed after the request had gone out and before any answer:
+    llama-server may have run it, so it is not sent again."""
+
+
+# The try `send` is making, for `AttemptRequest` (which runs in that task, and its body
+# writer in a task that inherits the context).
+_ATTEMPT: ContextVar[Attempt | None] = ContextVar("warmslot_attempt", default=None)
+# The connections (their protocols) that have carried a request: seeing one again is a
+# reuse from the pool.
+_CARRIED: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+def current_attempt() -> Attempt | None:
+    """The try `send` is making in this task, None outside one."""
+    return _ATTEMPT.get()
+
+
+class AttemptRequest(aiohttp.ClientRequest):
+    """The request class of a session to llama-server (``request_class``): it notes on
+    the `Attempt` `send` is making whether its connection came from the pool, and when
+    its body starts to go out. A class rather than trace hooks, which cost about a
+    tenth of a millisecond per request.
+
+    The body is written by `write_bytes`, and aiohttp holds a request's headers back to
+    send them with its first body bytes; so before `write_bytes` runs nothing of a POST
+    has left. (Its headers alone could not have run anything either: llama-server reads
+    the whole body before it starts.)
+    """
+
+    async def send(self, conn: Connection) -> aiohttp.ClientResponse:
+        proto = conn.protocol
+        if proto is not None:
+            if (attempt := current_attempt()) is not None:
+                attempt.reused = proto in _CARRIED
+            _CARRIED.add(proto)
+        return await super().send(conn)
+
+    async def write_bytes(
+        self, writer: AbstractStreamWriter, conn: Connection, *args: Any, **kwargs: Any
+    ) -> None:
+        if (attempt := current_attempt()) is not None:
+            attempt.written = True
+        await super().write_bytes(writer, conn, *args, **kwargs)
+
+
+async def send(
+    session: aiohttp.ClientSession, method: str, url: str, **kwargs: Any
+) -> aiohttp.ClientResponse:
+    """``session.request(method, url, **kwargs)``, sent again only when it provably did
+    not run: it failed on a pooled connection (one llama-server had just closed) before
+    any of its body went out, or it is a GET. A request that went out and then lost its
+    connection before an answer raises `RequestLost`: it may have run, and a POST sent
+    twice is a generation run twice. Other failures raise as aiohttp raised them.
+
+    The session must make its requests with `AttemptRequest`; on one that does not, no
+    request is ever sent twice. Pooled connections are kept for a shorter time than
+    llama-server keeps idle ones open (`core.server.upstream`), so a pooled connection
+    the server has closed is rare: llama-server closes one only on its own errors, on
+    its 100th request, or after a stream.
+    """
+    idempotent = method.upper() in _IDEMPOTENT
+    # Without a body, a request's headers go out at once, with no hook to tell.
+    bodyless = kwargs.get("data") is None and kwargs.get("json") is None
+    for tries_left in range(RESENDS, -1, -1):
+        attempt = Attempt(written=bodyless)
+        token = _ATTEMPT.set(attempt)
+        try:
+            return await session.request(method, url, **kwargs)
+        except aiohttp.ClientConnectionError as e:
+            if isinstance(e, TimeoutError):
+                raise
+            if attempt.written and not idempotent:
+                raise RequestLost(
+                    f"llama-server closed the connection before it answered ({e!r}); the "
+                    "request had gone out, so it was not sent again: it may have run"
+                ) from e
+            if not attempt.reused or not tries_left:
+                raise  # a new connection that failed: the server's trouble, not the pool's
+            log.debug("a pooled connection to llama-server was closed (%r); resending", e)
+        finally:
+            _ATTEMPT.reset(token)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -203,29 +296,19 @@ class LlamaClient:
     ) -> Any:
         url = self.base_url + path
         try:
-            # A pooled connection the server had just closed (it closes idle ones after
-            # 5 s): the request never ran, so it goes again; a few tries, since the pool
-            # may hold more than one such connection.
-            for _ in range(STALE_RETRIES):
-                try:
-                    return await self._request(method, url, path, body, expect_json)
-                except aiohttp.ClientError as e:
-                    if not stale_connection(e):
-                        raise
-            return await self._request(method, url, path, body, expect_json)
+            # Sent again only when it provably did not run (`send`).
+            resp = await send(self._session, method, url, json=body, timeout=self._timeout)
+            async with resp:
+                text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as e:
             raise UpstreamError(f"{method} {path} failed: {e!r}") from e
-
-    async def _request(self, method: str, url: str, path: str, body: Any, expect_json: bool) -> Any:
-        async with self._session.request(method, url, json=body, timeout=self._timeout) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise UpstreamError(
-                    f"{method} {path} → {resp.status}: {_message(text)}",
-                    status=resp.status,
-                    body=text,
-                )
-            return json.loads(text) if expect_json else text
+        if resp.status >= 400:
+            raise UpstreamError(
+                f"{method} {path} → {resp.status}: {_message(text)}",
+                status=resp.status,
+                body=text,
+            )
+        return json.loads(text) if expect_json else text
 
     async def health(self) -> bool:
         try:

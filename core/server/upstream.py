@@ -22,9 +22,13 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import ClientHandlerType, ClientRequest, ClientResponse
 
-from core.server.client import LlamaClient
+from core.server.client import AttemptRequest, LlamaClient
 
-__all__ = ["Upstream"]
+__all__ = ["KEEPALIVE_S", "Upstream"]
+
+# Seconds an idle pooled connection is kept: under llama-server's own keep-alive timeout
+# of 5 s (docs/llama-server-facts.md#keep-alive), with room for a busy loop.
+KEEPALIVE_S = 2.0
 
 
 class Upstream:
@@ -62,9 +66,15 @@ class Upstream:
             self._session = aiohttp.ClientSession(
                 # No limit on connections: each streamed request holds one for its
                 # whole generation, and the server's slot count is the real bound.
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                # Idle ones are dropped well before llama-server closes them itself
+                # (docs/llama-server-facts.md#keep-alive), so a pooled connection is
+                # never one the server is closing just as a request goes out on it.
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                 middlewares=(self._authorize,),
+                # Which try of a request went out on a pooled connection, and whether
+                # any of it was sent: what `core.server.client.send` resends on.
+                request_class=AttemptRequest,
             )
         return self._session
 

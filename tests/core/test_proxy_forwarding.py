@@ -506,18 +506,3 @@ async def test_upstream_client_follows_the_servers_address() -> None:
     assert second is not None and second.base_url == "http://127.0.0.1:1002"
     await upstream.close()
     assert upstream.client() is None and upstream.closed
-
-
-def test_stale_connection_errors_are_the_ones_that_never_ran() -> None:
-    """What may be resent: the pooled connection died before any response byte."""
-    import errno
-
-    from core.server.client import stale_connection
-
-    assert stale_connection(aiohttp.ServerDisconnectedError())
-    assert stale_connection(aiohttp.ClientOSError(errno.ECONNRESET, "reset by peer"))
-    assert stale_connection(aiohttp.ClientOSError(errno.EPIPE, "broken pipe"))
-    assert stale_connection(aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
-    assert not stale_connection(aiohttp.ClientOSError(errno.ECONNREFUSED, "refused"))
-    assert not stale_connection(aiohttp.ClientPayloadError("truncated body"))
-    assert not stale_connection(TimeoutError())
