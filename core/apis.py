@@ -18,6 +18,8 @@ Pure functions of JSON values: no I/O, nothing from the rest of Warmslot.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -34,7 +36,11 @@ __all__ = [
     "ConversionError",
     "JsonObject",
     "chat_view",
+    "content_text",
+    "messages_of",
+    "objects",
     "strip_billing_header",
+    "system_text",
     "unmanaged_reason",
     "usage_timings",
 ]
@@ -83,6 +89,40 @@ class ConversionError(ValueError):
     """A body that cannot be read as a chat request (llama-server refuses it too)."""
 
 
+def objects(value: object) -> list[Mapping[str, object]]:
+    """The objects of a JSON array ([] when `value` is none). A chat view's messages and
+    tools are objects all: the proxy refuses a body with anything else (core.proxy_checks)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def messages_of(body: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """A chat body's messages ([] when it has none). Raises TypeError when they are not a
+    list of objects: a body the proxy refuses (core.proxy_checks), and the readers that
+    take unchecked bodies (core.backend_choice.affinity_key) catch it."""
+    msgs = body.get("messages", [])
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise TypeError("the messages are not a list of objects")
+    return msgs
+
+
+def content_text(content: object) -> str:
+    """A message content's text: the string, or its parts' texts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def system_text(body: Mapping[str, object]) -> str:
+    """The concatenated text of the system (and developer) messages."""
+    parts: list[str] = []
+    for msg in messages_of(body):
+        if msg.get("role") in ("system", "developer"):
+            parts.append(content_text(msg.get("content")))
+    return "\n".join(parts)
+
+
 @dataclass(frozen=True)
 class ChatView:
     """A generation request as chat completions: what llama-server renders for it.
@@ -90,6 +130,10 @@ class ChatView:
     `body` holds ``messages`` and, when present, ``tools`` (OpenAI function form),
     ``tool_choice``, ``chat_template_kwargs`` and ``reasoning_effort`` — exactly what
     ``/apply-template`` needs to render the request as the server will.
+
+    What the router and the cache read of a request — its system text, first user
+    text, tools key and shape key — is read here, once per request (cached properties),
+    never again from the body.
     """
 
     api: str  # the endpoint kind it came from: "chat" | "messages" | "responses"
@@ -107,6 +151,57 @@ class ChatView:
         """The tools in OpenAI function form ([] when none)."""
         tools = self.body.get("tools")
         return tools if isinstance(tools, list) else []
+
+    @functools.cached_property
+    def system_text(self) -> str:
+        """The system (and developer) messages' text (`system_text`)."""
+        return system_text(self.body)
+
+    @functools.cached_property
+    def first_user_text(self) -> str:
+        """The first user message's text ("" without one)."""
+        return next(
+            (content_text(m.get("content")) for m in objects(self.body.get("messages"))
+             if m.get("role") == "user"),
+            "",
+        )
+
+    @functools.cached_property
+    def _tools_json(self) -> bytes:
+        return json.dumps(self.body.get("tools"), sort_keys=True).encode()
+
+    @functools.cached_property
+    def head_key(self) -> str:
+        """Hash of the tools verbatim and the system text: two requests with the same
+        one start with the same stable prefix, whoever sent them."""
+        h = hashlib.sha256(self._tools_json + b"\0")
+        h.update(self.system_text.encode())
+        return h.hexdigest()
+
+    def tools_key(self, client: str) -> str:
+        """Hash of the client and its tools verbatim (the learner's session groups)."""
+        h = hashlib.sha256(client.encode() + b"\0")
+        h.update(self._tools_json)
+        return h.hexdigest()
+
+    def shape_key(self, client: str) -> str:
+        """Hash of what a stable prefix depends on: client, tools verbatim, system text
+        (the learner's known prefixes; the same value as before it was cached here)."""
+        h = hashlib.sha256(client.encode() + b"\0")
+        h.update(self._tools_json + b"\0")
+        h.update(self.system_text.encode())
+        return h.hexdigest()
+
+    def derived_session(self, client: str) -> str:
+        """A session key for clients that send none: the conversation's opening."""
+        h = hashlib.sha256(
+            client.encode()
+            + b"\0"
+            + self.system_text.encode()
+            + b"\0"
+            + self.first_user_text.encode()
+        )
+        return "derived-" + h.hexdigest()[:16]
 
 
 def chat_view(endpoint: str, body: Mapping[str, object]) -> ChatView | None:

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from core import apis
 from core.cache import prefix as pfx
 
 __all__ = [
@@ -83,7 +84,7 @@ def affinity_key(client: str, body: Mapping[str, object]) -> str:
     """The stable prefix's text as a short hash ("" when a request has neither tools
     nor system text: nothing to be affine to, or its messages are not readable)."""
     try:
-        system = pfx.system_text(body)
+        system = apis.system_text(body)
     except (AttributeError, TypeError):  # not a list of message objects: no affinity
         return ""
     tools = body.get("tools")

@@ -216,7 +216,7 @@ class Router:
         kind, why = self._classify(target.name, client, endpoint, headers, chat)
         session = session_key(headers)
         if chat is not None and not session:
-            session = metadata_session(chat.user_id) or pfx.derived_session(client, chat.body)
+            session = metadata_session(chat.user_id) or chat.derived_session(client)
         routed = False
         side = next((t for t in targets if t.side), None)
         if (

@@ -600,6 +600,7 @@ class Conversations:
         st.prompt_n_last = choice.match  # what the request should reuse
         st.promised = (choice.match, f"restored conversation of session {session[:24]}")
         st.last_body = None
+        st.head_key = req.chat.head_key if req.chat is not None else ""
         self._saved[slot] = _Saved(session, choice.rec.n_tokens)
         req.response_headers["X-Warmslot-Conversation"] = (
             f"restored {choice.match} of {len(prompt)} tokens ({choice.by})"

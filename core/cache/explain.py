@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from core import apis
 from core.cache import prefix as pfx
 from core.events import Event, RequestExplained
 from core.status import (
@@ -95,7 +96,7 @@ def _tool_probes(tool: object) -> list[str]:
 def _message_text(msg: object) -> str:
     if not isinstance(msg, dict):
         return ""
-    text = pfx.content_text(msg.get("content")).strip()
+    text = apis.content_text(msg.get("content")).strip()
     if text:
         return text
     for call in msg.get("tool_calls") or []:

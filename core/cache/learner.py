@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from core import apis
-from core.apis import JsonObject
+from core.apis import ChatView, JsonObject
 from core.cache import prefix as pfx
 from core.cache.boot import Emit
 from core.cache.fingerprint import ServerIdentity, fingerprint
@@ -49,22 +49,15 @@ def chat_of(req: ProxyRequest) -> JsonObject:
     return req.chat.body if req.chat is not None else {}
 
 
-def system_end(body: Mapping[str, object], rendered: str) -> int | None:
+def system_end(chat: ChatView, rendered: str) -> int | None:
     """Where the system message and tools end in `rendered`: the start of the first
     user message's text (the turn header before it is the template's, stable too), or
     the end of the system text. None without a system message or tools."""
-    system = pfx.system_text(body)
-    if not system and not body.get("tools"):
+    system = chat.system_text
+    if not system and not chat.tools:
         return None
     start = rendered.find(system) + len(system) if system and system in rendered else 0
-    first_user = next(
-        (
-            pfx.content_text(m.get("content"))
-            for m in pfx.objects(body.get("messages"))
-            if m.get("role") == "user"
-        ),
-        "",
-    )
+    first_user = chat.first_user_text
     if first_user.strip():
         pos = rendered.find(first_user, start)
         if pos > 0:
@@ -112,9 +105,10 @@ class PrefixLearner:
         """
         if not renderable(req) or req.chat is None:
             return None
-        body = req.chat.body
-        key = pfx.shape_key(req.client, body)
-        tkey = pfx.tools_key(req.client, body)
+        chat = req.chat
+        body = chat.body
+        key = chat.shape_key(req.client)
+        tkey = chat.tools_key(req.client)
         known = self.prefixes.get(key)
         group = self.learn.setdefault(tkey, [])
         if known is not None and any(s == session for s, _ in group):
@@ -126,7 +120,7 @@ class PrefixLearner:
         full = await client.tokenize(rendered, add_special=True)
         head: list[int] = []
         source = "none"
-        cut = pfx.profile_cut(req.client, rendered, pfx.system_text(body))
+        cut = pfx.profile_cut(req.client, rendered, chat.system_text)
         if cut is not None:
             head_tokens = await client.tokenize(rendered[: cut[0]], add_special=True)
             # Tokenizing at a boundary can differ from tokenizing the whole text: keep
@@ -142,7 +136,7 @@ class PrefixLearner:
             # No marker and only one conversation yet: its system message and tools are
             # the stable prefix, so the first conversation is persisted too; a second
             # session's common prefix refines it (docs/cache.md#what-survives-a-restart).
-            end = system_end(body, rendered)
+            end = system_end(chat, rendered)
             if end is not None:
                 head_tokens = await client.tokenize(rendered[:end], add_special=True)
                 head = full[: pfx.common_prefix_len(head_tokens, full)]

@@ -55,7 +55,7 @@ from core.cache.probe import (
     second_look,
 )
 from core.cache.retention import Retention
-from core.cache.slots import SlotMap
+from core.cache.slots import SlotMap, SlotState
 from core.cache.store import StateRecord, StateStore
 from core.cache.warmup import disk_tier_for as disk_tier_for
 from core.clock import Clock
@@ -383,7 +383,8 @@ class CacheManager:
         # Compared in chat form: a slot keeps its last request's chat view (a Messages or
         # Responses body never equals it, and its new session went to an empty slot).
         chat = chat_of(req)
-        holding = [st.id for st in self.slots.slots if fp and self._holds(st, fp, chat)]
+        head = req.chat.head_key
+        holding = [st.id for st in self.slots.slots if fp and self._holds(st, fp, head)]
         slot, why_slot = self.slots.pick(session, req.kind, holding, displace, owner=req.user)
         if info is not None and req.user:
             self.prefix_owners.setdefault(info.fingerprint, req.user)
@@ -535,20 +536,15 @@ class CacheManager:
         )
 
     @staticmethod
-    def _holds(st: Any, fp: str, body: dict[str, Any]) -> bool:
-        """Whether slot state `st` starts with the prefix `fp` of a request with `body`:
-        its prefix is that one, or its last request had the same system text and tools
-        (a prefix learned from a second session is new, but the first one's slot holds
-        it: stable prefixes end within the system text and tools)."""
+    def _holds(st: SlotState, fp: str, head_key: str) -> bool:
+        """Whether slot state `st` starts with the prefix `fp` of a request whose system
+        text and tools hash to `head_key` (`ChatView.head_key`): its prefix is that one,
+        or its last request had the same system text and tools (a prefix learned from a
+        second session is new, but the first one's slot holds it: stable prefixes end
+        within the system text and tools)."""
         if st.prefix_fp == fp:
             return True
-        last = st.last_body
-        return bool(
-            st.tokens_hint
-            and last is not None
-            and pfx.system_text(last) == pfx.system_text(body)
-            and last.get("tools") == body.get("tools")
-        )
+        return bool(st.tokens_hint and head_key and st.head_key == head_key)
 
     async def _save_displaced(self, slot: int, session: str) -> None:
         """Save the conversation of another session that this request is about to
@@ -602,6 +598,7 @@ class CacheManager:
         previous_session, previous_prompt = st.session_of_last, st.prompt_n_last
         st.tokens_hint = timings.cache_n + timings.prompt_n + timings.predicted_n
         st.last_body, st.last_kind, st.prefix_fp = chat_of(req), req.kind, fp
+        st.head_key = req.chat.head_key if req.chat is not None else ""
         st.session_of_last = plan.session
         st.prompt_n_last = timings.cache_n + timings.prompt_n
         if plan.kind is Kind.SIDE:

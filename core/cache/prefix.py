@@ -10,13 +10,12 @@ can be found, nothing is cached for that client — never a wrong prefix.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from core.apis import content_text, messages_of, objects, system_text
 from core.status import DivergenceWhere
 
 # Markers that start the volatile tail of a system prompt, per client profile, keyed
@@ -107,56 +106,6 @@ class PrefixInfo:
         return len(self.tokens)
 
 
-def objects(value: object) -> list[Mapping[str, object]]:
-    """The objects of a JSON array ([] when `value` is none). A chat view's messages and
-    tools are objects all: the proxy refuses a body with anything else (core.proxy_checks)."""
-    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
-
-
-def messages_of(body: Mapping[str, object]) -> list[Mapping[str, object]]:
-    """A chat body's messages ([] when it has none). Raises TypeError when they are not a
-    list of objects: a body the proxy refuses (core.proxy_checks), and the readers that
-    take unchecked bodies (core.backend_choice.affinity_key) catch it."""
-    msgs = body.get("messages", [])
-    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
-        raise TypeError("the messages are not a list of objects")
-    return msgs
-
-
-def system_text(body: Mapping[str, object]) -> str:
-    """The concatenated text of the system (and developer) messages."""
-    parts: list[str] = []
-    for msg in messages_of(body):
-        if msg.get("role") in ("system", "developer"):
-            parts.append(content_text(msg.get("content")))
-    return "\n".join(parts)
-
-
-def content_text(content: object) -> str:
-    """A message content's text: the string, or its parts' texts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return ""
-
-
-def shape_key(client: str, body: Mapping[str, object]) -> str:
-    """Hash of what a stable prefix depends on: client, tools verbatim, system text."""
-    h = hashlib.sha256()
-    h.update(client.encode() + b"\0")
-    h.update(json.dumps(body.get("tools"), sort_keys=True).encode() + b"\0")
-    h.update(system_text(body).encode())
-    return h.hexdigest()
-
-
-def tools_key(client: str, body: Mapping[str, object]) -> str:
-    """Hash of the client and its tools verbatim."""
-    h = hashlib.sha256(client.encode() + b"\0")
-    h.update(json.dumps(body.get("tools"), sort_keys=True).encode())
-    return h.hexdigest()
-
-
 def profile_cut(client: str, rendered: str, system: str) -> tuple[int, str] | None:
     """Where the volatile tail starts in `rendered`, by the client's profile markers.
 
@@ -209,16 +158,6 @@ def classify_aux(
         if _TITLE_RE.search(head):
             return "title/summary request shape"
     return None
-
-
-def derived_session(client: str, body: Mapping[str, object]) -> str:
-    """A session key for clients that send none: the conversation's opening."""
-    msgs = messages_of(body)
-    first_user = next((content_text(m.get("content")) for m in msgs if m.get("role") == "user"), "")
-    h = hashlib.sha256(
-        client.encode() + b"\0" + system_text(body).encode() + b"\0" + first_user.encode()
-    )
-    return "derived-" + h.hexdigest()[:16]
 
 
 def divergence(old: str, new: str, context: int = 60) -> DivergenceWhere | None:

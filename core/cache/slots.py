@@ -39,6 +39,7 @@ class SlotState:
     last_used: float = 0.0
     inflight: int = 0
     last_body: JsonObject | None = None  # last chat request run here (its chat view)
+    head_key: str = ""  # that request's system text and tools (`ChatView.head_key`)
     last_kind: str = ""
     tokens_hint: int = 0  # tokens we believe the slot holds
     session_of_last: str = ""  # session of the last request that ran here
@@ -173,6 +174,7 @@ class SlotMap:
             s.inflight = 0
             s.tokens_hint = 0
             s.last_body = None
+            s.head_key = ""
             s.session_of_last = ""
             s.prompt_n_last = 0
         self._wake()

@@ -419,3 +419,33 @@ def test_a_responses_answer_stopped_by_its_own_limit_is_no_context_hit() -> None
     # The slot is full, but the answer stopped at the request's max_output_tokens.
     assert limits.check({}, 99, 4, {"max_output_tokens": 4}) is None
     assert limits.check({}, 99, 4, {"max_output_tokens": 9}) is not None
+
+
+def test_the_chat_view_reads_its_keys_once_and_keeps_their_values() -> None:
+    """The router and the cache read a request's system text, tools key and shape key
+    from its view, computed once per request; the keys are the values the learner
+    stored before they moved here (so saved prefix definitions still match)."""
+    import hashlib
+
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"b": 1, "a": 2}}}]
+    body = {
+        "messages": [
+            {"role": "system", "content": "rules"},
+            {"role": "developer", "content": [{"type": "text", "text": "more"}]},
+            {"role": "user", "content": "fix it"},
+        ],
+        "tools": tools,
+    }
+    view = apis.chat_view("chat", body)
+    assert view is not None
+    tools_json = json.dumps(tools, sort_keys=True).encode()
+    want = hashlib.sha256(b"opencode\0" + tools_json + b"\0" + b"rules\nmore").hexdigest()
+    assert view.shape_key("opencode") == want
+    assert view.tools_key("opencode") == hashlib.sha256(b"opencode\0" + tools_json).hexdigest()
+    assert (view.system_text, view.first_user_text) == ("rules\nmore", "fix it")
+    # Cached: a second read does not walk the messages again.
+    body["messages"][0]["content"] = "changed"
+    assert view.system_text == "rules\nmore"
+    assert view.shape_key("opencode") == want
+    other = apis.chat_view("chat", {**body, "messages": body["messages"][1:]})
+    assert other is not None and other.head_key != view.head_key

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from core import apis
 from core.bench.trace import make_system, make_tools, make_trace
 from core.cache import prefix as pfx
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
@@ -63,14 +64,17 @@ def test_divergence_reports_position_and_context() -> None:
 
 
 def test_shape_key_depends_on_tools_and_system_text() -> None:
+    def shape_key(client: str, body: dict[str, object]) -> str:
+        view = apis.chat_view("chat", body)
+        assert view is not None
+        return view.shape_key(client)
+
     body = {"messages": [{"role": "system", "content": "S"}], "tools": make_tools(0.05)}
-    k = pfx.shape_key("opencode", body)
-    assert k == pfx.shape_key("opencode", dict(body))
-    assert k != pfx.shape_key("other", body)
-    assert k != pfx.shape_key("opencode", {**body, "tools": make_tools(0.05, seed=1)})
-    assert k != pfx.shape_key(
-        "opencode", {**body, "messages": [{"role": "system", "content": "T"}]}
-    )
+    k = shape_key("opencode", body)
+    assert k == shape_key("opencode", dict(body))
+    assert k != shape_key("other", body)
+    assert k != shape_key("opencode", {**body, "tools": make_tools(0.05, seed=1)})
+    assert k != shape_key("opencode", {**body, "messages": [{"role": "system", "content": "T"}]})
 
 
 IDENT = ServerIdentity(model="m", binary="b", kv_flags=("-np", "2"), chat_template="t")
@@ -110,7 +114,7 @@ def test_unsafe_names_are_refused(name: str) -> None:
 
 
 def test_slot_map_pins_sessions_and_reserves_aux() -> None:
-    m = SlotMap(3, reserve_aux=True)
+    m = SlotMap(3, reserve_aux=lambda: True)
     assert m.aux_slot == 2
     a, _ = m.pick("A", "agent")
     assert m.pick("A", "agent")[0] == a  # pinned
@@ -118,7 +122,7 @@ def test_slot_map_pins_sessions_and_reserves_aux() -> None:
     b, _ = m.pick("B", "agent")
     assert b != a and b != 2  # never the slot an in-flight session holds, never aux
     assert m.pick("t", "aux")[0] == 2
-    single = SlotMap(1, reserve_aux=True)
+    single = SlotMap(1, reserve_aux=lambda: True)
     assert single.aux_slot is None and single.pick("t", "aux")[0] == 0
 
 

@@ -56,7 +56,7 @@ def by_step(entries: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
 
 def cut_of(client: str, entry: dict[str, Any]) -> tuple[str, int | None]:
     """The system text and the profile's cut in it (rendered = the system text itself)."""
-    system = pfx.system_text(view(entry).body)
+    system = view(entry).system_text
     cut = pfx.profile_cut(client, system, system)
     return system, None if cut is None else cut[0]
 
@@ -122,7 +122,7 @@ def test_claude_code_attribution_line_differs_between_sessions() -> None:
     assert sys1.startswith("x-anthropic-billing-header:")
     assert cut1 is not None and cut2 is not None and sys1[:cut1] != sys2[:cut2]
     stamp = re.compile(r"cc_version=([^;]+);")
-    v1 = {stamp.findall(pfx.system_text(view(e).body))[0] for e in by_step(entries, "s1")}
+    v1 = {stamp.findall(view(e).system_text)[0] for e in by_step(entries, "s1")}
     v2 = stamp.findall(sys2)[0]
     assert len(v1) == 1 and v2 not in v1
     assert without_attribution(sys1[:cut1]) == without_attribution(sys2[:cut2])
@@ -136,7 +136,7 @@ def without_attribution(system: str) -> str:
 
 def test_claude_code_boundary_without_the_attribution_line() -> None:
     entries = recorded("claude-code")
-    systems = [without_attribution(pfx.system_text(view(e).body)) for e in entries]
+    systems = [without_attribution(view(e).system_text) for e in entries]
     cuts = [pfx.profile_cut("claude-cli", s, s) for s in systems]
     assert all(c is not None and c[1] == "profile:claude-cli" for c in cuts)
     heads = {s[: c[0]] for s, c in zip(systems, cuts, strict=True) if c is not None}
@@ -172,8 +172,8 @@ def test_claude_code_attribution_line_is_stripped_exactly_and_the_sessions_then_
         }
         # The system text is then what CLAUDE_CODE_ATTRIBUTION_HEADER=0 makes Claude
         # Code send …
-        system = pfx.system_text(view({**e, "body": body}).body)
-        assert system == without_attribution(pfx.system_text(view(e).body))
+        system = view({**e, "body": body}).system_text
+        assert system == without_attribution(view(e).system_text)
         cut = pfx.profile_cut("claude-cli", system, system)
         assert cut is not None and cut[1] == "profile:claude-cli"
         heads.add(system[: cut[0]])
@@ -188,8 +188,8 @@ def test_claude_code_date_is_in_the_first_user_message_not_the_system_text() -> 
     for e in entries:
         chat = view(e)
         first_user = next(m for m in chat.messages if m["role"] == "user")
-        assert "Today's date is" in pfx.content_text(first_user["content"])
-        assert "Today's date is" not in pfx.system_text(chat.body).split("gitStatus:")[0]
+        assert "Today's date is" in apis.content_text(first_user["content"])
+        assert "Today's date is" not in chat.system_text.split("gitStatus:")[0]
 
 
 # --------------------------------------------------------------------------- Codex
@@ -213,13 +213,13 @@ def test_codex_session_would_collide_without_its_header() -> None:
     """Why the session-id header matters: the prompt alone names no session."""
     entries = recorded("codex")
     firsts = [by_step(entries, "s1")[0], by_step(entries, "s2")[0]]
-    derived = {pfx.derived_session("codex_exec", view(e).body) for e in firsts}
+    derived = {view(e).derived_session("codex_exec") for e in firsts}
     assert len(derived) == 1
 
 
 def test_codex_boundary_is_the_end_of_its_developer_text() -> None:
     entries = recorded("codex")
-    systems = {pfx.system_text(view(e).body) for e in entries}
+    systems = {view(e).system_text for e in entries}
     # The developer messages (instructions, skills) are the same in both sessions and
     # every turn; no marker is in them, so the learner's end-of-system rule applies.
     assert len(systems) == 1
@@ -228,7 +228,7 @@ def test_codex_boundary_is_the_end_of_its_developer_text() -> None:
     assert "/rec/codex/work" not in system
     for e in entries:
         first_user = next(m for m in view(e).messages if m["role"] == "user")
-        text = pfx.content_text(first_user["content"])
+        text = apis.content_text(first_user["content"])
         assert text.startswith("<environment_context>")
         assert "<cwd>" in text and "<current_date>" in text
 
@@ -242,7 +242,7 @@ def test_opencode_sessions_title_side_calls_and_env_boundary() -> None:
     ds = decisions(entries)
     for d, e in zip(ds, entries, strict=True):
         assert d.session == e["headers"]["x-session-id"]
-        titled = pfx.system_text(view(e).body).startswith("You are a title generator")
+        titled = view(e).system_text.startswith("You are a title generator")
         assert (d.kind is Kind.SIDE) == titled
         if titled:  # by its prompt, or (once tools were seen) by carrying none
             assert d.why in (
@@ -280,7 +280,7 @@ def test_aider_speaks_through_the_openai_sdk_and_its_commit_call_is_a_side_call(
 def test_aider_system_text_has_no_volatile_tail_and_history_goes_before_the_files() -> None:
     entries = recorded("aider")
     turns = by_step(entries, "s1-turn") + by_step(entries, "s2")
-    systems = {pfx.system_text(view(e).body) for e in turns}
+    systems = {view(e).system_text for e in turns}
     assert len(systems) == 1
     system = next(iter(systems))
     assert pfx.profile_cut("openai", system, system) is None  # no generic marker in it
@@ -289,7 +289,7 @@ def test_aider_system_text_has_no_volatile_tail_and_history_goes_before_the_file
     # the files and the question are read again on every turn.
     t1, t2 = (view(e).messages for e in by_step(entries, "s1-turn")[:2])
     n = pfx.common_prefix_len(t1, t2)
-    assert "summaries of some files" in pfx.content_text(t1[n - 2]["content"])  # repo map
+    assert "summaries of some files" in apis.content_text(t1[n - 2]["content"])  # repo map
     assert pfx.content_text(t1[n]["content"]).startswith("I have *added these files")
 
 
@@ -316,7 +316,7 @@ def test_profile_markers_sit_in_system_text_only(client: str) -> None:
     for e in recorded(client):
         chat = view(e)
         name = client_name(e["headers"]["user-agent"])
-        system = pfx.system_text(chat.body)
+        system = chat.system_text
         rendered = system + "\n" + json.dumps(chat.messages)
         cut = pfx.profile_cut(name, rendered, system)
         assert cut is None or cut[0] <= len(system)

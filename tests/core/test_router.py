@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from core import apis
 from core.bench.trace import make_trace
-from core.cache import prefix as pfx
 from core.router import Decision, Kind, Refused, Router, Target
 from core.server.upstream import Upstream
 
@@ -39,7 +39,8 @@ def test_an_agent_turn_with_its_reason_session_and_upstream() -> None:
 def test_a_session_is_derived_from_the_conversation_when_no_header_names_one() -> None:
     body = chat(tools=TOOLS)
     d = decide(Router.single(None), body)
-    assert d.session == pfx.derived_session("opencode", body)
+    view = apis.chat_view("chat", body)
+    assert view is not None and d.session == view.derived_session("opencode")
     assert d.session.startswith("derived-")
 
 
