@@ -21,13 +21,13 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from app.tasks import done_future, failed_future
 from core import config as config_mod
-from core.config import Settings
+from core.config import FileRead, Settings, SettingsUpdate
 from core.engine import Core
 from core.errors import CoreStopped
 from core.status import Status
@@ -59,7 +59,16 @@ class Backend(Protocol):
 
     def command(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]: ...
 
-    def update_settings(self, settings: Settings) -> concurrent.futures.Future[list[str]]: ...
+    def settings_file(self) -> FileRead:
+        """The settings file as it is (its values, and what is wrong in it)."""
+        ...
+
+    def update_settings(
+        self, changes: Mapping[str, object]
+    ) -> concurrent.futures.Future[SettingsUpdate]:
+        """Write only `changes` and apply the whole file (`Core.update_settings`)."""
+        ...
+
 
 
 class CoreBackend:
@@ -108,20 +117,18 @@ class CoreBackend:
         fut: concurrent.futures.Future[Any] = self._guard(lambda: fn(*args, **kwargs))
         return fut
 
-    def update_settings(self, settings: Settings) -> concurrent.futures.Future[list[str]]:
-        """Apply through the core when it runs; otherwise just write the file."""
-        if self.core.running:
-            try:
-                fut: concurrent.futures.Future[list[str]] = self.core.update_settings(settings)
-                return fut
-            except CoreStopped:
-                pass
+    def settings_file(self) -> FileRead:
+        return config_mod.read_file(self.core.paths.config_file)
+
+    def update_settings(
+        self, changes: Mapping[str, object]
+    ) -> concurrent.futures.Future[SettingsUpdate]:
+        """Through the core, running or not (it writes the file either way)."""
         try:
-            config_mod.save(self.core.paths.config_file, settings)
+            fut: concurrent.futures.Future[SettingsUpdate] = self.core.update_settings(changes)
         except Exception as e:
             return failed_future(e)
-        self.core.settings = settings
-        return done_future([])
+        return fut
 
 
 def status_from_telemetry(snapshot: Status, tel: Telemetry, now: float) -> Status:
@@ -204,9 +211,28 @@ class TelemetryBackend:
             return failed_future(NotImplementedError(f"no {name}() here"))
         return self._pool.submit(lambda: fn(*args, **kwargs))
 
-    def update_settings(self, settings: Settings) -> concurrent.futures.Future[list[str]]:
-        self._settings = settings
-        return done_future([])
+    def settings_file(self) -> FileRead:
+        """No file here: the settings it was given, as a file without problems."""
+        return config_mod.FileRead(
+            Path("<offline>"),
+            False,
+            {name: self._settings.get(name) for name in config_mod.SCHEMA},
+            {},
+            (),
+            self._settings,
+            True,
+        )
+
+    def update_settings(
+        self, changes: Mapping[str, object]
+    ) -> concurrent.futures.Future[SettingsUpdate]:
+        try:
+            new = self._settings.with_changes(changes)
+        except Exception as e:
+            return failed_future(e)
+        update = SettingsUpdate.between(self._settings, new)
+        self._settings = new
+        return done_future(update)
 
     def close(self) -> None:
         """Close the reader connection and stop its thread (waits for running queries)."""

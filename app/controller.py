@@ -15,6 +15,7 @@ in the tray tooltip, its menu and the Overview tab.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ from app.bridge import Bridge
 from app.qt import QObject, QTimer, Signal
 from app.state import AppState, TrayState, derive_state
 from app.tasks import Tasks, gather
+from core.config import SettingsUpdate
 from core.errors import BinaryNotFound, WarmslotError
 from core.events import (
     BuildProgress,
@@ -33,6 +35,7 @@ from core.events import (
     ServerExited,
     ServerStateChanged,
 )
+from core.server.logparse import crash_cause
 from core.status import Status, Totals, cache_of
 
 log = logging.getLogger("warmslot.gui")
@@ -52,8 +55,42 @@ WARMING_KINDS = (
 )
 
 
+# How the tray says that the settings file kept the core from starting (app/main.py).
+SETTINGS_INVALID = "Settings file is invalid"
+# What a signal that ended llama-server means, for the crash notification.
+SIGNAL_WORDS = {
+    signal.SIGKILL: "was killed (SIGKILL): by the system when memory ran out, or by "
+    "another program",
+    signal.SIGSEGV: "crashed (a segmentation fault in llama-server)",
+    signal.SIGABRT: "stopped itself on an internal error (SIGABRT)",
+    signal.SIGBUS: "crashed (a bus error: a file it had mapped, such as the model, "
+    "changed or went away)",
+    signal.SIGILL: "crashed on an instruction this CPU does not have (SIGILL)",
+    signal.SIGFPE: "crashed on an arithmetic error (SIGFPE)",
+    signal.SIGTERM: "was stopped by another program (SIGTERM)",
+}
+
+
 def error_text(exc: BaseException) -> str:
     return exc.user_message() if isinstance(exc, WarmslotError) else f"{type(exc).__name__}: {exc}"
+
+
+def crash_text(ev: ServerExited) -> str:
+    """The crash notification's text, in words (the log keeps llama-server's own lines)."""
+    if ev.signal:
+        try:
+            what = SIGNAL_WORDS.get(signal.Signals(ev.signal), "")
+        except ValueError:
+            what = ""
+        what = what or f"was ended by signal {ev.signal}"
+    else:
+        what = f"exited with code {ev.returncode}"
+    cause = crash_cause(list(ev.last_lines))
+    because = f"; its output says: {cause}" if cause else ""
+    return (
+        f"llama-server {what}{because}. Warmslot starts it again and brings the warm "
+        "prefixes back; Open logs has llama-server's own lines."
+    )
 
 
 class Controller(QObject):
@@ -232,6 +269,9 @@ class Controller(QObject):
         """One click: proxy → find/build server → launch → restore or prewarm → warm."""
         if self.state.running or self.state.tray is TrayState.BUILDING:
             return
+        if self.core_error.startswith(SETTINGS_INVALID):  # never on the stand-in defaults
+            self.settings_closed(then=self.start_all)
+            return
         self._progress = (3.0, "Starting the proxy")
         self._warm_seen = 0
         self._recompute()
@@ -328,12 +368,31 @@ class Controller(QObject):
 
     def _on_exit(self, ev: ServerExited) -> None:
         if ev.outcome == "crashed":
-            sig = f"signal {ev.signal}" if ev.signal else f"exit code {ev.returncode}"
-            last = ev.last_lines[-1] if ev.last_lines else ""
-            self.notify.emit(
-                "llama-server crashed", f"It stopped with {sig}; restarting. {last}", "error"
-            )
+            self.notify.emit("llama-server crashed", crash_text(ev), "error")
         self.schedule_status()
+
+    def settings_closed(self, then: Callable[[], None] | None = None) -> None:
+        """After Settings… closed (or a Start while the file is invalid): a core that an
+        invalid settings file held back reads the file again — a fix made in a text
+        editor counts too — and starts once it is valid, on the file's settings."""
+        if not self.core_error.startswith(SETTINGS_INVALID):
+            return
+
+        def done(update: SettingsUpdate) -> None:
+            if update.applied:
+                self.core_error = ""
+                self.start_core(then)
+                return
+            self.core_error = f"{SETTINGS_INVALID}: {update.problems[0].error.user_message()}"
+            self._recompute()
+            self.notify.emit(SETTINGS_INVALID, update.problems[0].text, "error")
+
+        self.tasks.watch(
+            self.backend.update_settings({}),
+            done,
+            lambda e: self.notify.emit(SETTINGS_INVALID, error_text(e), "error"),
+            owner=self,
+        )
 
     def _on_cache(self, ev: CacheEvent) -> None:
         title = CACHE_ALERTS.get(ev.kind)

@@ -185,9 +185,7 @@ class App(QObject):
         dlg, self.settings_dialog = self.settings_dialog, None
         if dlg is not None:
             dlg.deleteLater()
-        if self.controller.core_error.startswith("Settings file is invalid"):
-            self.controller.core_error = ""
-            self.controller.start_core()
+        self.controller.settings_closed()  # starts a core the file held back, once valid
 
     def open_model_chooser(self) -> ModelChooser:
         """The model chooser (one at a time); it saves server.model through the core."""

@@ -4,9 +4,10 @@ The list comes from `core.models.catalog` (LM Studio, llama.cpp, Hugging Face,
 Ollama, Warmslot's folder, ``server.model_dirs``) with size, architecture, trained
 context, sliding-window/hybrid and whether the model fits with the configured
 slots and context. Scanning and reading headers run on a worker thread
-(`Tasks.run`). "Use this model" saves ``server.model`` through the backend — the
-core's `update_settings` when it runs, the TOML file otherwise — and, when
-llama-server runs, offers to restart it so that it loads the new model.
+(`Tasks.run`). "Use this model" hands ``server.model`` alone to the core's
+`update_settings` (running or not), which writes that one key into the settings
+file and nothing else, and, when llama-server runs, offers to restart it so that it
+loads the new model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from app.dialogs import RestartOffer
 from app.qt import Qt, QtGui, QtWidgets, Signal
 from app.tasks import Tasks
 from core.cli_models import format_size
-from core.config import Settings
+from core.config import Applies, Settings, SettingsUpdate
 from core.models.catalog import (
     Catalog,
     ModelEntry,
@@ -275,28 +276,30 @@ class ModelChooser(QtWidgets.QDialog):
         e = self.selected()
         if e is None or e.error or e.current:
             return
-        try:
-            new = self.backend.settings.replace("server.model", e.path)
-        except Exception as exc:  # a cross-field check refused it
-            self.status.setText(f"Could not save: {error_text(exc)}")
-            return
         self.use_button.setEnabled(False)
         self.status.setText("Saving…")
         self.tasks.watch(
-            self.backend.update_settings(new),
-            lambda names: self._saved(e, names),
+            self.backend.update_settings({"server.model": e.path}),
+            lambda update: self._saved(e, update),
             self._save_failed,
             owner=self,
         )
 
-    def _saved(self, chosen: ModelEntry, restart_names: list[str]) -> None:
+    def _saved(self, chosen: ModelEntry, update: SettingsUpdate) -> None:
         self.set_entries([dataclasses.replace(x, current=x.path == chosen.path)
                           for x in self.entries])  # fmt: skip
         self.saved.emit(chosen.path)
+        if not update.applied:  # written; the file has other problems (Settings… shows them)
+            wrong = "; ".join(p.text for p in update.problems[:2])
+            self.status.setText(
+                f"Saved server.model, but the settings file still has problems, so the "
+                f"running Warmslot keeps its settings (see Settings…): {wrong}"
+            )
+            return
         if note := profile_note(self.backend.settings):
             self.status.setText(f"Saved, but: {note}")
             return
-        if "server.model" in restart_names and self._server_running():
+        if "server.model" in update.waiting_for(Applies.SERVER) and self._server_running():
             self.status.setText(f"Saved: server.model = {chosen.path}")
             self.restart_text.setText(
                 f"llama-server keeps serving the old model until it restarts. Restart now to "

@@ -180,8 +180,10 @@ def derive_state(
     warnings: list[str] = []
     if pressure in ("low", "critical"):
         warnings.append(f"memory pressure is {pressure}")
-    if srv["restarts"] > 0:
-        warnings.append(f"llama-server restarted {srv['restarts']}× after crashes")
+    # The core says for how long a crash restart still counts: until llama-server has
+    # run steadily for server.degraded_clear_s (Supervisor.recent_restarts).
+    if srv["recent_restarts"] > 0:
+        warnings.append(f"llama-server restarted {srv['recent_restarts']}× after crashes")
     for worker in status["workers"]["workers"] if status["workers"] is not None else []:
         if worker["state"] == "left out" and "not answering" in worker["note"]:
             warnings.append(f"RPC worker {worker['label']} is gone: running without it")

@@ -386,18 +386,23 @@ def cmd_config(args: argparse.Namespace) -> int:
             "unknown setting", key=args.key, hint="`warmslot config show` lists every setting"
         )
     value = found.parse_text(args.value)
-    config_mod.set_value(paths.config_file, args.key, value)
+    after = config_mod.set_value(paths.config_file, args.key, value)
     st = fetch_status(paths)
-    if st is not None:  # a running instance read its settings when it started
-        note = (
-            f"  (a running Warmslot, pid {st['warmslot']['pid']}, has the old value: restart "
-            "it, or change it in the tray's Settings, which applies it at once"
-            + (" and restarts llama-server" if found.restart else "")
-            + ")"
-        )
-    else:
+    if st is None:
         note = ""
+    elif found.applies is config_mod.Applies.WARMSLOT:
+        note = (
+            f"  (a running Warmslot, pid {st['warmslot']['pid']}, has the old value: "
+            "it takes effect when Warmslot restarts)"
+        )
+    else:  # a running instance read the file when it started; its tray applies changes
+        note = (
+            f"  (a running Warmslot, pid {st['warmslot']['pid']}, has the old value until "
+            f"it restarts; changed in the tray's Settings it applies {found.applies.words})"
+        )
     print(f"{args.key} = {json.dumps(value)}{note}")
+    for problem in after.problems:  # written; what was wrong in the file before still is
+        print(f"warmslot: the settings file still has a problem: {problem.error}", file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,7 +34,7 @@ from core.cache import explain
 from core.cache.background import Background
 from core.cache.manager import CacheManager
 from core.clock import Clock, RealClock
-from core.config import ServerSettings, Settings
+from core.config import ServerSettings, Settings, SettingsUpdate
 from core.errors import CacheError, CoreStopped, WarmslotError
 from core.events import Event, Notice, ServerStateChanged, SettingsChanged
 from core.keys import KeyRing, keys_file, local_key_file, user_metrics, write_local_key
@@ -250,8 +250,8 @@ class Core:
                 lambda: self.settings.proxy.api_key,
                 local=write_local_key(self.paths.state_dir),
             ),
-            max_body_mb=s.proxy.max_body_mb,
-            upstream_timeout_s=s.proxy.upstream_timeout_s,
+            max_body_mb=lambda: self.settings.proxy.max_body_mb,
+            upstream_timeout_s=lambda: self.settings.proxy.upstream_timeout_s,
             status=self._status_async,
             extra_metrics=self._extra_metrics,
             allowed_origins=lambda: self.settings.proxy.allowed_origins,
@@ -634,34 +634,72 @@ class Core:
         return self.call(run)
 
     def update_settings(
-        self, settings: Settings, *, persist: bool = True
-    ) -> concurrent.futures.Future[list[str]]:
-        """Apply new settings; returns the names that need a server restart to take effect."""
+        self, changes: Mapping[str, object], *, persist: bool = True
+    ) -> concurrent.futures.Future[SettingsUpdate]:
+        """Change the settings named in `changes` (dotted names, or ``models`` /
+        ``workers`` / ``backends`` with their whole list) and apply what can be applied.
 
-        async def apply() -> list[str]:
-            old = self.settings
-            changed = [
-                spec.name
-                for spec in config_mod.iter_specs()
-                if old.get(spec.name) != settings.get(spec.name)
-            ]
-            config_mod.check_settings(settings, keys_path=keys_file(self.paths.config_file))
-            moved = {"proxy.host", "proxy.port"} & set(changed)
-            if moved and self.proxy is not None and self.proxy.port:
-                # Live: the new address first (a taken port changes nothing), then the
-                # runtime file, so `warmslot status` and the tray find it.
-                await self.proxy.rebind(settings.proxy.host, settings.proxy.port)
-                self._write_runtime()
-            if persist:
-                config_mod.save(self.paths.config_file, settings)
-            self.settings = settings
-            if changed:
-                self.emit(
-                    SettingsChanged(changes=config_mod.settings_changes(old, settings, changed))
-                )
-            return [n for n in changed if config_mod.SCHEMA[n].restart]
+        With `persist` only those settings are written into the settings file (every
+        other byte stays: `config.edit_file`), and the whole file is read back: when it
+        is valid the core uses it from then on — what was changed by hand meanwhile too
+        — else nothing changes here and the answer lists what is still wrong. Without
+        `persist` the running settings change and the file is left alone. A change the
+        file or the rules refuse raises ConfigError (nothing written); a new proxy
+        address that is taken raises PortInUse (nothing written, the proxy stays).
+        Works on a core that is not running too: the file, and what its start uses.
+        The answer (`SettingsUpdate`) names what changed and what waits for a restart.
+        """
+        if self.running:
+            with contextlib.suppress(CoreStopped):
+                return self.submit(self._update_settings(changes, persist=persist))
+        out: concurrent.futures.Future[SettingsUpdate] = concurrent.futures.Future()
+        try:
+            edit, new, update = self._plan_settings(changes, persist=persist)
+            if edit is not None:
+                edit.write()
+            if new is not None:
+                self.settings = new
+            out.set_result(update)
+        except Exception as e:
+            out.set_exception(e)
+        return out
 
-        return self.submit(apply())
+    def _plan_settings(
+        self, changes: Mapping[str, object], *, persist: bool
+    ) -> tuple[config_mod.Edit | None, Settings | None, SettingsUpdate]:
+        """The file edit to write (with `persist`), the settings to use (None when the
+        file still has a problem) and the answer."""
+        keys = keys_file(self.paths.config_file)
+        if not persist:
+            new = self.settings.with_changes(changes, keys_path=keys)
+            return None, new, SettingsUpdate.between(self.settings, new)
+        edit = config_mod.edit_file(self.paths.config_file, changes)
+        if edit.after.settings is None:
+            return edit, None, SettingsUpdate(problems=edit.after.problems)
+        after = edit.after.settings
+        return edit, after, SettingsUpdate.between(self.settings, after)
+
+    async def _update_settings(
+        self, changes: Mapping[str, object], *, persist: bool
+    ) -> SettingsUpdate:
+        old = self.settings
+        edit, new, update = self._plan_settings(changes, persist=persist)
+        moved = {"proxy.host", "proxy.port"} & set(update.changed)
+        if new is not None and moved and self.proxy is not None and self.proxy.port:
+            # Live: the new address first (a taken port changes nothing, the file keeps
+            # its value), then the runtime file, so `warmslot status` and the tray find it.
+            await self.proxy.rebind(new.proxy.host, new.proxy.port)
+            self._write_runtime()
+        if edit is not None:
+            edit.write()
+        if new is None:
+            return update
+        self.settings = new
+        if update.changed:
+            self.emit(
+                SettingsChanged(changes=config_mod.settings_changes(old, new, update.changed))
+            )
+        return update
 
     # ------------------------------------------------------------ status
     async def _status_async(self, *, history: bool = True) -> Status:

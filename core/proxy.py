@@ -194,8 +194,8 @@ class Proxy:
         n_slots: Callable[[], int],
         emit: Callable[[Event], None],
         api_key: Callable[[], str],
-        max_body_mb: int,
-        upstream_timeout_s: float,
+        max_body_mb: Callable[[], int],
+        upstream_timeout_s: Callable[[], float],
         status: Callable[[], Awaitable[Status]],
         extra_metrics: Callable[[], str] | None = None,
         policy: CachePolicy | None = None,
@@ -207,7 +207,9 @@ class Proxy:
         # Who may call: named keys, proxy.api_key as "default" (core.keys).
         self._keys = keys if keys is not None else KeyRing(None, api_key)
         self._allowed_origins = allowed_origins
-        self._max_body = max_body_mb * 1024 * 1024
+        # Read per request, so a changed setting applies to the next one.
+        self._max_body_mb = max_body_mb
+        self._upstream_timeout_s = upstream_timeout_s
         self._server_state = server_state
         self._n_slots = n_slots
         self._emit = emit
@@ -233,8 +235,6 @@ class Proxy:
         # prices the cached tokens in X-Warmslot-Est-Saved-Ms (and, read by the cache,
         # explanations and restore decisions).
         self.prefill_rates = prefill_rates if prefill_rates is not None else PrefillRates()
-        # Per request: the session is the upstream's, shared with Warmslot's own calls.
-        self._timeout = aiohttp.ClientTimeout(total=upstream_timeout_s, sock_connect=10)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
@@ -242,9 +242,9 @@ class Proxy:
         # handled, and when the last one ended.
         self._active = 0
         self._last_done = time.monotonic()
-        self.app = web.Application(
-            client_max_size=max_body_mb * 1024 * 1024, middlewares=[self._guard]
-        )
+        # The body limit is `_read_body`'s, read per request; aiohttp's own applies only
+        # to `request.read()`, which the proxy never calls: set to the setting's ceiling.
+        self.app = web.Application(client_max_size=1024 * 1024 * 1024, middlewares=[self._guard])
         for path in JSON_ROUTES:
             self.app.router.add_post(path, self._handle_json)
         for path in GET_ROUTES:
@@ -254,6 +254,10 @@ class Proxy:
         self.app.router.add_get("/metrics", self._handle_metrics)
         self.host = ""
         self.port = 0
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        """One request's limits upstream (proxy.upstream_timeout_s, read each time)."""
+        return aiohttp.ClientTimeout(total=self._upstream_timeout_s(), sock_connect=10)
 
     # -------------------------------------------------------------- lifecycle
     async def start(self, host: str, port: int) -> None:
@@ -421,7 +425,7 @@ class Proxy:
         url = f"{self._upstream.base_url}{request.path_qs}"
         try:
             async with self._upstream.session.get(
-                url, timeout=self._timeout, auto_decompress=False
+                url, timeout=self._timeout(), auto_decompress=False
             ) as resp:
                 body = await resp.read()
                 return web.Response(body=body, status=resp.status, content_type=resp.content_type)
@@ -614,7 +618,7 @@ class Proxy:
         Read into one growing buffer — `json.loads` takes it as it is — instead of
         aiohttp's `read()`, which joins chunks and then copies the result.
         """
-        limit = self._max_body
+        limit = self._max_body_mb() * 1024 * 1024
         too_big = (
             f"request body too large: the limit is {limit // (1024 * 1024)} MiB "
             "(setting proxy.max_body_mb)"
@@ -789,7 +793,7 @@ class Proxy:
             url,
             data=payload,
             headers=headers,
-            timeout=self._timeout,
+            timeout=self._timeout(),
             auto_decompress=False,
         )
 

@@ -85,7 +85,8 @@ class ServerSnapshot(TypedDict):
     port: int | None
     argv: list[str]
     run_id: str
-    restarts: int
+    restarts: int  # crash restarts in a row (for server.max_restarts)
+    recent_restarts: int  # of them, those still recent: 0 once steady (degraded_clear_s)
     no_repack: bool
     api_key_protected: bool  # the key itself is never shown
     binary: BinaryInfo | None  # None before the first resolve

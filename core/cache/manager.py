@@ -128,7 +128,7 @@ class CacheManager:
         s = deps.settings()
         self.clock: Clock = deps.clock
         self.slots = SlotMap(
-            s.server.launch_slots, reserve_aux=s.cache.aux_slot, clock=self.clock.monotonic
+            s.server.launch_slots, reserve_aux=self._aux_slot, clock=self.clock.monotonic
         )
         self.by_fp: dict[str, pfx.PrefixInfo] = {}
         # fingerprint → the user whose request first used the prefix (with API keys per
@@ -253,6 +253,10 @@ class CacheManager:
     @property
     def settings(self) -> Settings:
         return self.deps.settings()
+
+    def _aux_slot(self) -> bool:
+        """cache.aux_slot as it is now (the slot map asks per request)."""
+        return self.settings.cache.aux_slot
 
     @property
     def server(self) -> ServerHandle | None:

@@ -52,7 +52,9 @@ class SlotState:
 @dataclass
 class SlotMap:
     n_slots: int
-    reserve_aux: bool
+    # Whether the last slot is kept for side calls (cache.aux_slot), asked each time:
+    # the setting applies to the next request.
+    reserve_aux: Callable[[], bool]
     clock: Callable[[], float] = time.monotonic
     slots: list[SlotState] = field(default_factory=list)
     sessions: dict[str, int] = field(default_factory=dict)
@@ -67,7 +69,7 @@ class SlotMap:
     @property
     def aux_slot(self) -> int | None:
         """The reserved side-call slot (the last one), or None with fewer than 2 slots."""
-        return self.n_slots - 1 if self.reserve_aux and self.n_slots >= 2 else None
+        return self.n_slots - 1 if self.n_slots >= 2 and self.reserve_aux() else None
 
     @property
     def primary_slots(self) -> list[SlotState]:

@@ -105,7 +105,7 @@ async def learn_identity(mgr: CacheHost) -> None:
     )
     n = int(props.get("total_slots", mgr.settings.server.launch_slots))
     if n != mgr.slots.n_slots:
-        mgr.slots = SlotMap(n, reserve_aux=mgr.settings.cache.aux_slot, clock=mgr.clock.monotonic)
+        mgr.slots = SlotMap(n, reserve_aux=mgr.slots.reserve_aux, clock=mgr.clock.monotonic)
     mgr.disk = disk_tier(mgr, sup.resolved.model.path, patches)
     mgr.probe_suffix = await client.tokenize(PROBE_SUFFIX)
     # Prefixes learned under an older identity are re-fingerprinted for this one.

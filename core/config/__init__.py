@@ -10,25 +10,43 @@ The file carries ``version``; older files are upgraded by `MIGRATIONS` in order.
 The package's modules, by responsibility: `checks` (the validators a field names),
 `sections` (``[server]``, ``[proxy]`` …), `tables` (``[[models]]``, ``[[workers]]``,
 ``[[backends]]``), `schema` (`Settings`, `SettingSpec`, the rules between settings),
-`validate` (a document into `Settings`), `migrations`, `file` (load, save, set one
-value) and `secrets`. Callers import from ``core.config``.
+`validate` (a document into `Settings`), `reading` (the file as it is, each problem
+at its setting), `migrations`, `file` (load, write the changed settings only) and
+`secrets`. Callers import from ``core.config``.
+
+Every setting declares when a change takes effect (`Applies`: at once, when
+llama-server restarts, when Warmslot restarts).
 """
 
 from __future__ import annotations
 
-from core.config.checks import Check
-from core.config.file import default_document, ensure_file, keys_beside, load, save, set_value
+from core.config.checks import Applies, Check
+from core.config.file import (
+    Edit,
+    default_document,
+    edit_file,
+    ensure_file,
+    load,
+    save_changes,
+    set_value,
+)
 from core.config.migrations import MIGRATIONS, SCHEMA_VERSION, Migration, migrate
+from core.config.reading import FileRead, keys_beside, read_file
 from core.config.schema import (
     BACKEND_SCHEMA,
     LIST_SECTIONS,
     PROFILE_SCHEMA,
     SCHEMA,
     WORKER_SCHEMA,
+    Problem,
     Settings,
     SettingSpec,
+    SettingsUpdate,
+    applies_of,
+    changed_settings,
     check_settings,
     iter_specs,
+    settings_problems,
 )
 from core.config.secrets import SECRET_SETTINGS, settings_changes
 from core.config.sections import (
@@ -59,31 +77,41 @@ __all__ = [
     "SECRET_SETTINGS",
     "TTL_CLASSES",
     "WORKER_SCHEMA",
+    "Applies",
     "BackendSettings",
     "CacheSettings",
     "Check",
+    "Edit",
+    "FileRead",
     "Migration",
     "ModelProfile",
     "PoolSettings",
     "PressureSettings",
+    "Problem",
     "ProxySettings",
     "ServerSettings",
     "SettingSpec",
     "Settings",
+    "SettingsUpdate",
     "TelemetrySettings",
     "WorkerSettings",
+    "applies_of",
     "backends_from_list",
+    "changed_settings",
     "check_settings",
     "default_document",
+    "edit_file",
     "ensure_file",
     "iter_specs",
     "keys_beside",
     "load",
     "migrate",
     "profiles_from_list",
-    "save",
+    "read_file",
+    "save_changes",
     "set_value",
     "settings_changes",
     "settings_from_dict",
+    "settings_problems",
     "workers_from_list",
 ]

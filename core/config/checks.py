@@ -9,21 +9,45 @@ from __future__ import annotations
 import ipaddress
 import urllib.parse
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 Check = Callable[[Any], str | None]
+
+
+class Applies(StrEnum):
+    """When a changed setting takes effect. Every setting declares one: the tray's
+    Settings and `warmslot config set` say it, and `Core.update_settings` reports the
+    changed settings that wait for a restart, by kind."""
+
+    LIVE = "live"  # at once: the running Warmslot reads it where it uses it
+    SERVER = "server"  # when llama-server restarts (a launch flag, or read at its start)
+    WARMSLOT = "warmslot"  # when Warmslot itself restarts (read once when it starts)
+
+    @property
+    def words(self) -> str:
+        """ "at once", "when llama-server restarts" or "when Warmslot restarts"."""
+        return _APPLIES_WORDS[self]
+
+
+_APPLIES_WORDS = {
+    Applies.LIVE: "at once",
+    Applies.SERVER: "when llama-server restarts",
+    Applies.WARMSLOT: "when Warmslot restarts",
+}
 
 
 def meta(
     description: str,
     check: Check | None = None,
     *,
-    restart: bool = False,
+    applies: Applies,
     choices: tuple[str, ...] | None = None,
 ) -> dict[str, object]:
-    """A settings field's metadata: its description, check, whether a change needs a
-    restart, and its choices (read by `core.config.schema.section_specs`)."""
-    return {"description": description, "check": check, "restart": restart, "choices": choices}
+    """A settings field's metadata: its description, check, when a change takes effect
+    (declared by every field: there is no default) and its choices (read by
+    `core.config.schema.section_specs`)."""
+    return {"description": description, "check": check, "applies": applies, "choices": choices}
 
 
 def in_range(lo: float | None = None, hi: float | None = None) -> Check:
@@ -109,12 +133,16 @@ def valid_worker_address(v: Any) -> str | None:
     except ValueError:
         pass
     labels = v.split(".")
-    ok = bool(v) and len(v) <= 253 and all(
-        0 < len(label) <= 63
-        and label[0] != "-"
-        and label[-1] != "-"
-        and all(c.isascii() and (c.isalnum() or c == "-") for c in label)
-        for label in labels
+    ok = (
+        bool(v)
+        and len(v) <= 253
+        and all(
+            0 < len(label) <= 63
+            and label[0] != "-"
+            and label[-1] != "-"
+            and all(c.isascii() and (c.isalnum() or c == "-") for c in label)
+            for label in labels
+        )
     )
     return None if ok else "an IPv4 address or a host name such as gpu-box.lan"
 

@@ -1,21 +1,24 @@
-"""The settings file on disk: loading, the commented default file, and writing
-one value (`set_value`) or all of them (`save`) while keeping the file's comments.
+"""The settings file on disk: loading, the commented default file, and writing the
+settings a person changed (`save_changes`, `set_value`) while keeping everything else
+in the file as it was, byte for byte.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tomlkit
-from tomlkit.exceptions import TOMLKitError
 
 from core.config.migrations import SCHEMA_VERSION, migrate
+from core.config.reading import FileRead, read_file, read_text
 from core.config.schema import (
     BACKEND_SCHEMA,
+    LIST_SECTIONS,
     PROFILE_SCHEMA,
     SCHEMA,
     WORKER_SCHEMA,
@@ -24,31 +27,17 @@ from core.config.schema import (
     split_name,
 )
 from core.config.tables import BackendSettings, ModelProfile, WorkerSettings
-from core.config.validate import (
-    backends_from_list,
-    profiles_from_list,
-    settings_from_dict,
-    workers_from_list,
-)
+from core.config.validate import backends_from_list, profiles_from_list, workers_from_list
 from core.errors import ConfigError
 
 
 def load(path: Path) -> Settings:
-    """Load settings from `path`; defaults when it does not exist."""
-    if not path.exists():
-        return Settings()
-    try:
-        raw = tomlkit.parse(path.read_text(encoding="utf-8")).unwrap()
-    except (TOMLKitError, UnicodeDecodeError) as e:
-        raise ConfigError(f"not valid TOML: {e}", file=str(path)) from e
-    return settings_from_dict(
-        migrate(raw, str(path)), path=str(path), keys_path=keys_beside(path)
-    )
-
-
-def keys_beside(config_file: Path) -> Path:
-    """The named API keys' file beside the settings file (core.keys.keys_file)."""
-    return config_file.with_name("keys.toml")
+    """Load settings from `path`; defaults when it does not exist. Raises the file's
+    first problem (`core.config.reading.read_file` lists them all)."""
+    got = read_file(path)
+    if got.settings is None:
+        raise got.problems[0].error
+    return got.settings
 
 
 def default_document() -> tomlkit.TOMLDocument:
@@ -108,61 +97,122 @@ def ensure_file(path: Path) -> None:
         _atomic_write(path, tomlkit.dumps(default_document()))
 
 
-def set_value(path: Path, name: str, value: Any) -> Settings:
-    """Validate and write one setting, keeping the file's comments. Returns the new settings."""
-    spec = SCHEMA.get(name)
-    if spec is None:
-        split_name(name)  # raises the standard unknown-setting error
-        raise AssertionError
-    value = spec.coerce(value, file=str(path))
-    ensure_file(path)
-    doc = tomlkit.parse(path.read_text(encoding="utf-8"))
+def set_value(path: Path, name: str, value: Any) -> FileRead:
+    """Validate and write one setting (`save_changes`); the file as it is afterwards."""
+    return save_changes(path, {name: value})
+
+
+# The lists of tables a change may replace as a whole, and how each is checked and written.
+_TABLES: dict[str, tuple[Callable[..., Sequence[Any]], Callable[[Any], Any]]] = {
+    "models": (profiles_from_list, lambda p: _profile_table(p)),
+    "workers": (workers_from_list, lambda w: _worker_table(w)),
+    "backends": (backends_from_list, lambda b: _backend_table(b)),
+}
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Changes to the settings file, checked and not yet written (`edit_file`)."""
+
+    path: Path
+    before: str | None  # the file's text when it was read (None: there was no file)
+    text: str  # its text with the changes
+    after: FileRead  # the file as it reads with them
+
+    def write(self) -> FileRead:
+        """Write the new text (nothing when it is the same); the file as it reads then.
+        Refused when the file changed since it was read (written by hand meanwhile)."""
+        now = self.path.read_text(encoding="utf-8") if self.path.exists() else None
+        if now != self.before:
+            raise ConfigError(
+                "the settings file changed while the change was made; nothing was written",
+                file=str(self.path),
+                hint="make the change again",
+            )
+        if self.text != self.before:
+            _atomic_write(self.path, self.text)
+        return self.after
+
+
+def save_changes(path: Path, changes: Mapping[str, object]) -> FileRead:
+    """Write `changes` into the settings file and nothing else (`edit_file`); the file
+    as it reads then."""
+    return edit_file(path, changes).write()
+
+
+def edit_file(path: Path, changes: Mapping[str, object]) -> Edit:
+    """`changes` made to the settings file's text, checked, not yet written.
+
+    `changes` maps dotted setting names to values, or ``models`` / ``workers`` /
+    ``backends`` to the whole list of their tables. Every other byte of the file stays
+    as it was (comments, order, values the file has wrong). A missing file starts as the
+    commented default file. Refused with ConfigError when a value is invalid, when the
+    file is not valid TOML or is from a newer Warmslot, or when the result would have a
+    problem at a changed setting or one the file did not have before (a rule between
+    settings the change breaks)."""
+    before = read_file(path)
+    if not before.writable:
+        raise before.problems[0].error
+    values: dict[str, object] = {}
+    for name, value in changes.items():
+        if name in LIST_SECTIONS:
+            values[name] = value
+            continue
+        spec = SCHEMA.get(name)
+        if spec is None:
+            split_name(name)  # raises the standard unknown-setting error
+            raise AssertionError
+        values[name] = spec.coerce(value, file=str(path))
+    text = path.read_text(encoding="utf-8") if before.exists else None
+    doc = tomlkit.parse(text if text is not None else tomlkit.dumps(default_document()))
     migrated = migrate(doc.unwrap(), str(path))
     if migrated.get("version") != doc.get("version", 1):
         doc = tomlkit.parse(tomlkit.dumps(migrated))
-    section, key = name.split(".", 1)
-    if section not in doc:
-        doc.add(section, tomlkit.table())
-    table: Any = doc[section]
-    table[key] = value
-    new = settings_from_dict(doc.unwrap(), path=str(path), keys_path=keys_beside(path))
-    _atomic_write(path, tomlkit.dumps(doc))
-    return new
-
-
-def save(path: Path, settings: Settings) -> None:
-    """Write every value that differs from the file, keeping comments."""
-    ensure_file(path)
-    doc = tomlkit.parse(path.read_text(encoding="utf-8"))
-    for spec in iter_specs():
-        section, key = spec.name.split(".", 1)
-        value = settings.get(spec.name)
+    for name, value in values.items():
+        if name in _TABLES:
+            _replace_tables(doc, name, value, str(path))
+            continue
+        section, key = name.split(".", 1)
         if section not in doc:
             doc.add(section, tomlkit.table())
         table: Any = doc[section]
-        if key not in table or table[key] != value:
-            table[key] = value
-    # Arrays of tables ([[models]], [[workers]], [[backends]]) are rewritten only when
-    # they changed, so a hand-edited file keeps its comments otherwise.
-    tables: list[tuple[str, Callable[..., Any], Sequence[Any], Callable[[Any], Any]]] = [
-        ("models", profiles_from_list, settings.models, _profile_table),
-        ("workers", workers_from_list, settings.workers, _worker_table),
-        ("backends", backends_from_list, settings.backends, _backend_table),
-    ]
-    for name, parse, wanted, to_table in tables:
-        if parse(doc.unwrap().get(name, []), path=str(path)) == wanted:
-            continue
-        if name in doc:
-            del doc[name]
-        if wanted:
-            aot = tomlkit.aot()
-            for item in wanted:
-                aot.append(to_table(item))
-            doc.add(name, aot)
-    settings_from_dict(
-        migrate(doc.unwrap(), str(path)), path=str(path), keys_path=keys_beside(path)
-    )
-    _atomic_write(path, tomlkit.dumps(doc))
+        if not isinstance(table, dict):
+            raise ConfigError(
+                "cannot write into a value that is not a table",
+                file=str(path),
+                key=section,
+                expected=f"a [{section}] table",
+                got=table,
+            )
+        table[key] = value
+    new_text = tomlkit.dumps(doc)
+    after = read_text(new_text, path)
+    known = {p.key for p in before.problems}
+    for problem in after.problems:
+        if problem.key not in known or set(problem.involves) & set(values):
+            raise problem.error
+    return Edit(path, text, new_text, after)
+
+
+def _replace_tables(doc: Any, name: str, wanted: Any, path: str) -> None:
+    """Replace the ``[[name]]`` tables by `wanted`, unless they hold just that already
+    (a hand-edited file keeps its comments then)."""
+    parse, to_table = _TABLES[name]
+    if not isinstance(wanted, list):
+        raise ConfigError("wrong type", file=path, key=name, expected=f"a list of {name}")
+    current = doc.unwrap().get(name, [])
+    try:
+        if parse(current, path=path) == wanted:
+            return
+    except ConfigError:
+        pass  # what the file holds is wrong: replaced
+    if name in doc:
+        del doc[name]
+    if wanted:
+        aot = tomlkit.aot()
+        for item in wanted:
+            aot.append(to_table(item))
+        doc.add(name, aot)
 
 
 def _backend_table(backend: BackendSettings) -> Any:

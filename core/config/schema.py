@@ -6,7 +6,7 @@ and the rules that involve more than one setting (`check_settings`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast, get_type_hints
@@ -14,7 +14,7 @@ from typing import Any, cast, get_type_hints
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
-from core.config.checks import Check, is_loopback
+from core.config.checks import Applies, Check, is_loopback
 from core.config.sections import (
     CacheSettings,
     PoolSettings,
@@ -65,20 +65,42 @@ class Settings:
             check_settings(new)
         return new
 
+    def with_changes(
+        self, changes: Mapping[str, object], *, keys_path: Path | None = None
+    ) -> Settings:
+        """A copy with `changes` (dotted names, or ``models`` / ``workers`` /
+        ``backends`` with their whole list), each value checked, then the rules between
+        settings on the result (`keys_path`: see `check_settings`)."""
+        new = dataclasses.replace(self)
+        for name, value in changes.items():
+            if name in LIST_SECTIONS:
+                setattr(new, name, list(cast(list[Any], value)))
+                continue
+            spec = SCHEMA.get(name)
+            if spec is None:
+                split_name(name)  # raises the standard unknown-setting error
+                raise AssertionError
+            section, key = split_name(name)
+            coerced = spec.coerce(value)
+            setattr(new, section, dataclasses.replace(getattr(new, section), **{key: coerced}))
+        check_settings(new, keys_path=keys_path)
+        return new
+
     def as_dict(self) -> dict[str, dict[str, object]]:
         return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
 class SettingSpec:
-    """One setting: dotted name, type, default, description, validation."""
+    """One setting: dotted name, type, default, description, validation, and when a
+    change takes effect (`applies`)."""
 
     name: str
     type: type
     default: Any
     description: str
     check: Check | None
-    restart: bool
+    applies: Applies
     choices: tuple[str, ...] | None
 
     def expected(self) -> str:
@@ -174,7 +196,7 @@ def section_specs(prefix: str, sect_type: type) -> dict[str, SettingSpec]:
             default=default,
             description=f.metadata["description"],
             check=f.metadata["check"],
-            restart=f.metadata["restart"],
+            applies=f.metadata["applies"],
             choices=f.metadata["choices"],
         )
     return specs
@@ -202,32 +224,144 @@ def iter_specs() -> Iterator[SettingSpec]:
     yield from SCHEMA.values()
 
 
-def check_settings(
+_LIST_SCHEMAS = {"models": PROFILE_SCHEMA, "workers": WORKER_SCHEMA, "backends": BACKEND_SCHEMA}
+_ORDER = (Applies.LIVE, Applies.SERVER, Applies.WARMSLOT)
+
+
+def applies_of(name: str) -> Applies:
+    """When a change to setting `name` takes effect; for a list of tables (``models``,
+    ``workers``, ``backends``), the latest of its fields'."""
+    if name in _LIST_SCHEMAS:
+        return max((s.applies for s in _LIST_SCHEMAS[name].values()), key=_ORDER.index)
+    return SCHEMA[name].applies
+
+
+def changed_settings(old: Settings, new: Settings) -> list[str]:
+    """The settings whose value differs, in declaration order (then the lists of tables)."""
+    names = [n for n in SCHEMA if old.get(n) != new.get(n)]
+    return names + [n for n in LIST_SECTIONS if getattr(old, n) != getattr(new, n)]
+
+
+@dataclass(frozen=True)
+class SettingsUpdate:
+    """`Core.update_settings`'s answer.
+
+    `changed`: the settings whose value the core now uses differs from before (what the
+    change wrote, and anything edited by hand in the file since it was read). `waiting`:
+    those of them that take effect only after a restart, with which (`Applies`).
+    `problems`: what is still wrong in the settings file after the change was written;
+    then nothing was applied, and `changed` and `waiting` are empty.
+    """
+
+    changed: tuple[str, ...] = ()
+    waiting: tuple[tuple[str, Applies], ...] = ()
+    problems: tuple[Problem, ...] = ()
+
+    @property
+    def applied(self) -> bool:
+        return not self.problems
+
+    def waiting_for(self, kind: Applies) -> list[str]:
+        """The changed settings that take effect when `kind` restarts."""
+        return [name for name, k in self.waiting if k is kind]
+
+    @classmethod
+    def between(cls, old: Settings, new: Settings) -> SettingsUpdate:
+        """What changed from `old` to `new`, and what of it waits for a restart."""
+        changed = changed_settings(old, new)
+        waiting = tuple((n, applies_of(n)) for n in changed if applies_of(n) is not Applies.LIVE)
+        return cls(tuple(changed), waiting)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong in the settings: the setting it belongs to (``""`` for the file as
+    a whole), what to tell the user in words, and the error (file, key, expected, got)
+    that `load` raises and the CLI prints. `involves` names every setting a rule between
+    settings reads (the setting itself for a value's own problem); `line` and `column`
+    point into the file where known (broken TOML)."""
+
+    key: str
+    text: str
+    error: ConfigError
+    involves: tuple[str, ...] = ()
+    line: int | None = None
+    column: int | None = None
+
+    @classmethod
+    def of(cls, error: ConfigError, text: str = "") -> Problem:
+        """A value's own problem at the setting its error names; in words, `text` or
+        "Expected …; got …." from the error."""
+        name = error.key or ""
+        if not text:
+            text = (
+                f"Expected {error.expected}; got {error.got!r}."
+                if error.expected is not None
+                else str(error)
+            )
+        return cls(name, text, error, (name,) if name else ())
+
+
+TTL_WORDS = {"ttl_short_s": "short", "ttl_long_s": "long", "ttl_extended_s": "extended"}
+
+
+def settings_problems(
     settings: Settings, *, file: str | None = None, keys_path: Path | None = None
-) -> None:
-    """Rules that involve more than one setting; raises ConfigError. `keys_path`: the
-    named API keys' file (core.keys), which also allows a non-loopback proxy.host."""
+) -> list[Problem]:
+    """The rules that involve more than one setting, each broken one as a `Problem` at
+    every setting it is shown with. `keys_path`: the named API keys' file (core.keys),
+    which also allows a non-loopback proxy.host."""
+    out: list[Problem] = []
     c = settings.cache
     for shorter, longer in (("ttl_short_s", "ttl_long_s"), ("ttl_long_s", "ttl_extended_s")):
-        if getattr(c, shorter) > getattr(c, longer):
-            raise ConfigError(
-                "TTL classes must not shrink: short ≤ long ≤ extended",
-                file=file,
-                key=f"cache.{longer}",
-                expected=f"at least cache.{shorter} ({getattr(c, shorter)} s)",
-                got=getattr(c, longer),
+        low, high = getattr(c, shorter), getattr(c, longer)
+        if low <= high:
+            continue
+        error = ConfigError(
+            "TTL classes must not shrink: short ≤ long ≤ extended",
+            file=file,
+            key=f"cache.{longer}",
+            expected=f"at least cache.{shorter} ({low} s)",
+            got=high,
+        )
+        rule = "the TTL classes go short ≤ long ≤ extended"
+        names = (f"cache.{shorter}", f"cache.{longer}")
+        short_word, long_word = TTL_WORDS[shorter], TTL_WORDS[longer]
+        out.append(
+            Problem(
+                names[0],
+                f"Longer than the {long_word} TTL ({high:,} s): {rule}.",
+                error,
+                names,
             )
+        )
+        out.append(
+            Problem(
+                names[1],
+                f"Shorter than the {short_word} TTL ({low:,} s): {rule}.",
+                error,
+                names,
+            )
+        )
     if settings.backends and (settings.models or settings.workers):
         # Several backends serve the one primary model (docs/scale.md#several-backends).
-        raise ConfigError(
+        error = ConfigError(
             "[[backends]] cannot be combined with [[models]] or [[workers]] yet",
             file=file,
             key="backends",
             expected="no [[models]] and no [[workers]] tables with [[backends]]",
         )
+        out.append(
+            Problem(
+                "backends",
+                "Several backends cannot be combined with [[models]] or [[workers]] yet.",
+                error,
+                ("backends", "models", "workers"),
+            )
+        )
     host = settings.proxy.host
     if not is_loopback(host) and not settings.proxy.api_key and not _named_keys(keys_path):
-        raise ConfigError(
+        error = ConfigError(
             "a proxy reachable from the network needs an API key",
             file=file,
             key="proxy.host",
@@ -236,6 +370,25 @@ def check_settings(
             hint="add a key per user first (`warmslot keys add NAME`) or set proxy.api_key, "
             "or keep proxy.host = 127.0.0.1 (docs/security.md#serving-a-team)",
         )
+        out.append(
+            Problem(
+                "proxy.host",
+                "Reachable from the network only with an API key: set the API key, add a "
+                "key per user (warmslot keys add NAME), or keep 127.0.0.1.",
+                error,
+                ("proxy.host", "proxy.api_key"),
+            )
+        )
+    return out
+
+
+def check_settings(
+    settings: Settings, *, file: str | None = None, keys_path: Path | None = None
+) -> None:
+    """Rules that involve more than one setting (`settings_problems`); raises the first
+    broken one's ConfigError."""
+    if problems := settings_problems(settings, file=file, keys_path=keys_path):
+        raise problems[0].error
 
 
 def _named_keys(keys_path: Path | None) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config.checks import (
+    Applies,
     in_range,
     meta,
     valid_backend_name,
@@ -25,13 +26,16 @@ class ModelProfile:
     """One model of the pool (a ``[[models]]`` table); 0 means "the default" throughout."""
 
     name: str = field(
-        default="", metadata=meta("Name clients send as `model`.", valid_profile_name, restart=True)
+        default="",
+        metadata=meta(
+            "Name clients send as `model`.", valid_profile_name, applies=Applies.WARMSLOT
+        ),
     )
     model: str = field(
         default="",
         metadata=meta(
             "Path to its GGUF. Empty (only for the first 'text' profile): server.model.",
-            restart=True,
+            applies=Applies.WARMSLOT,
         ),
     )
     role: str = field(
@@ -40,7 +44,7 @@ class ModelProfile:
             "'text': agent turns (the first one is the primary server); 'side': auxiliary "
             "calls (titles, summaries) when pool.side_calls is on; 'embedding'.",
             choices=ROLES,
-            restart=True,
+            applies=Applies.WARMSLOT,
         ),
     )
     ttl_s: int = field(
@@ -49,6 +53,7 @@ class ModelProfile:
             "Unload after this many idle seconds; -1 never; 0 the role's default (primary: "
             "never, side: 600, embedding: 300, other text: 1800).",
             valid_ttl,
+            applies=Applies.WARMSLOT,
         ),
     )
     priority: int = field(
@@ -57,15 +62,19 @@ class ModelProfile:
             "Eviction priority, higher stays longer; 0 the role's default (primary 100, "
             "text 80, embedding 50, side 20).",
             in_range(0, 1000),
+            applies=Applies.WARMSLOT,
         ),
     )
     slots: int = field(
-        default=0, metadata=meta("Slots (-np); 0 = server.slots.", in_range(0, 64), restart=True)
+        default=0,
+        metadata=meta("Slots (-np); 0 = server.slots.", in_range(0, 64), applies=Applies.WARMSLOT),
     )
     ctx_per_slot: int = field(
         default=0,
         metadata=meta(
-            "Context per slot; 0 = server.ctx_per_slot.", in_range(0, 1 << 21), restart=True
+            "Context per slot; 0 = server.ctx_per_slot.",
+            in_range(0, 1 << 21),
+            applies=Applies.WARMSLOT,
         ),
     )
     cache_ram_mib: int = field(
@@ -73,21 +82,23 @@ class ModelProfile:
         metadata=meta(
             "Its --cache-ram in MiB; -1 = server.cache_ram_mib.",
             in_range(-1, 1 << 20),
-            restart=True,
+            applies=Applies.WARMSLOT,
         ),
     )
     chat_template_file: str = field(
-        default="", metadata=meta("Its chat template file; empty: the model's.", restart=True)
+        default="",
+        metadata=meta("Its chat template file; empty: the model's.", applies=Applies.WARMSLOT),
     )
     extra_args: list[str] = field(
         default_factory=list,
-        metadata=meta("More llama-server arguments for this model only.", restart=True),
+        metadata=meta("More llama-server arguments for this model only.", applies=Applies.WARMSLOT),
     )
     footprint_mib: int = field(
         default=0,
         metadata=meta(
             "Memory it needs in MiB, overriding the fit planner's estimate; 0 = estimate.",
             in_range(0, 1 << 24),
+            applies=Applies.WARMSLOT,
         ),
     )
 
@@ -103,7 +114,7 @@ class WorkerSettings:
             "Host name or IPv4 address of the worker. llama.cpp's RPC protocol has no "
             "authentication: only on a network you trust (docs/scale.md).",
             valid_worker_address,
-            restart=True,
+            applies=Applies.SERVER,
         ),
     )
     port: int = field(
@@ -111,13 +122,15 @@ class WorkerSettings:
         metadata=meta(
             "Port its ggml-rpc-server listens on (`warmslot worker --port`).",
             in_range(1, 65535),
-            restart=True,
+            applies=Applies.SERVER,
         ),
     )
     name: str = field(
         default="",
         metadata=meta(
-            "Name shown in status and errors; empty: address:port.", valid_worker_name, restart=True
+            "Name shown in status and errors; empty: address:port.",
+            valid_worker_name,
+            applies=Applies.SERVER,
         ),
     )
     layers: int = field(
@@ -126,7 +139,7 @@ class WorkerSettings:
             "Model layers this worker holds; 0: the fit plan decides from its free memory "
             "(a model that fits on the main host then stays there).",
             in_range(0, 1 << 16),
-            restart=True,
+            applies=Applies.SERVER,
         ),
     )
 
@@ -153,7 +166,7 @@ class BackendSettings:
         metadata=meta(
             "Name shown in status, metrics and the X-Warmslot-Backend header.",
             valid_backend_name,
-            restart=True,
+            applies=Applies.WARMSLOT,
         ),
     )
     url: str = field(
@@ -162,14 +175,14 @@ class BackendSettings:
             "Base URL of a remote Warmslot (or any OpenAI-compatible server) serving the same "
             "model; empty: Warmslot launches a llama-server here with the server.* settings.",
             valid_backend_url,
-            restart=True,
+            applies=Applies.WARMSLOT,
         ),
     )
     api_key: str = field(
         default="",
         metadata=meta(
             "The remote's API key (sent as Authorization: Bearer); never shown in status.",
-            restart=True,
+            applies=Applies.WARMSLOT,
         ),
     )
     threads: int = field(
@@ -177,14 +190,14 @@ class BackendSettings:
         metadata=meta(
             "CPU threads of a launched backend (-t); 0: server.threads.",
             in_range(0, 1024),
-            restart=True,
+            applies=Applies.WARMSLOT,
         ),
     )
     extra_args: list[str] = field(
         default_factory=list,
         metadata=meta(
             "More llama-server arguments for a launched backend, after server.extra_args "
-            "(e.g. [\"--device\", \"CUDA1\"] for one backend per GPU).",
-            restart=True,
+            '(e.g. ["--device", "CUDA1"] for one backend per GPU).',
+            applies=Applies.WARMSLOT,
         ),
     )

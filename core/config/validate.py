@@ -5,6 +5,7 @@ the sections key by key, and the lists of tables as a whole (unique names, one p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,9 @@ from core.config.schema import (
     PROFILE_SCHEMA,
     SCHEMA,
     WORKER_SCHEMA,
+    Problem,
     Settings,
-    check_settings,
+    settings_problems,
 )
 from core.config.tables import BackendSettings, ModelProfile, WorkerSettings
 from core.errors import ConfigError
@@ -159,42 +161,69 @@ def backends_from_list(values: Any, *, path: str = "<settings>") -> list[Backend
     return out
 
 
-def settings_from_dict(
+def read_document(
     doc: dict[str, object], *, path: str = "<settings>", keys_path: Path | None = None
-) -> Settings:
-    """Validate a plain dict (already migrated) into `Settings` (`keys_path`: see
-    `check_settings`)."""
+) -> tuple[Settings, list[Problem]]:
+    """Every valid value of a plain dict (already migrated) in `Settings` (defaults for
+    the rest) and every problem, in the document's order, then the rules between
+    settings. A rule is not checked on a setting whose own value is wrong (it would be
+    judged on the default that stands in for it). `keys_path`: see `check_settings`."""
     settings = Settings()
+    problems: list[Problem] = []
+    tables: dict[str, Callable[..., Sequence[object]]] = {
+        "models": profiles_from_list,
+        "workers": workers_from_list,
+        "backends": backends_from_list,
+    }
     for section, values in doc.items():
         if section == "version":
             continue
-        if section == "workers":
-            settings.workers = workers_from_list(values, path=path)
-            continue
-        if section == "backends":
-            settings.backends = backends_from_list(values, path=path)
-            continue
         if section in LIST_SECTIONS:
-            settings.models = profiles_from_list(values, path=path)
+            try:
+                setattr(settings, section, tables[section](values, path=path))
+            except ConfigError as e:
+                problems.append(Problem.of(e))
             continue
         if not isinstance(values, dict) or not hasattr(settings, section):
-            raise ConfigError(
+            unknown = ConfigError(
                 "unknown section",
                 file=path,
                 key=section,
                 expected="one of " + ", ".join(f.name for f in dataclasses.fields(Settings)),
                 got=section,
             )
+            words = f"Not a section of Warmslot's settings: [{section}]."
+            problems.append(Problem.of(unknown, words))
+            continue
         target = getattr(settings, section)
         for key, value in values.items():
             name = f"{section}.{key}"
             if name not in SCHEMA:
-                raise ConfigError(
+                bad = ConfigError(
                     "unknown setting",
                     file=path,
                     key=name,
                     hint="`warmslot config show` lists every setting",
                 )
-            setattr(target, key, SCHEMA[name].coerce(value, file=path))
-    check_settings(settings, file=path, keys_path=keys_path)
+                problems.append(Problem.of(bad, f"Not a setting of this Warmslot: {name}."))
+                continue
+            try:
+                setattr(target, key, SCHEMA[name].coerce(value, file=path))
+            except ConfigError as e:
+                problems.append(Problem.of(e))
+    wrong = {p.key for p in problems}
+    for rule in settings_problems(settings, file=path, keys_path=keys_path):
+        if not wrong.intersection(rule.involves):
+            problems.append(rule)
+    return settings, problems
+
+
+def settings_from_dict(
+    doc: dict[str, object], *, path: str = "<settings>", keys_path: Path | None = None
+) -> Settings:
+    """Validate a plain dict (already migrated) into `Settings` (`keys_path`: see
+    `check_settings`); raises the first problem's ConfigError."""
+    settings, problems = read_document(doc, path=path, keys_path=keys_path)
+    if problems:
+        raise problems[0].error
     return settings

@@ -103,3 +103,16 @@ def failure_reason(lines: list[str]) -> str:
     if not lines:
         return "it exited without any output"
     return f"it exited without an error message (last line: {parse_line(lines[-1]).text})"
+
+
+def crash_cause(lines: list[str]) -> str:
+    """Why llama-server stopped, in words, from its last output lines ("" when they do
+    not say): the reason only, never a raw log line (the log keeps those)."""
+    for line in reversed(lines):
+        lower = line.lower()
+        for needle, reason in _ERROR_HINTS:
+            if needle in lower:
+                return reason
+        if "ggml_assert" in lower or "assertion" in lower:
+            return "an internal check of llama.cpp failed"
+    return ""

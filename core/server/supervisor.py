@@ -177,6 +177,7 @@ class Supervisor:
         self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self.restarts = 0
         self.exits: deque[ServerExited] = deque(maxlen=50)
+        self._ready_at = 0.0  # `_clock()` when it last became ready
         self.no_repack_active = False
         self._proc: asyncio.subprocess.Process | None = None
         self._stop_requested = False
@@ -203,6 +204,13 @@ class Supervisor:
     def api_key(self) -> str | None:
         """The running launch's API key (None while no server runs). Secret: never log it."""
         return self._api_key
+
+    def recent_restarts(self) -> int:
+        """The crash restarts in a row that still make llama-server unsteady: all of them
+        until it has been ready for ``server.degraded_clear_s`` since the last, then 0
+        (`restarts` itself counts on, for `max_restarts`)."""
+        steady = self._clock() - self._ready_at >= self._settings().degraded_clear_s
+        return 0 if self.state is ServerState.READY and steady else self.restarts
 
     def auth_headers(self) -> dict[str, str]:
         """Headers that authenticate a request to the running server (empty when none runs)."""
@@ -262,6 +270,7 @@ class Supervisor:
             "argv": list(self.argv),
             "run_id": self.run_id,
             "restarts": self.restarts,
+            "recent_restarts": self.recent_restarts(),
             "no_repack": self.no_repack_active,
             # Whether the port takes only Warmslot's key; the key itself is never shown.
             "api_key_protected": self._api_key is not None,
@@ -302,6 +311,8 @@ class Supervisor:
         self.state_reason = reason
         if state is ServerState.READY:
             self._ready.set()
+            if previous is not state:
+                self._ready_at = self._clock()
         else:
             self._ready.clear()
         if previous is not state:

@@ -291,14 +291,11 @@ def start_app(qtbot: Any) -> Iterator[Launch]:
 
 @pytest.fixture
 def core(tmp_path: Path) -> Iterator[Any]:
-    """A running core without llama-server: settings go through it to the file."""
-    from core.config import Settings
+    """A running core without llama-server, its settings read from its settings file
+    (the tray's way): changes go through it to the file."""
     from core.engine import Core
-    from core.paths import Paths
 
-    s = Settings()
-    s.proxy.port = 0
-    c = Core(Paths.under(tmp_path / "home"), s)
+    c = Core(prepare(tmp_path / "home"))
     c.start(start_server=False)
     yield c
     c.stop()

@@ -160,8 +160,16 @@ def test_derive_states() -> None:
     low = derive_state(ready_status(), pressure="low")
     assert (low.tray, low.detail) == (TrayState.DEGRADED, "memory pressure is low")
     st = ready_status()
-    st["server"]["restarts"] = 2
-    assert derive_state(st).tray is TrayState.DEGRADED
+    st["server"]["restarts"] = st["server"]["recent_restarts"] = 2
+    crashed = derive_state(st)
+    assert (crashed.tray, crashed.detail) == (
+        TrayState.DEGRADED,
+        "llama-server restarted 2× after crashes",
+    )
+    # Steady again for server.degraded_clear_s: the core counts them no more, the tray
+    # is warm again although the restart counter (for max_restarts) still says 2.
+    st["server"]["recent_restarts"] = 0
+    assert derive_state(st).tray is TrayState.WARM
 
 
 def test_a_lost_rpc_worker_degrades_the_tray_and_a_wait_shows_why() -> None:

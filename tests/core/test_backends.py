@@ -198,7 +198,7 @@ def test_backend_settings_validate_and_round_trip(tmp_path: Path) -> None:
     s = config.settings_from_dict(doc)
     assert [b.name for b in s.backends] == ["gpu1", "box"]
     path = tmp_path / "settings.toml"
-    config.save(path, s)
+    config.save_changes(path, {"backends": s.backends})
     assert config.load(path).backends == s.backends
     launched = server_settings(s.server, s.backends[0])
     assert launched.threads == 4 and launched.port == 0

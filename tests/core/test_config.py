@@ -71,12 +71,12 @@ def test_set_value_keeps_user_comments(tmp_path: Path) -> None:
     )
     write(path, text)
 
-    new = config.set_value(path, "server.slots", 3)
+    new = config.set_value(path, "server.slots", 3).settings
 
     after = path.read_text(encoding="utf-8")
     assert "# my own note at the top" in after
     assert "port = 9000  # my proxy port" in after
-    assert new.server.slots == 3 and new.proxy.port == 9000
+    assert new is not None and new.server.slots == 3 and new.proxy.port == 9000
     assert config.load(path) == new
 
 
@@ -96,7 +96,8 @@ def test_save_writes_changes_and_keeps_comments(tmp_path: Path) -> None:
     s = config.load(path)
     s.server.extra_args = ["--verbose-prompt"]
     s.proxy.api_key = "k1"
-    config.save(path, s)
+    changes = {"server.extra_args": ["--verbose-prompt"], "proxy.api_key": "k1"}
+    assert config.save_changes(path, changes).settings == s
     assert config.load(path) == s
     assert path.read_text(encoding="utf-8").startswith("# keep me\n")
 
@@ -325,7 +326,8 @@ def test_a_network_proxy_with_an_api_key_loads(tmp_path: Path, host: str) -> Non
     # In that order on the command line: the key first, then the address.
     good = tmp_path / "good.toml"
     config.set_value(good, "proxy.api_key", "s3cret")
-    assert config.set_value(good, "proxy.host", host).proxy.host == host
+    after = config.set_value(good, "proxy.host", host).settings
+    assert after is not None and after.proxy.host == host
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
@@ -376,3 +378,206 @@ def test_settings_changes_mask_secrets() -> None:
     changes = config.settings_changes(old, new, ["proxy.api_key", "cache.ttl_short_s"])
     assert changes == (("proxy.api_key", "", "***"), ("cache.ttl_short_s", 300, 600))
     assert "s3cret" not in repr(changes)
+
+
+# ------------------------------------------------------------------ the file as it is
+# A settings file a person wrote: their comments, their binary, model and port.
+USER_FILE = """\
+# my Warmslot settings
+version = 1
+
+[server]
+binary = "/opt/llama/llama-server"  # my build
+model = "/models/coder.gguf"
+
+[proxy]
+port = 9123   # opencode points here
+
+[cache]
+ttl_short_s = 600
+ttl_long_s = 3600  # an hour
+"""
+# One of each kind of problem a file can have, as it appears in USER_FILE.
+BAD_FILES = {
+    "wrong type": ("ttl_short_s = 600", 'ttl_short_s = "two minutes"'),
+    "out of range": ("ttl_short_s = 600", "ttl_short_s = 1"),
+    "unknown key": ("[cache]\n", "[cache]\nttl_shortt_s = 120\n"),
+    "unknown section": ("[cache]\n", "[cahce]\nx = 1\n\n[cache]\n"),
+    "broken TOML": ("port = 9123", "port = 9123 9"),
+}
+
+
+def bad_file(tmp_path: Path, kind: str) -> Path:
+    old, new = BAD_FILES[kind]
+    assert old in USER_FILE
+    return write(tmp_path / "settings.toml", USER_FILE.replace(old, new, 1))
+
+
+@pytest.mark.parametrize("kind", [k for k in BAD_FILES if k != "broken TOML"])
+def test_a_file_with_a_wrong_value_reads_with_its_own_values_and_the_problem_marked(
+    tmp_path: Path, kind: str
+) -> None:
+    """The tray's Settings opened with the defaults when one value was wrong, and its Save
+    then wrote them over the user's binary, model and port."""
+    path = bad_file(tmp_path, kind)
+    got = config.read_file(path)
+    assert got.settings is None and got.writable and not got.ok
+    assert got.values["server.binary"] == "/opt/llama/llama-server"
+    assert got.values["server.model"] == "/models/coder.gguf"
+    assert got.values["proxy.port"] == 9123
+    assert got.values["cache.ttl_long_s"] == 3600
+    (problem,) = got.problems
+    where = {
+        "wrong type": "cache.ttl_short_s",
+        "out of range": "cache.ttl_short_s",
+        "unknown key": "cache.ttl_shortt_s",
+        "unknown section": "cahce",
+    }[kind]
+    assert problem.key == where
+    if where == "cache.ttl_short_s":
+        assert got.problems_at(where) == [problem] and not got.file_problems()
+        assert got.values[where] == 300  # its default stands in
+        assert got.written[where] == ("two minutes" if kind == "wrong type" else 1)
+        assert problem.text == (
+            "Expected an integer; got 'two minutes'."
+            if kind == "wrong type"
+            else "Expected a number ≥ 10; got 1."
+        )
+    else:
+        assert got.file_problems() == [problem]
+        assert where in problem.text and "config" not in problem.text
+    # `load` is the same reading, strict: it raises that problem.
+    with pytest.raises(ConfigError) as e:
+        config.load(path)
+    assert str(e.value) == str(problem.error) and e.value.key == where
+
+
+@pytest.mark.parametrize("kind", list(BAD_FILES))
+def test_saving_a_change_to_a_bad_file_writes_only_that_key(tmp_path: Path, kind: str) -> None:
+    """Every other byte stays — the user's comments, binary, model, port, and the wrong
+    value itself; a file that is not TOML is never written, and says where it broke."""
+    path = bad_file(tmp_path, kind)
+    before = path.read_bytes()
+    if kind == "broken TOML":
+        got = config.read_file(path)
+        assert not got.writable and got.settings is None
+        (problem,) = got.problems
+        assert (problem.line, problem.column) == (9, 13)
+        assert problem.text.startswith(f"{path} is not valid TOML at line 9, column 13")
+        with pytest.raises(ConfigError, match="not valid TOML"):
+            config.save_changes(path, {"cache.ttl_long_s": 7200})
+        assert path.read_bytes() == before
+        return
+    after = config.save_changes(path, {"cache.ttl_long_s": 7200})
+    assert path.read_bytes() == before.replace(
+        b"ttl_long_s = 3600  # an hour", b"ttl_long_s = 7200  # an hour"
+    )
+    assert after.values["cache.ttl_long_s"] == 7200 and len(after.problems) == 1
+    assert (after.values["server.binary"], after.values["server.model"]) == (
+        "/opt/llama/llama-server",
+        "/models/coder.gguf",
+    )
+    assert after.values["proxy.port"] == 9123
+
+
+def test_fixing_the_wrong_value_makes_the_whole_file_valid(tmp_path: Path) -> None:
+    path = bad_file(tmp_path, "wrong type")
+    before = path.read_bytes()
+    after = config.save_changes(path, {"cache.ttl_short_s": 120})
+    assert path.read_bytes() == before.replace(b'"two minutes"', b"120")
+    assert after.ok and after.settings is not None
+    s = after.settings
+    assert (s.server.binary, s.server.model, s.proxy.port) == (
+        "/opt/llama/llama-server",
+        "/models/coder.gguf",
+        9123,
+    )
+    assert s.cache.ttl_short_s == 120 and config.load(path) == s
+
+
+def test_a_change_that_breaks_a_rule_or_is_invalid_writes_nothing(tmp_path: Path) -> None:
+    path = write(tmp_path / "settings.toml", USER_FILE)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError) as e:  # short above long: refused, named at long
+        config.save_changes(path, {"cache.ttl_short_s": 7200})
+    assert e.value.key == "cache.ttl_long_s"
+    with pytest.raises(ConfigError):
+        config.save_changes(path, {"proxy.port": 70000})
+    with pytest.raises(ConfigError, match="unknown setting"):
+        config.save_changes(path, {"proxy.prot": 1})
+    assert path.read_bytes() == before
+    # Both at once hold the rule: written together, and nothing else.
+    config.save_changes(path, {"cache.ttl_short_s": 7200, "cache.ttl_long_s": 10_000})
+    assert path.read_bytes() == before.replace(b"= 600", b"= 7200").replace(
+        b"= 3600  #", b"= 10000  #"
+    )
+
+
+def test_a_rule_is_shown_at_both_settings_in_words(tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "settings.toml", USER_FILE.replace("ttl_short_s = 600", "ttl_short_s = 7200")
+    )
+    got = config.read_file(path)
+    short, long_ = got.problems_at("cache.ttl_short_s"), got.problems_at("cache.ttl_long_s")
+    assert [p.text for p in short] == [
+        "Longer than the long TTL (3,600 s): the TTL classes go short ≤ long ≤ extended."
+    ]
+    assert [p.text for p in long_] == [
+        "Shorter than the short TTL (7,200 s): the TTL classes go short ≤ long ≤ extended."
+    ]
+    assert short[0].involves == long_[0].involves == ("cache.ttl_short_s", "cache.ttl_long_s")
+    # A rule is not judged on a value that is wrong itself (its default stands in).
+    wrong = write(tmp_path / "w.toml", "[cache]\nttl_short_s = 7200\nttl_long_s = 'x'\n")
+    assert [p.key for p in config.read_file(wrong).problems] == ["cache.ttl_long_s"]
+
+
+def test_every_setting_declares_when_it_takes_effect() -> None:
+    """No default kind: a setting that does not say fails at import (`meta` requires
+    `applies`). The ones found wrong before: the upstream timeout and the body limit are
+    read per request now, the side-call slot per request too; the pool's budgets are
+    measured once, when Warmslot starts."""
+    from core.config import BACKEND_SCHEMA, PROFILE_SCHEMA, WORKER_SCHEMA, Applies
+    from core.config.checks import meta
+
+    with pytest.raises(TypeError):
+        meta("no kind")  # type: ignore[call-arg]
+    for schema in (SCHEMA, PROFILE_SCHEMA, WORKER_SCHEMA, BACKEND_SCHEMA):
+        for name, spec in schema.items():
+            assert isinstance(spec.applies, Applies), name
+    kinds = {n: s.applies for n, s in SCHEMA.items()}
+    for name in ("proxy.upstream_timeout_s", "proxy.max_body_mb", "cache.aux_slot"):
+        assert kinds[name] is Applies.LIVE, name
+    for name in ("server.model", "server.binary", "server.ctx_per_slot", "cache.persist"):
+        assert kinds[name] is Applies.SERVER, name
+    for name in ("pool.vram_budget_mib", "pool.ram_budget_mib", "pool.ram_floor_mib"):
+        assert kinds[name] is Applies.WARMSLOT, name
+    assert config.applies_of("models") is Applies.WARMSLOT
+    assert config.applies_of("workers") is Applies.SERVER
+    assert Applies.SERVER.words == "when llama-server restarts"
+
+
+def test_update_settings_on_a_stopped_core_writes_the_edited_key_only(tmp_path: Path) -> None:
+    """`Core.update_settings` takes the edited settings (not a whole Settings): the file
+    keeps the rest; the core uses the file once the whole of it is valid."""
+    from core.config import Applies
+    from core.engine import Core
+    from core.paths import Paths
+
+    paths = Paths.under(tmp_path / "home")
+    path = paths.config_file
+    write(path, USER_FILE.replace("ttl_short_s = 600", 'ttl_short_s = "two minutes"'))
+    core = Core(paths, Settings())  # what the tray holds while the file is invalid
+    before = path.read_bytes()
+    update = core.update_settings({"cache.ttl_long_s": 7200}).result(10)
+    assert not update.applied and [p.key for p in update.problems] == ["cache.ttl_short_s"]
+    assert path.read_bytes() == before.replace(b"= 3600", b"= 7200")
+    assert core.settings == Settings()  # nothing applied from an invalid file
+    update = core.update_settings({"cache.ttl_short_s": 120}).result(10)
+    assert update.applied
+    assert (core.settings.server.model, core.settings.proxy.port) == ("/models/coder.gguf", 9123)
+    assert update.waiting_for(Applies.SERVER) == ["server.binary", "server.model"]
+    assert "proxy.port" in update.changed and "cache.ttl_short_s" in update.changed
+    # Without persist: the running settings change, the file does not.
+    written = path.read_bytes()
+    core.update_settings({"cache.ttl_short_s": 90}, persist=False).result(10)
+    assert core.settings.cache.ttl_short_s == 90 and path.read_bytes() == written

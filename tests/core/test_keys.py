@@ -141,7 +141,7 @@ def test_the_api_key_is_masked_in_setting_changes() -> None:
 
 # ------------------------------------------------------------------ fair share: slots
 def test_a_user_within_their_share_keeps_their_slot() -> None:
-    slots = SlotMap(n_slots=4, reserve_aux=True, clock=iter(range(1, 100)).__next__)
+    slots = SlotMap(n_slots=4, reserve_aux=lambda: True, clock=iter(range(1, 100)).__next__)
     # alice's session holds slot 0; bob fills the other two agent slots
     assert slots.pick("alice/a1", "agent", owner="alice")[0] == 0
     slots.pick("bob/b1", "agent", owner="bob")
@@ -159,7 +159,7 @@ def test_a_user_within_their_share_keeps_their_slot() -> None:
 
 
 def test_without_keys_the_least_recently_used_slot_goes() -> None:
-    slots = SlotMap(n_slots=3, reserve_aux=True)
+    slots = SlotMap(n_slots=3, reserve_aux=lambda: True)
     slots.pick("a", "agent")
     slots.pick("b", "agent")
     slots.slots[0].last_used, slots.slots[1].last_used = 1.0, 2.0

@@ -42,7 +42,7 @@ def test_models_tables_load_validate_and_save_round_trip(tmp_path: Path) -> None
     assert [m.name for m in s.models] == ["coder", "titles"]
     assert s.pool.side_calls and s.pool.ram_budget_mib == 8192
     s.models.append(ModelProfile(name="embed", model="/models/e.gguf", role="embedding"))
-    config.save(path, s)
+    config.save_changes(path, {"models": s.models})
     again = config.load(path)
     assert again.models == s.models
     assert "# my own comment" in path.read_text()

@@ -147,8 +147,8 @@ async def rig() -> AsyncIterator[Rig]:
         n_slots=lambda: 2,
         emit=emit,
         api_key=lambda: "",
-        max_body_mb=1,
-        upstream_timeout_s=60,
+        max_body_mb=lambda: 1,
+        upstream_timeout_s=lambda: 60,
         status=status,
     )
     await proxy.start("127.0.0.1", 0)
@@ -478,8 +478,8 @@ async def test_not_ready_upstream_gets_503_and_nothing_is_forwarded() -> None:
         n_slots=lambda: 2,
         emit=lambda e: None,
         api_key=lambda: "",
-        max_body_mb=1,
-        upstream_timeout_s=60,
+        max_body_mb=lambda: 1,
+        upstream_timeout_s=lambda: 60,
         status=lambda: asyncio.sleep(0, {}),
     )
     await proxy.start("127.0.0.1", 0)

@@ -22,8 +22,8 @@ def make_proxy() -> Proxy:
         n_slots=lambda: 2,
         emit=lambda e: None,
         api_key=lambda: "",
-        max_body_mb=1,
-        upstream_timeout_s=5.0,
+        max_body_mb=lambda: 1,
+        upstream_timeout_s=lambda: 5.0,
         status=_no_status,
     )
 

@@ -14,7 +14,7 @@ def _held(m: SlotMap, slot: int, session: str, fp: str, tokens: int) -> None:
 
 
 def test_new_session_goes_where_its_prefix_is_when_it_cannot_be_restored() -> None:
-    m = SlotMap(3, reserve_aux=True)  # slots 0 and 1 for agents, 2 for side calls
+    m = SlotMap(3, reserve_aux=lambda: True)  # slots 0 and 1 for agents, 2 for side calls
     _held(m, 0, "A", "fp-shared", 15_000)
     # The prefix is not saved: B takes A's idle slot, which holds it, not the empty one.
     slot, why = m.pick("B", "agent", {0}, displace=True)
@@ -26,12 +26,12 @@ def test_new_session_goes_where_its_prefix_is_when_it_cannot_be_restored() -> No
 
 
 def test_new_session_prefers_a_free_slot_and_never_displaces_unless_asked() -> None:
-    m = SlotMap(3, reserve_aux=True)
+    m = SlotMap(3, reserve_aux=lambda: True)
     _held(m, 0, "A", "fp-shared", 15_000)
     # Saved on disk (or short): the empty slot, where the prefix is restored.
     assert m.pick("B", "agent", {0}, displace=False)[0] == 1
     # A free slot that holds the prefix beats the LRU rule.
-    m2 = SlotMap(3, reserve_aux=True)
+    m2 = SlotMap(3, reserve_aux=lambda: True)
     _held(m2, 0, "A", "fp-other", 900)
     _held(m2, 1, "C", "fp-shared", 15_000)
     m2.release("C")
@@ -41,7 +41,7 @@ def test_new_session_prefers_a_free_slot_and_never_displaces_unless_asked() -> N
 
 
 def test_busy_slot_is_never_taken() -> None:
-    m = SlotMap(3, reserve_aux=True)
+    m = SlotMap(3, reserve_aux=lambda: True)
     _held(m, 0, "A", "fp-shared", 15_000)
     m.begin(0)  # A's request is running
     assert m.pick("B", "agent", {0}, displace=True)[0] == 1

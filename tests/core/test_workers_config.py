@@ -94,12 +94,12 @@ def test_save_writes_workers_and_loads_them_back(tmp_path: Path) -> None:
     path = tmp_path / "warmslot.toml"
     s = Settings()
     s.workers = [WorkerSettings(address="127.0.0.1", port=50100, name="left", layers=2)]
-    config.save(path, s)
+    config.save_changes(path, {"workers": s.workers})
     text = path.read_text(encoding="utf-8")
     assert "[[workers]]" in text
     assert config.load(path).workers == s.workers
     # Removing them removes the tables; other settings stay as they were.
     s.workers = []
-    config.save(path, s)
+    config.save_changes(path, {"workers": s.workers})
     assert "[[workers]]" not in path.read_text(encoding="utf-8")
     assert config.load(path) == Settings()

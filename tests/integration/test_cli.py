@@ -237,6 +237,9 @@ def test_serve_status_requests_and_sigint(
     assert "sessions (last hour):" in human.stdout and "cli-session-1" in human.stdout
     changed = cli(tiny_home, "config", "set", "cache.ttl_short_s", "600")
     assert f"a running Warmslot, pid {proc.pid}, has the old value" in changed.stdout
+    assert "changed in the tray's Settings it applies at once" in changed.stdout
+    slots = cli(tiny_home, "config", "set", "server.slots", "2")
+    assert "it applies when llama-server restarts" in slots.stdout
 
     # A second instance on the same port says so clearly and exits 1.
     second = cli(tiny_home, "serve", "--port", str(port), timeout=60)
