@@ -49,7 +49,6 @@ from core.proxy_errors import auth_response, error_response, invalid_response
 from core.proxy_headers import (
     PrefillRates,
     Reuse,
-    StreamNumbers,
     cache_headers,
     reuse_from,
     reuse_in_body,
@@ -668,7 +667,9 @@ class Proxy:
                     )
         req.raw_body = None
         if generation:
-            stream_body(req.body)  # the first streamed event carries the reuse numbers
+            # The first streamed event carries the reuse numbers; what the client did not
+            # ask for is taken out again on the way back.
+            req.strip_timings = stream_body(req.endpoint, req.body)
         return await self._forward(request, req, t0)
 
     async def _forward(
@@ -807,10 +808,8 @@ class Proxy:
         response = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        opening: StreamNumbers | None = StreamNumbers()
-        reuse: Reuse | None = None
-        held: list[bytes] = []
-        scanner = SSEScanner()
+        scanner = SSEScanner(strip_timings=req.strip_timings)
+        held: list[bytes] = []  # what came before the headers could go
         ttfb: float | None = None
         status = 200
         error = ""
@@ -818,17 +817,16 @@ class Proxy:
             async for chunk in up.content.iter_any():
                 if ttfb is None:
                     ttfb = (time.perf_counter() - t0) * 1000
-                scanner.feed(chunk)
-                if opening is not None:
-                    held.append(chunk)
-                    if not opening.feed(chunk):
-                        continue
-                    chunk, held = b"".join(held), []
-                    reuse, opening = opening.reuse, None
+                out = scanner.feed(chunk)
                 try:
                     if not response.prepared:
-                        await self._open_stream(request, req, response, reuse)
-                    await response.write(chunk)
+                        held.append(out)
+                        if not scanner.ready:
+                            continue
+                        out, held = b"".join(held), []
+                        await self._open_stream(request, req, response, scanner.opening)
+                    if out:
+                        await response.write(out)
                 except (ConnectionError, RuntimeError) as e:
                     up.close()  # the client went away, not llama-server
                     raise _ClientGone from e
@@ -840,9 +838,10 @@ class Proxy:
             event = {
                 "error": {"message": f"Warmslot: {error}", "type": "server_error", "code": 502}
             }
-            held.append(f"data: {json.dumps(event)}\n\n".encode())
-        if opening is not None:  # the stream ended (or broke) before its first numbers
-            reuse = opening.reuse or reuse_from({"timings": scanner.timings})
+            held.append(scanner.flush() + f"data: {json.dumps(event)}\n\n".encode())
+        held.append(scanner.flush())
+        if not response.prepared:  # the stream ended (or broke) before its first numbers
+            reuse = scanner.opening or reuse_from({"timings": scanner.timings})
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await self._open_stream(request, req, response, reuse)
         with contextlib.suppress(ConnectionError, RuntimeError):

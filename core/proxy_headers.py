@@ -83,37 +83,6 @@ def reuse_from(obj: object) -> Reuse | None:
     return None
 
 
-class StreamNumbers:
-    """Finds the first reuse numbers in an SSE stream's opening bytes (see `feed`)."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self.reuse: Reuse | None = None
-        self.held = 0
-
-    def feed(self, chunk: bytes) -> bool:
-        """Look at the next chunk; True once the headers can go: a chunk completed an
-        event (llama-server writes all the events of its first result at once, so numbers
-        not in it are not coming soon), or `HOLD_MAX_BYTES` are held. `reuse` holds the
-        numbers when one of its events had them."""
-        self.held += len(chunk)
-        data = self._buf + chunk
-        lines = data.split(b"\n")
-        self._buf = lines.pop()
-        complete = False
-        for line in lines:
-            if not line.startswith(b"data: "):
-                continue
-            complete = True
-            if self.reuse is not None or (b'"timings"' not in line and b'"usage"' not in line):
-                continue
-            try:
-                self.reuse = reuse_from(json.loads(line[6:]))
-            except ValueError:
-                continue
-        return complete or self.held >= HOLD_MAX_BYTES
-
-
 class PrefillRate:
     """Milliseconds per token of cold prefills seen so far (one model's): what reading the
     cached tokens again would have cost. None until one cold prefill was measured.
@@ -154,12 +123,15 @@ class PrefillRates:
         return rate.ms_per_token if rate is not None else None
 
 
-def stream_body(body: MutableMapping[str, object]) -> None:
+def stream_body(endpoint: str, body: MutableMapping[str, object]) -> bool:
     """Ask llama-server for `timings` in every streamed event — the first one is what the
-    headers need — unless the client said otherwise. The final event of a llama-server
-    stream already carries `timings`, so clients that work with it ignore the field."""
-    if body.get("stream"):
-        body.setdefault("timings_per_token", True)
+    headers need — when the client did not say; True when it was asked here, so that the
+    proxy takes them out again (`core.proxy_stream.SSEScanner`). The Anthropic stream
+    needs none: its ``message_start`` carries ``usage``."""
+    if not body.get("stream") or endpoint == "messages" or "timings_per_token" in body:
+        return False
+    body["timings_per_token"] = True
+    return True
 
 
 def cache_headers(

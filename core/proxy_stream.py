@@ -4,20 +4,47 @@ body, the reuse numbers of an Anthropic or Responses `usage`, an upstream error'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import Any
 
 from core import apis
+from core.proxy_headers import HOLD_MAX_BYTES, Reuse, reuse_from
+
+# The event of a stream's last result, which carries `timings` even without
+# ``timings_per_token``: a chat chunk with a finish reason, a raw completion's
+# ``"stop": true``, the Responses API's ``response.completed`` (measured on the pinned
+# llama-server, docs/llama-server-facts.md#streamed-timings).
+_FINAL = re.compile(rb'"finish_reason":\s*"|"stop":\s*true|"type":\s*"response\.completed"')
+_TIMINGS = re.compile(rb',?\s*"timings":\s*\{[^{}]*\}')
+
+
+def _without_timings(line: bytes) -> bytes:
+    """An event line without its `timings` object (flat: numbers only), and without the
+    comma that led to it."""
+    out = _TIMINGS.sub(b"", line, count=1)
+    return out.replace(b"{,", b"{", 1) if out.startswith(b"data: {,") else out
 
 
 class SSEScanner:
-    """Finds `timings` (and `id_slot`) in an SSE stream without buffering it.
+    """The one reader of a streamed answer: passes its bytes on event line by event line
+    and notes, without parsing every event, what the proxy needs of it.
 
-    With ``timings_per_token`` every event carries `timings`: only the last such line is
-    kept, and parsed when asked for (`timings`, `id_slot`)."""
+    `feed` returns the bytes to send the client now: every complete line (a partial one
+    waits for its end; llama-server writes whole events, so nothing is held in practice).
+    With `strip_timings` — the proxy asked for ``timings_per_token`` only to learn the
+    reuse numbers early — each event's `timings` is taken out again except in the
+    stream's last result, where llama-server sends it anyway: the client receives what
+    llama-server would have sent it (docs/cache.md#response-headers).
 
-    def __init__(self) -> None:
+    Noted: the first reuse numbers (`opening`, for the headers; `ready` once a chunk
+    completed an event or `HOLD_MAX_BYTES` are held), the last line with `timings`
+    (parsed when asked: `timings`, `id_slot`), the last `usage` lines and an error event.
+    """
+
+    def __init__(self, *, strip_timings: bool = False) -> None:
+        self._strip = strip_timings
         self._tail = b""
         self._last = b""  # the last event line with `timings`, unparsed
         self._parsed: tuple[bytes, dict[str, Any]] | None = None
@@ -26,28 +53,56 @@ class SSEScanner:
         # event lines with input and with output token `usage`, unparsed.
         self._usage_in = b""
         self._usage_out = b""
+        self.opening: Reuse | None = None  # the first reuse numbers seen
+        self.ready = False  # the headers can go (see the class doc)
+        self.held = 0  # bytes fed before `ready`
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bytes:
+        """Read the next chunk; the bytes to pass on now."""
         data = self._tail + chunk
-        lines = data.split(b"\n")
-        self._tail = lines.pop()
-        for line in lines:
+        cut = data.rfind(b"\n") + 1
+        self._tail = data[cut:]
+        if not self.ready:
+            self.held += len(chunk)
+        if not cut:
+            self.ready = self.ready or self.held >= HOLD_MAX_BYTES
+            return b""
+        lines = data[:cut].split(b"\n")
+        lines.pop()  # after the last newline: empty
+        complete = False
+        for k, line in enumerate(lines):
+            if not line.startswith(b"data: "):
+                continue
+            complete = True
             if not line.startswith(b"data: {"):
                 continue
             if b'"error"' in line:
                 try:
                     obj = json.loads(line[6:])
                 except ValueError:
-                    continue
-                if isinstance(obj.get("error"), dict):
+                    obj = None
+                if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
                     self.upstream_error = str(obj["error"].get("message", ""))
-            if b'"timings"' in line:
+            has_timings = b'"timings"' in line
+            if has_timings:
                 self._last = line
             if b'"usage"' in line:
                 if b'"input_tokens"' in line:
                     self._usage_in = line
                 if b'"output_tokens"' in line:
                     self._usage_out = line
+            if self.opening is None and (has_timings or b'"usage"' in line):
+                with contextlib.suppress(ValueError):
+                    self.opening = reuse_from(json.loads(line[6:]))
+            if has_timings and self._strip and not _FINAL.search(line):
+                lines[k] = _without_timings(line)
+        self.ready = self.ready or complete or self.held >= HOLD_MAX_BYTES
+        return b"\n".join(lines) + b"\n"
+
+    def flush(self) -> bytes:
+        """What is left at the end of the stream (an unfinished last line, as it came)."""
+        tail, self._tail = self._tail, b""
+        return tail
 
     def _last_event(self) -> dict[str, Any]:
         if self._parsed is None or self._parsed[0] is not self._last:

@@ -56,6 +56,9 @@ class ProxyRequest:
     # The part of its own prompt the cache read into its slot just before it (its stable
     # prefix alone, for a checkpoint there: core.cache.boundary); counted as its prefill.
     split: Timings | None = None
+    # The proxy asked for `timings` in every streamed event (for the headers' numbers):
+    # they are taken out of the stream again (core.proxy_stream.SSEScanner).
+    strip_timings: bool = False
     # Returns once the client has hung up (the proxy's watch of its socket): long work
     # done for the request before it is forwarded stops then.
     gone: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)

@@ -210,7 +210,15 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 FIRST = sse({"choices": [{"index": 0, "delta": {"content": "Hel"}}]})
-LAST = sse({"choices": [{"index": 0, "delta": {}}], "id_slot": 0, "timings": TIMINGS})
+# As llama-server ends a chat stream: a finish reason, then `timings` (sent whether or
+# not timings_per_token was asked for).
+LAST = sse(
+    {
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        "id_slot": 0,
+        "timings": TIMINGS,
+    }
+)
 
 
 def streaming(release: asyncio.Event) -> Handler:
@@ -506,3 +514,45 @@ async def test_upstream_client_follows_the_servers_address() -> None:
     assert second is not None and second.base_url == "http://127.0.0.1:1002"
     await upstream.close()
     assert upstream.client() is None and upstream.closed
+
+
+def per_token(release: asyncio.Event) -> Handler:
+    """A stream as llama-server sends it with timings_per_token: `timings` in every event."""
+
+    async def handler(request: web.BaseRequest, body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        partial = {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}
+        await resp.write(sse({**partial, "timings": TIMINGS}))
+        await release.wait()
+        await resp.write(LAST + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("asked", [None, True])
+async def test_a_stream_reaches_the_client_as_llama_server_would_have_sent_it(
+    rig: Rig, asked: bool | None
+) -> None:
+    """The proxy asks for timings_per_token to learn a stream's reuse numbers from its
+    first event (the headers need them) and takes them out of every event but the last
+    one again — unless the client asked for them itself."""
+    release = asyncio.Event()
+    rig.fake.handler = per_token(release)
+    body = chat(stream=True)
+    if asked is not None:
+        body["timings_per_token"] = asked
+    async with rig.client.post(rig.url + CHAT, json=body) as resp:
+        assert resp.headers["X-Warmslot-Cached-Tokens"] == "90"  # from the first event
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), WAIT_S)
+        release.set()
+        rest = await asyncio.wait_for(resp.read(), WAIT_S)
+    assert rig.fake.received[0][1]["timings_per_token"] is True
+    event = json.loads(first[len(b"data: ") :])
+    assert ("timings" in event) is bool(asked)
+    assert event["choices"][0]["delta"] == {"content": "Hel"}
+    assert rest == LAST + b"data: [DONE]\n\n"  # the last result keeps its timings
+    rec = await rig.next_record()
+    assert (rec.cache_n, rec.prompt_n) == (90, 10)

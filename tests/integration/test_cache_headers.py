@@ -117,8 +117,12 @@ def test_streamed_headers_leave_with_the_first_event_and_match_the_last(core: Co
     assert h["X-Warmslot-Request-Id"] and h["X-Warmslot-Session"] == "hdr-1"
     # The first event was written right behind the headers, not after the generation.
     assert 0 <= gap < 1.0, gap
-    # Every event is still the OpenAI chunk the client expects.
+    # Every event is still the OpenAI chunk the client expects, as llama-server sends it
+    # to a client that did not ask for timings_per_token: `timings` only in the last
+    # result (the chunk with the finish reason).
     assert all(e["object"] == "chat.completion.chunk" for e in events)
+    with_timings = [e for e in events if "timings" in e]
+    assert len(with_timings) == 1 and with_timings[0]["choices"][0]["finish_reason"]
     assert (
         "".join((e["choices"][0]["delta"].get("content") or "") for e in events if e["choices"])
         is not None
