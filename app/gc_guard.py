@@ -1,19 +1,30 @@
-"""Python's cyclic garbage collector, run on the GUI thread only.
+"""Python's cyclic garbage collector, run on the GUI thread only; and a check that the
+Qt binding keeps Python's reference counts.
 
 Automatic collection runs in whichever thread happens to allocate when a threshold
 is crossed — often the core's asyncio thread, which allocates the most. A Qt object
-caught in a reference cycle is then deleted on that thread, which Qt does not allow
-and which can crash the process (the tests' conftest collects between tests for the
-same reason; issue 18 saw "Fatal Python error: bool_dealloc" on quit). So the tray
+caught in a reference cycle would then be deleted on that thread, which Qt does not
+allow (the tests' conftest collects between tests for the same reason). So the tray
 switches automatic collection off and collects from a GUI-thread timer instead, by
 the same thresholds.
+
+The "Fatal Python error: bool_dealloc" (and ``none_dealloc``) seen on quitting came
+from elsewhere: PySide6 6.12.0 on CPython 3.11 releases a reference to None on every
+call of a method that returns nothing, and one to True on every ``Signal.emit()``.
+On 3.12 and later None and True are immortal and the stray releases are harmless; on
+3.11 their counts run down until one reaches zero — usually while the collector or
+the interpreter's exit frees the last real owners. `reference_leaks` measures it, the
+tray warns at start when the installed binding does it, and the ``gui`` extra keeps
+Python 3.11 on PySide6 6.11, which does not (docs/gui.md#quitting-and-relaunching).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import sys
 
-from app.qt import QObject, QTimer
+from app.qt import QObject, QtCore, QTimer, Signal
 
 INTERVAL_MS = 500
 
@@ -47,3 +58,43 @@ class GuiThreadCollector(QObject):
         gc.collect()
         if self._was_enabled:
             gc.enable()
+
+
+class _Probe(QObject):
+    ping = Signal()
+
+
+def reference_leaks(calls: int = 50) -> str:
+    """What the Qt binding releases without owning it, in words ("" when nothing).
+
+    Calls a method that returns nothing and emits a signal `calls` times each and
+    compares the reference counts of None and True before and after; what the binding
+    took is given back afterwards, so the check itself costs nothing."""
+    probe = _Probe()
+    probe.ping.connect(_ignore)
+    counted: list[tuple[str, object, int]] = []
+    for what, obj, action in (
+        ("None per call of a method that returns nothing", None, lambda: probe.setObjectName("p")),
+        ("True per Signal.emit()", True, probe.ping.emit),
+    ):
+        before = sys.getrefcount(obj)
+        for _ in range(calls):
+            action()
+        lost = before - sys.getrefcount(obj)
+        for _ in range(max(0, lost)):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+        counted.append((what, obj, lost))
+    probe.deleteLater()
+    leaks = [what for what, _obj, lost in counted if lost >= calls // 2]
+    if not leaks:
+        return ""
+    return (
+        f"PySide6 {QtCore.__version__} on Python {sys.version_info.major}."
+        f"{sys.version_info.minor} releases a reference to " + " and to ".join(leaks) + "; "
+        "the tray dies once a count reaches zero (bool_dealloc). Install PySide6 6.11: "
+        "pip install 'PySide6-Essentials<6.12' 'PySide6-Addons<6.12'"
+    )
+
+
+def _ignore() -> None:
+    return None

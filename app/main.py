@@ -1,9 +1,12 @@
 """`warmslot-tray`: the tray app (or, without a system tray, the dashboard window).
 
 Startup: QApplication → single instance (a second launch asks the first to open
-its dashboard and exits) → settings → Core with the prefix-cache manager →
-bridge, controller, tray or dashboard → the core thread starts in the
-background. Quitting stops the core on a worker thread, then leaves the loop.
+its dashboard and exits; one that finds the first stopping waits for it to exit and
+then starts) → settings → Core with the prefix-cache manager → bridge, controller,
+tray or dashboard → the core thread starts in the background. Quitting shows
+"Stopping…" (the tray icon stays; without a tray a small window says it), stops the
+core on a worker thread — requests under way finish, sessions are saved — and only
+then gives up the single-instance socket and leaves the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from app.client_setup import ClientSetupDialog
 from app.controller import Controller
 from app.dashboard import Dashboard, ViewContext
 from app.dialogs import text_box
-from app.gc_guard import GuiThreadCollector
+from app.gc_guard import GuiThreadCollector, reference_leaks
 from app.menu import (
     CANCEL_BUILD,
     CHOOSE_MODEL,
@@ -50,6 +53,20 @@ from core.paths import Paths
 
 log = logging.getLogger("warmslot.gui")
 APP_NAME = "Warmslot"
+STOPPING_TEXT = "Warmslot is stopping: finishing requests and saving sessions"
+
+
+def stopping_window(text: str) -> QtWidgets.QProgressDialog:
+    """Without a tray, the one sign of a Warmslot that is quitting: a small busy window
+    with no buttons (closing it changes nothing; the process ends when the core has)."""
+    dlg = QtWidgets.QProgressDialog(text, "", 0, 0)
+    dlg.setWindowTitle(f"{APP_NAME} — Stopping…")
+    dlg.setCancelButton(None)
+    dlg.setMinimumDuration(0)
+    dlg.setAutoClose(False)
+    dlg.setAutoReset(False)
+    dlg.show()
+    return dlg
 
 
 def policy_factory() -> Any:
@@ -95,6 +112,8 @@ class App(QObject):
         self.paths = paths
         self.single = single
         self.finished = False
+        self.stopping = False  # Quit was chosen: nothing but the shutdown runs any more
+        self.stopping_window: QtWidgets.QProgressDialog | None = None
         self._exit_loop = exit_loop or qapp.quit
         paths.ensure()
         config_mod.ensure_file(paths.config_file)
@@ -118,7 +137,7 @@ class App(QObject):
         self.logs_box: QtWidgets.QMessageBox | None = None
         self.model_chooser: ModelChooser | None = None
         self.client_setup: ClientSetupDialog | None = None
-        self.handlers: dict[str, Callable[[], object]] = {
+        actions: dict[str, Callable[[], object]] = {
             START: self.controller.start_all,
             STOP: self.controller.stop,
             RESTART: self.controller.restart,
@@ -132,6 +151,9 @@ class App(QObject):
             CLIENT_SETUP: self.open_client_setup,
             QUIT: self.quit,
         }
+        self.handlers: dict[str, Callable[[], object]] = {
+            name: self._unless_stopping(fn) for name, fn in actions.items()
+        }
         self.tray: Tray | None = None
         # Quitting always goes through `quit` (the core must stop first), never Qt's
         # "last window closed".
@@ -139,6 +161,7 @@ class App(QObject):
         if tray_available:
             self.tray = Tray(self.controller, self.handlers, self)
         single.messageReceived.connect(self._message)
+        single.relaunchWaiting.connect(self._relaunch_waiting)
         if self.tray is None or open_dashboard:
             self.open_dashboard()
         if self.config_error:
@@ -253,33 +276,69 @@ class App(QObject):
         return False
 
     def _message(self, text: str) -> None:
-        if text.strip() == "open-dashboard":
+        if text.strip() == "open-dashboard" and not self.stopping:
             self.open_dashboard()
+
+    def _unless_stopping(self, fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            return None if self.stopping else fn()
+
+        return run
 
     # ------------------------------------------------------------ quitting
     def quit(self) -> None:
-        """Stop the core off the GUI thread, then leave the event loop."""
+        """Say "Stopping…", stop the core off the GUI thread, then leave the event loop.
+
+        Until the core has stopped the tray icon stays (it says Stopping…, its menu
+        offers nothing), the windows are gone, and a new launch is told to wait for this
+        process instead of being handed its dashboard (`SingleInstance.set_stopping`)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.single.set_stopping()
         if self.dashboard is not None:
             self.dashboard.save_geometry()
+        for win in (self.settings_dialog, self.model_chooser, self.client_setup, self.dashboard):
+            if win is not None:
+                win.hide()
+        if self.tray is not None:
+            self.tray.show_stopping()
+        else:
+            self.stopping_window = stopping_window(STOPPING_TEXT)
         self.controller.shutdown(self._finish)
+
+    def _relaunch_waiting(self) -> None:
+        text = f"{STOPPING_TEXT}; Warmslot starts again once this has stopped"
+        if self.tray is not None:
+            self.tray.show_stopping(text)
+        elif self.stopping_window is not None:
+            self.stopping_window.setLabelText(text)
 
     def _finish(self) -> None:
         self.finished = True
+        self.single.release()  # the core has stopped: a waiting launch may start now
         if self.tray is not None:
             self.tray.hide()
-        self.single.release()
+        if self.stopping_window is not None:
+            self.stopping_window.hide()
         self.tasks.shutdown()
-        if self.dashboard is not None:
-            self.dashboard.hide()
         self._exit_loop()
 
     def dispose(self) -> None:
         """Delete every window and Qt object of this app (after it finished)."""
-        for obj in (self.settings_dialog, self.model_chooser, self.client_setup, self.dashboard):
+        windows = (
+            self.settings_dialog,
+            self.model_chooser,
+            self.client_setup,
+            self.dashboard,
+            self.stopping_window,
+        )
+        for obj in windows:
             if obj is not None:
                 obj.close()
                 obj.deleteLater()
         self.settings_dialog = self.dashboard = self.model_chooser = self.client_setup = None
+        self.stopping_window = None
         if self.tray is not None:
             self.tray.dispose()
             self.tray = None
@@ -345,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     from core.cli import setup_logging
 
     setup_logging(paths, args.verbose)
+    if leaks := reference_leaks():  # the binding's own bug: say so before it bites
+        log.error("%s", leaks)
     app = launch(argv, qapp=qapp)
     if app is None:
         collector.stop()
@@ -359,8 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if app.core.running:  # the loop ended some other way (session logout): stop in stages
         app.core.stop()
     # Tear Qt down here, in order, while Python is whole: left to interpreter exit, Qt
-    # objects are destroyed in whatever order the garbage collector meets them, and one
-    # quit in ten died with "Fatal Python error: bool_dealloc" (issue 18).
+    # objects are destroyed in whatever order the garbage collector meets them.
     tick.stop()
     app.dispose()
     QtCore.QCoreApplication.sendPostedEvents(None, QtCore.QEvent.Type.DeferredDelete)

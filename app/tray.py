@@ -8,7 +8,7 @@ from app.controller import Controller
 from app.icons import state_icon
 from app.menu import DASHBOARD, MenuEntry, menu_entries, populate
 from app.qt import QObject, QtGui, QtWidgets
-from app.state import AppState
+from app.state import AppState, TrayState
 
 LEVEL_ICONS = {
     "info": QtWidgets.QSystemTrayIcon.MessageIcon.Information,
@@ -16,6 +16,8 @@ LEVEL_ICONS = {
     "error": QtWidgets.QSystemTrayIcon.MessageIcon.Critical,
 }
 MESSAGE_MS = 8000
+STOPPING_LABEL = "Stopping…"
+STOPPING_DETAIL = "finishing requests, saving sessions, stopping llama-server"
 
 
 class Tray(QObject):
@@ -34,6 +36,7 @@ class Tray(QObject):
         self.icon.setContextMenu(self.menu)
         self.actions: dict[str, QtGui.QAction] = {}
         self._entries: list[MenuEntry] = []
+        self.stopping = False
         self.icon.activated.connect(self._activated)
         controller.stateChanged.connect(self.show_state)
         controller.notify.connect(self.notify)
@@ -41,6 +44,8 @@ class Tray(QObject):
         self.icon.show()
 
     def show_state(self, state: AppState) -> None:
+        if self.stopping:  # Quit was chosen: nothing else is shown until the process ends
+            return
         self.icon.setIcon(state_icon(state.tray))
         self.icon.setToolTip(state.tooltip())
         entries = menu_entries(state)
@@ -54,7 +59,20 @@ class Tray(QObject):
                 title, text, LEVEL_ICONS.get(level, LEVEL_ICONS["info"]), MESSAGE_MS
             )
 
+    def show_stopping(self, detail: str = STOPPING_DETAIL) -> None:
+        """After Quit: the icon stays, says Stopping… until the process is gone, and its
+        menu offers nothing (one disabled line), so no action runs while the core stops."""
+        self.stopping = True
+        self.icon.setIcon(state_icon(TrayState.STOPPED))
+        self.icon.setToolTip(f"Warmslot — {STOPPING_LABEL}\n{detail}")
+        self.menu.clear()
+        self.menu.addAction(f"{STOPPING_LABEL} ({detail})").setEnabled(False)
+        self._entries = []
+        self.actions = {}
+
     def _activated(self, reason: QtWidgets.QSystemTrayIcon.ActivationReason) -> None:
+        if self.stopping:
+            return
         if reason in (
             QtWidgets.QSystemTrayIcon.ActivationReason.Trigger,
             QtWidgets.QSystemTrayIcon.ActivationReason.DoubleClick,

@@ -24,7 +24,7 @@ from typing import Any
 from core import config as config_mod
 from core.cache.crowding import crowding
 from core.errors import ConfigError, WarmslotError
-from core.local_api import local_request
+from core.local_api import STOPPING_WAIT_S, local_request, running_instance, wait_for_exit
 from core.paths import Paths
 from core.status import Status, cache_of
 from core.status import from_json as status_from_json
@@ -69,6 +69,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     paths = _paths(args)
     paths.ensure()
     setup_logging(paths, args.verbose)
+    try:
+        _wait_for_stopping_instance(paths)
+    except KeyboardInterrupt:
+        print("warmslot: not started", file=sys.stderr)
+        return 130
     config_mod.ensure_file(paths.config_file)
     settings = config_mod.load(paths.config_file)
     if args.port is not None:
@@ -111,6 +116,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig, handler in prev.items():
             signal.signal(sig, handler)
     return outcome.get("code", 0)
+
+
+def _wait_for_stopping_instance(paths: Paths) -> None:
+    """A Warmslot still stopping on these folders (the tray or a `serve` that was just
+    told to quit) holds the proxy port until its sessions are saved: wait for it to
+    exit, then start, instead of failing on the port."""
+    other = running_instance(paths)
+    if other is None or not other.stopping:
+        return
+    print(
+        f"warmslot: the Warmslot that ran here (pid {other.pid}) is still stopping; "
+        "starting once it has exited",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not wait_for_exit(other, STOPPING_WAIT_S):
+        print(
+            f"warmslot: pid {other.pid} still runs after {STOPPING_WAIT_S:.0f} s; starting anyway",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _print_notice(ev: Any) -> None:

@@ -9,8 +9,11 @@ timer. Other threads (the CLI, the Qt GUI) talk to it only through this class:
 
 Lifecycle: `start()` returns once the proxy's port is bound (llama-server keeps
 starting in the background unless ``wait_ready=True``); `stop()` shuts down in
-stages — stop accepting requests → let the cache save what it must → stop
-llama-server → flush telemetry → close the database → join the thread.
+stages — stop accepting requests (new ones get a 503 with Retry-After on the
+still-open socket; those under way finish, `STOP_GRACE_S` at most) → let the cache
+save what it must → stop llama-server → close the proxy's socket → flush telemetry
+→ close the database → join the thread. The runtime file says "stopping" meanwhile,
+so a new instance waits for this one instead of handing over to it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ from core.sweeps import Outcome, Sweeps
 from core.telemetry import QUERIES, Telemetry
 
 log = logging.getLogger("warmslot.core")
+# At shutdown, how long the requests under way may take before the cache saves and
+# llama-server stops (docs/gui.md#quitting-and-relaunching). One still running then is
+# answered 503 with Retry-After, or its stream ends with an error event.
+STOP_GRACE_S = 30.0
 T = TypeVar("T")
 Subscriber = Callable[[Event], None]
 PolicyFactory = Callable[["Core"], CacheService | None]
@@ -118,6 +125,7 @@ class Core:
         self._upgrade_failed = False
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0
+        self._runtime_written = False  # the runtime file is this core's to rewrite and remove
 
     # ------------------------------------------------------------- events
     def _warn_threadsafe(self, text: str) -> None:
@@ -163,6 +171,11 @@ class Core:
     @property
     def running(self) -> bool:
         return self._loop is not None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stopping(self) -> bool:
+        """True while `stop()` runs: new requests get a 503, those under way finish."""
+        return self._stopping
 
     def start(
         self, *, start_server: bool = True, wait_ready: bool = False, timeout: float = 300.0
@@ -353,8 +366,12 @@ class Core:
             except Exception:
                 log.exception("telemetry housekeeping failed")
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Shut down in stages and join the core thread. Safe to call twice."""
+    def stop(self, timeout: float = 120.0) -> None:
+        """Shut down in stages and join the core thread. Safe to call twice.
+
+        `timeout` bounds the stages together (requests under way get `STOP_GRACE_S` of
+        it, the cache's saves and llama-server's stop the rest), then the thread's join.
+        """
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or self._stopping:
             return
@@ -381,9 +398,10 @@ class Core:
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
-        if self.proxy is not None:  # 1. stop accepting requests
-            await self.proxy.stop()
-            await self.proxy.drain()
+        if self.proxy is not None:  # 1. stop accepting requests: a 503 each from now on,
+            self.proxy.stop_accepting()  # on the open socket; those under way finish
+            self._mark_stopping()
+            await self.proxy.drain(STOP_GRACE_S)
         if self.policy is not None:  # 2. the cache saves what it must
             try:
                 await self.policy.close()
@@ -401,13 +419,17 @@ class Core:
                 log.exception("model pool failed while shutting down")
         if self.supervisor is not None:
             await self.supervisor.close()
+        if self.proxy is not None:  # no llama-server behind it any more: close the socket
+            await self.proxy.stop()
         if self.upstream is not None:  # nothing talks to the primary server any more
             await self.upstream.close()
         if self.telemetry is not None:  # 4. flush and close the database
             self.telemetry.close()
             self.telemetry = None
-        with contextlib.suppress(OSError):
-            self.paths.runtime_file.unlink()
+        if self._runtime_written:  # never another instance's (a start that found its port)
+            self._runtime_written = False
+            with contextlib.suppress(OSError):
+                self.paths.runtime_file.unlink()
         with contextlib.suppress(OSError):
             local_key_file(self.paths.state_dir).unlink()  # this start's local key
 
@@ -448,7 +470,9 @@ class Core:
         ready, failed, or ``server.start_timeout_s`` passed. Concurrent requests wait for
         the same start; a failed server is not started again here (the 503 says why)."""
         sup = self.supervisor
-        if sup is None or not self.settings.server.start_on_request:
+        # Not while stopping: a request under way then gets its 503 rather than a
+        # llama-server that would be stopped again at once.
+        if sup is None or self._stopping or not self.settings.server.start_on_request:
             return
         if sup.state is ServerState.STOPPED and self._demand_start is None:
             self.emit(Notice(level="info", text="llama-server is starting for a request"))
@@ -764,15 +788,26 @@ class Core:
             f"# TYPE warmslot_server_ready gauge\nwarmslot_server_ready {ready}\n"
         ) + (self.backends.metrics() if self.backends is not None else "") + user_metrics(users)
 
-    def _write_runtime(self) -> None:
+    def _write_runtime(self, state: str = "running") -> None:
+        """The runtime file (read by `core.local_api`): where this instance listens, and
+        whether it runs or is stopping."""
         assert self.proxy is not None
         data = {
             "pid": os.getpid(),
             "proxy_host": self.proxy.host,
             "proxy_port": self.proxy.port,
             "started": self.started_at,
+            "state": state,
         }
         path: Path = self.paths.runtime_file
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(path)
+        self._runtime_written = True
+
+    def _mark_stopping(self) -> None:
+        """Say in the runtime file that this instance is stopping: a `warmslot serve`
+        started now waits for it to exit instead of failing on its port."""
+        if self._runtime_written:
+            with contextlib.suppress(OSError):
+                self._write_runtime("stopping")

@@ -45,7 +45,12 @@ from core.proxy_checks import (
     parse_json,
     validate,
 )
-from core.proxy_errors import auth_response, error_response, invalid_response
+from core.proxy_errors import (
+    auth_response,
+    error_response,
+    invalid_response,
+    unavailable_response,
+)
 from core.proxy_headers import (
     PrefillRates,
     Reuse,
@@ -144,6 +149,11 @@ class _ClientGone(Exception):
     """The client disconnected before its response was complete."""
 
 
+# What a request that comes while Warmslot is stopping is told: retry in this many
+# seconds (a Warmslot relaunched at once is up by then, or on its way).
+STOPPING_RETRY_S = 5
+STOPPING_TEXT = "Warmslot is shutting down; the request was not run: retry shortly"
+
 # How often a request waiting on llama-server checks whether its client is still
 # there: aiohttp has no callback for a peer that hangs up while nothing is written.
 CLIENT_POLL_S = 0.25
@@ -237,6 +247,10 @@ class Proxy:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._inflight: set[asyncio.Task[Any]] = set()
+        # The requests being handled (a future each, done when its handler returns), so
+        # that a shutdown lets them finish; after `stop_accepting` new ones get a 503.
+        self._requests: set[asyncio.Future[None]] = set()
+        self._accepting = True
         # For "is now a quiet moment?" (switching to a new server build): requests being
         # handled, and when the last one ended.
         self._active = 0
@@ -311,8 +325,17 @@ class Proxy:
             await old.stop()
         log.info("proxy moved to http://%s:%d", self.host, self.port)
 
+    def stop_accepting(self) -> None:
+        """Shutdown's first stage: every request from now on is answered 503 with
+        Retry-After in its API's error shape while the socket stays open, so a client
+        gets an answer it can act on instead of a refused or reset connection. Requests
+        under way go on; `drain` waits for them."""
+        self._accepting = False
+
     async def stop(self) -> None:
-        """Stop accepting and let in-flight requests finish (5 s).
+        """Close the listening socket and what connections are left (shutdown's last
+        stage, after `drain` and once llama-server is stopped: a handler still running
+        gets aiohttp's 5 s, then is cancelled).
 
         The upstream sessions are not the proxy's: whoever made them closes them.
         """
@@ -401,6 +424,10 @@ class Proxy:
         """Who may call (`_refusal`), and a logged 500 for anything a handler did not expect."""
         if refused := self._refusal(request):
             return refused
+        if not self._accepting:
+            return self._stopping(JSON_ROUTES.get(request.path, ("", False))[0])
+        done = asyncio.get_running_loop().create_future()
+        self._requests.add(done)
         try:
             return await handler(request)
         except web.HTTPException:
@@ -412,6 +439,12 @@ class Proxy:
                 "Warmslot: internal error handling this request (details in warmslot.log)",
                 type_="server_error",
             )
+        finally:
+            self._requests.discard(done)
+            done.set_result(None)
+
+    def _stopping(self, endpoint: str) -> web.Response:
+        return unavailable_response(endpoint, f"Warmslot: {STOPPING_TEXT}", STOPPING_RETRY_S)
 
     # --------------------------------------------------------------- handlers
     async def _handle_get(self, request: web.Request) -> web.StreamResponse:
@@ -776,6 +809,9 @@ class Proxy:
         except _ClientGone:
             return _gone()
         except (aiohttp.ClientError, TimeoutError) as e:
+            if not self._accepting:  # llama-server was stopped under it: Warmslot is quitting
+                error = f"Warmslot stopped before llama-server answered ({e!r})"
+                return _Outcome(self._stopping(req.endpoint), 503, error=error)
             error = f"llama-server did not answer: {e!r}"
             log.warning("%s %s → 502: %s", req.endpoint, req.request_id, error)
             response = error_response(502, f"Warmslot: {error}", type_="server_error")
@@ -933,6 +969,9 @@ class Proxy:
         )
 
     async def drain(self, timeout: float = 5.0) -> None:
-        """Wait for post-request cache work to finish (used at shutdown and in tests)."""
+        """Wait for the requests being handled (at most `timeout` s), then for their
+        post-request cache work (as long again): at shutdown, and in tests."""
+        if self._requests:
+            await asyncio.wait(set(self._requests), timeout=timeout)
         if self._inflight:
             await asyncio.wait(set(self._inflight), timeout=timeout)

@@ -41,3 +41,14 @@ def invalid_response(endpoint: str, e: Invalid) -> web.Response:
         body = {"type": "error", "error": {"type": e.code, "message": str(e)}}
         return web.json_response(body, status=e.status)
     return error_response(e.status, str(e), param=e.param)
+
+
+def unavailable_response(endpoint: str, message: str, retry_after_s: int) -> web.Response:
+    """503 with ``Retry-After``: the request was not run and may be sent again shortly
+    (Warmslot is stopping, or llama-server is not up). Anthropic's shape for /v1/messages
+    (``overloaded_error``, which its clients retry), else OpenAI's ``unavailable_error``."""
+    headers = {"Retry-After": str(retry_after_s)}
+    if endpoint in ("messages", "messages-count"):
+        body = {"type": "error", "error": {"type": "overloaded_error", "message": message}}
+        return web.json_response(body, status=503, headers=headers)
+    return error_response(503, message, type_="unavailable_error", headers=headers)

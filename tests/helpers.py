@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -223,3 +224,50 @@ def cache_idle(core: Core) -> bool:
         return cache_manager(core).idle()
 
     return core.submit(idle()).result(10)
+
+
+class HeldRequest:
+    """A JSON POST that stays under way until `finish`: its headers go out with
+    ``Expect: 100-continue`` and the body only once `finish` is called.
+
+    The proxy answers ``100 Continue`` from the step that starts its handler, so once
+    the constructor returns the request is being handled (no timing assumption)."""
+
+    def __init__(self, port: int, path: str, body: dict[str, Any], timeout: float = 120) -> None:
+        self.data = json.dumps(body).encode()
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "Content-Type: application/json\r\nConnection: close\r\n"
+            f"Expect: 100-continue\r\nContent-Length: {len(self.data)}\r\n\r\n"
+        )
+        self.sock.sendall(head.encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        self.interim, _, self._rest = got.partition(b"\r\n\r\n")
+
+    @property
+    def continued(self) -> bool:
+        """Whether the proxy took the request (``100 Continue``) rather than answering
+        it at once (e.g. a 503 from a Warmslot that was already stopping)."""
+        return self.interim.startswith(b"HTTP/1.1 100")
+
+    def finish(self) -> tuple[int, dict[str, str], bytes]:
+        """Send the body (if the request was taken) and read the whole answer:
+        (status, lower-cased headers, body). Raises ConnectionError on a reset."""
+        raw = self._rest
+        if self.continued:
+            self.sock.sendall(self.data)
+        else:
+            raw = self.interim + b"\r\n\r\n" + raw
+        while chunk := self.sock.recv(65536):
+            raw += chunk
+        self.sock.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+        return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
