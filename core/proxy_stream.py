@@ -12,11 +12,14 @@ from typing import Any
 from core import apis
 from core.proxy_headers import HOLD_MAX_BYTES, Reuse, reuse_from
 
-# The event of a stream's last result, which carries `timings` even without
-# ``timings_per_token``: a chat chunk with a finish reason, a raw completion's
+# The events of a stream's last result, which carry `timings` even without
+# ``timings_per_token``: a chat chunk with a finish reason, or the usage chunk after it
+# (``"choices": []``, with ``stream_options.include_usage``), a raw completion's
 # ``"stop": true``, the Responses API's ``response.completed`` (measured on the pinned
-# llama-server, docs/llama-server-facts.md#streamed-timings).
-_FINAL = re.compile(rb'"finish_reason":\s*"|"stop":\s*true|"type":\s*"response\.completed"')
+# llama-server, docs/llama-server-facts.md#timings).
+_FINAL = re.compile(
+    rb'"finish_reason":\s*"|"choices":\s*\[\]|"stop":\s*true|"type":\s*"response\.completed"'
+)
 _TIMINGS = re.compile(rb',?\s*"timings":\s*\{[^{}]*\}')
 
 

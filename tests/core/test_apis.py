@@ -449,3 +449,25 @@ def test_the_chat_view_reads_its_keys_once_and_keeps_their_values() -> None:
     assert view.shape_key("opencode") == want
     other = apis.chat_view("chat", {**body, "messages": body["messages"][1:]})
     assert other is not None and other.head_key != view.head_key
+
+
+def test_the_scanner_takes_out_the_timings_it_asked_for_but_not_the_last_results() -> None:
+    """As llama-server streams a chat with timings_per_token and include_usage: timings
+    in every content chunk and the usage chunk (docs/llama-server-facts.md#timings).
+    What the client gets is what it would have got without timings_per_token."""
+    t = {"cache_n": 5, "prompt_n": 3, "prompt_ms": 1.0}
+    events = [
+        {"choices": [{"finish_reason": None, "delta": {"role": "assistant"}}]},
+        {"choices": [{"finish_reason": None, "delta": {"content": "a"}}], "timings": t},
+        {"choices": [{"finish_reason": "length", "delta": {}}]},
+        {"choices": [], "usage": {"prompt_tokens": 8}, "timings": t},
+    ]
+    raw = b"".join(f"data: {json.dumps(e)}\r\n\r\n".encode() for e in events) + b"data: [DONE]\n\n"
+    scanner = SSEScanner(strip_timings=True)
+    out = b"".join(scanner.feed(raw[i : i + 9]) for i in range(0, len(raw), 9)) + scanner.flush()
+    got = [json.loads(line[6:]) for line in out.split(b"\n") if line.startswith(b"data: {")]
+    assert got == [events[0], {k: v for k, v in events[1].items() if k != "timings"}, *events[2:]]
+    assert out.endswith(b"data: [DONE]\n\n") and b"\r\n\r\n" in out
+    assert scanner.timings == t and scanner.opening is not None and scanner.opening.cached == 5
+    untouched = SSEScanner()
+    assert untouched.feed(raw) == raw  # not asked to strip: every byte as it came
