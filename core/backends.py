@@ -350,26 +350,6 @@ class BackendSet:
             "moved": self.affinity.moved,
         }
 
-    def metrics(self) -> str:
-        """Prometheus lines per backend."""
-        out = []
-        for name, typ, value in (
-            ("warmslot_backend_ready", "gauge", lambda b: int(b.ready)),
-            ("warmslot_backend_inflight", "gauge", lambda b: b.inflight),
-            ("warmslot_backend_sessions_moved_in_total", "counter", lambda b: b.moved_in),
-            ("warmslot_backend_prompt_tokens_total", "counter", lambda b: b.prompt_tokens),
-            ("warmslot_backend_cached_tokens_total", "counter", lambda b: b.cached_tokens),
-        ):
-            out.append(f"# TYPE {name} {typ}")
-            out += [f'{name}{{backend="{b.name}"}} {value(b)}' for b in self.backends.values()]
-        out.append("# TYPE warmslot_backend_requests_total counter")
-        for b in self.backends.values():
-            out += [
-                f'warmslot_backend_requests_total{{backend="{b.name}",kind="{k}"}} {n}'
-                for k, n in b.calls.items()
-            ]
-        return "\n".join(out) + "\n"
-
 
 def backend_lines(st: BackendsStatus) -> list[str]:
     """The backends' rows in `warmslot status`."""

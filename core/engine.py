@@ -40,13 +40,14 @@ from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings, SettingsUpdate
 from core.errors import CacheError, CoreStopped, WarmslotError
 from core.events import Event, Notice, ServerStateChanged, SettingsChanged
-from core.keys import KeyRing, keys_file, local_key_file, user_metrics, write_local_key
+from core.keys import KeyRing, keys_file, local_key_file, write_local_key
 from core.models import profiles
 from core.models.pool import ModelPool
 from core.paths import Paths
 from core.pressure import PressureMonitor, Sampler
 from core.proxy import CacheService, Proxy
 from core.proxy_headers import PrefillRates
+from core.proxy_metrics import COUNTED, Counters, Metrics
 from core.server import discover
 from core.server.fit import FitPlan
 from core.server.fit_report import format_plan
@@ -58,6 +59,7 @@ from core.server.upstream import Upstream
 from core.status import EvictResult, Explanation, PinResult, RewarmResult, Status
 from core.sweeps import Outcome, Sweeps
 from core.telemetry import QUERIES, Telemetry
+from core.telemetry.totals import lifetime
 
 log = logging.getLogger("warmslot.core")
 # At shutdown, how long the requests under way may take before the cache saves and
@@ -92,6 +94,9 @@ class Core:
         self._sub_lock = threading.Lock()
         self._stopping = False
         self.telemetry: Telemetry | None = None
+        # Lifetime totals behind /metrics: seeded from the history at start, then
+        # counted from events (core.proxy_metrics).
+        self.counters = Counters()
         self.supervisor: Supervisor | None = None
         # The HTTP session to the primary llama-server, shared by the proxy and the
         # cache manager (the model pool makes one per other model).
@@ -226,6 +231,8 @@ class Core:
     async def _setup(self) -> None:
         self.started_at = time.time()
         self.telemetry = Telemetry(self.paths.telemetry_db)
+        self.counters.seed(lifetime(self.telemetry))  # once; then counted in memory
+        self.subscribe(self.counters.record, COUNTED)
         s = self.settings
         self.supervisor = Supervisor(
             paths=self.paths,
@@ -266,7 +273,11 @@ class Core:
             max_body_mb=lambda: self.settings.proxy.max_body_mb,
             upstream_timeout_s=lambda: self.settings.proxy.upstream_timeout_s,
             status=self._status_async,
-            extra_metrics=self._extra_metrics,
+            metrics=Metrics(
+                self.counters,
+                server_ready=lambda: sup.state is ServerState.READY,
+                backends=lambda: self.backends.status()["backends"] if self.backends else (),
+            ).exposition,
             allowed_origins=lambda: self.settings.proxy.allowed_origins,
             prefill_rates=self.prefill_rates,
         )
@@ -776,17 +787,6 @@ class Core:
                 log.exception("cache status failed")
                 out["cache"] = {"error": repr(e)}
         return out
-
-    def _extra_metrics(self) -> str:
-        sup = self.supervisor
-        restarts = sum(1 for e in sup.exits if e.outcome == "crashed") if sup else 0
-        ready = 1 if sup is not None and sup.state is ServerState.READY else 0
-        users = self.telemetry.per_user() if self.telemetry is not None else []  # API keys
-        return (
-            f"# TYPE warmslot_server_crashes_total counter\n"
-            f"warmslot_server_crashes_total {restarts}\n"
-            f"# TYPE warmslot_server_ready gauge\nwarmslot_server_ready {ready}\n"
-        ) + (self.backends.metrics() if self.backends is not None else "") + user_metrics(users)
 
     def _write_runtime(self, state: str = "running") -> None:
         """The runtime file (read by `core.local_api`): where this instance listens, and

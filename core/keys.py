@@ -29,7 +29,7 @@ import re
 import secrets
 import time
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +49,6 @@ __all__ = [
     "local_key_file",
     "presented_key",
     "remove_key",
-    "user_metrics",
     "write_local_key",
 ]
 
@@ -287,22 +286,3 @@ class KeyRing:
             if hmac.compare_digest(mine, sha.encode()) and found is None:
                 found = name
         return found
-
-
-def user_metrics(rows: Sequence[Mapping[str, object]]) -> str:
-    """Prometheus counters per user (rows of `Telemetry.per_user`); "" without keys."""
-    named = [r for r in rows if r.get("user")]
-    if not named:
-        return ""
-    out = []
-    for metric, column, what in (
-        ("requests", "requests", "Requests per API key name."),
-        ("prompt_tokens", "prompt_tokens", "Prompt tokens evaluated, per API key name."),
-        ("cached_tokens", "cached_tokens", "Prompt tokens reused from the cache, per name."),
-        ("prefill_seconds", "prefill_s", "Seconds of prompt prefill, per API key name."),
-    ):
-        out.append(f"# HELP warmslot_user_{metric}_total {what}")
-        out.append(f"# TYPE warmslot_user_{metric}_total counter")
-        # Names are [A-Za-z0-9_.-] (`add_key`): nothing to escape in a label value.
-        out += [f'warmslot_user_{metric}_total{{user="{r["user"]}"}} {r[column]}' for r in named]
-    return "\n".join(out) + "\n"

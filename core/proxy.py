@@ -59,6 +59,7 @@ from core.proxy_headers import (
     reuse_in_body,
     stream_body,
 )
+from core.proxy_metrics import CONTENT_TYPE as METRICS_TYPE
 from core.proxy_stream import (
     SSEScanner,
     error_text,
@@ -206,7 +207,7 @@ class Proxy:
         max_body_mb: Callable[[], int],
         upstream_timeout_s: Callable[[], float],
         status: Callable[[], Awaitable[Status]],
-        extra_metrics: Callable[[], str] | None = None,
+        metrics: Callable[[], bytes] | None = None,
         policy: CachePolicy | None = None,
         allowed_origins: Callable[[], Sequence[str]] = lambda: (),
         keys: KeyRing | None = None,
@@ -223,7 +224,7 @@ class Proxy:
         self._n_slots = n_slots
         self._emit = emit
         self._status = status
-        self._extra_metrics = extra_metrics
+        self._metrics = metrics  # the exposition /metrics serves (core.proxy_metrics)
         self.policy = policy
         # The one place that classifies. Single-model mode: a pool of one. A model pool
         # sets its own router (by the `model` field) and `admit` (loads the model), and
@@ -487,32 +488,9 @@ class Proxy:
     async def _handle_metrics(self, request: web.Request) -> web.StreamResponse:
         if err := self._auth_error(request):
             return err
-        c = self.counters
-        total = c.prompt_tokens + c.cached_tokens
-        lines = [
-            "# HELP warmslot_requests_total Requests handled by the proxy.",
-            "# TYPE warmslot_requests_total counter",
-            f"warmslot_requests_total {c.requests}",
-            "# TYPE warmslot_request_errors_total counter",
-            f"warmslot_request_errors_total {c.errors}",
-            "# HELP warmslot_prompt_tokens_total Prompt tokens evaluated (not from cache).",
-            "# TYPE warmslot_prompt_tokens_total counter",
-            f"warmslot_prompt_tokens_total {c.prompt_tokens}",
-            "# HELP warmslot_cached_tokens_total Prompt tokens reused from the KV cache.",
-            "# TYPE warmslot_cached_tokens_total counter",
-            f"warmslot_cached_tokens_total {c.cached_tokens}",
-            "# TYPE warmslot_hit_ratio gauge",
-            f"warmslot_hit_ratio {c.cached_tokens / total if total else 0.0:.6f}",
-            "# HELP warmslot_cache_bypass_total Requests forwarded untouched after a cache "
-            "failure.",
-            "# TYPE warmslot_cache_bypass_total counter",
-            f"warmslot_cache_bypass_total {c.bypasses}",
-        ]
-        if self._extra_metrics is not None:
-            lines.append(self._extra_metrics().rstrip("\n"))
-        return web.Response(
-            text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
-        )
+        if self._metrics is None:
+            return error_response(404, "Warmslot: no metrics here", type_="not_found_error")
+        return web.Response(body=self._metrics(), headers={"Content-Type": METRICS_TYPE})
 
     def idle_for(self) -> float | None:
         """Seconds since the last generation request ended; None while one runs."""

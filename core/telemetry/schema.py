@@ -163,3 +163,10 @@ def m003_explanations(db: sqlite_utils.Database) -> None:
 def m004_request_users(db: sqlite_utils.Database) -> None:
     """Who sent each request: the name of its API key (docs/security.md#serving-a-team)."""
     db_table(db, "requests").add_column("user", str, not_null_default="")
+
+
+@migrations()
+def m005_totals(db: sqlite_utils.Database) -> None:
+    """What pruned rows added up to (core.telemetry.totals), so lifetime counters outlive
+    the rows: one value per counter name and label (a user's name, or "")."""
+    db_table(db, "totals").create({"name": str, "label": str, "value": float}, pk=("name", "label"))

@@ -32,6 +32,7 @@ from core.events import (
     SettingsChanged,
     SweepRun,
 )
+from core.telemetry import totals
 from core.telemetry.queries import Queries
 from core.telemetry.schema import db_table, migrations
 
@@ -384,6 +385,7 @@ class Telemetry(Queries):
         cutoff = self._clock() - retention_days * 86400
         deleted = 0
         with self.db.atomic():
+            totals.carry(self._conn, cutoff)  # the lifetime counters keep what goes
             for table, col in (
                 ("requests", "ts"),
                 ("events", "ts"),

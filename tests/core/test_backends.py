@@ -12,6 +12,7 @@ from core.backend_choice import Affinity, BackendView, affinity_key
 from core.backends import BackendSet, server_settings
 from core.errors import ConfigError
 from core.events import ServerStateChanged
+from core.proxy_metrics import Counters, Metrics
 from core.router import Decision, Kind, Router, Target
 from core.server.supervisor import ServerState
 from core.server.upstream import Upstream
@@ -310,8 +311,12 @@ async def test_admission_counts_and_refuses_a_backend_that_is_not_ready() -> Non
     assert refused.status == 503 and "backend 'far' is not ready" in refused.error
     rows = {r["name"]: r for r in backends.status()["backends"]}
     assert rows["main"]["calls"] == {"agent": 1, "aux": 0} and not rows["far"]["ready"]
-    assert 'warmslot_backend_ready{backend="far"} 0' in backends.metrics()
-    assert 'warmslot_backend_requests_total{backend="main",kind="agent"} 1' in backends.metrics()
+    metrics = Metrics(
+        Counters(), server_ready=lambda: True, backends=lambda: backends.status()["backends"]
+    )
+    text = metrics.exposition().decode()
+    assert 'warmslot_backend_ready{backend="far"} 0.0' in text
+    assert 'warmslot_backend_requests_total{backend="main",kind="agent"} 1.0' in text
 
 
 def test_a_failing_choice_fails_open_to_the_first_ready_backend() -> None:

@@ -86,8 +86,8 @@ def test_two_users_with_named_keys(tmp_path: Path, make_core: MakeCore) -> None:
     }
 
     metrics = httpx.get(url + "/metrics", headers={"x-api-key": bob}, timeout=60).text
-    assert 'warmslot_user_requests_total{user="alice"} 2' in metrics.splitlines()
-    assert 'warmslot_user_requests_total{user="bob"} 1' in metrics.splitlines()
+    assert 'warmslot_user_requests_total{user="alice"} 2.0' in metrics.splitlines()
+    assert 'warmslot_user_requests_total{user="bob"} 1.0' in metrics.splitlines()
 
     # /warmslot/status with a key lists the users; `warmslot status` on this machine gets
     # in with the running instance's local key (no named key on the command line).
