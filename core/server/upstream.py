@@ -17,6 +17,7 @@ no caller needs to know it (docs/security.md#llama-servers-port).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import aiohttp
@@ -51,6 +52,9 @@ class Upstream:
         self._session: aiohttp.ClientSession | None = None
         self._client: LlamaClient | None = None
         self._closed = False
+        # Every request sent over the session, by path: the proxy's forwards and
+        # Warmslot's own calls alike (what a request costs the server, docs/benchmarks.md).
+        self.calls: Counter[str] = Counter()
 
     @property
     def base_url(self) -> str | None:
@@ -71,12 +75,16 @@ class Upstream:
                 # never one the server is closing just as a request goes out on it.
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                middlewares=(self._authorize,),
+                middlewares=(self._count, self._authorize),
                 # Which try of a request went out on a pooled connection, and whether
                 # any of it was sent: what `core.server.client.send` resends on.
                 request_class=AttemptRequest,
             )
         return self._session
+
+    async def _count(self, req: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
+        self.calls[req.url.path] += 1
+        return await handler(req)
 
     async def _authorize(self, req: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
         """Send the server's current key with every request (set, never added: a header a
