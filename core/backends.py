@@ -162,7 +162,12 @@ class BackendSet:
             name=f"backend {b.name}",
             log_path=core.paths.log_dir / f"llama-server.backend-{b.name}.log",
         )
-        upstream = Upstream(lambda: server.base_url, name=b.name, api_key=lambda: server.api_key)
+        upstream = Upstream(
+            lambda: server.base_url,
+            name=b.name,
+            api_key=lambda: server.api_key,
+            quarantine=lambda: server.quarantine,
+        )
         return Backend(b.name, upstream, server=server, policy=self._manager(server, upstream))
 
     def _manager(self, server: Supervisor, upstream: Upstream) -> CacheManager | None:

@@ -241,7 +241,9 @@ class Core:
             emit=self.emit,
         )
         sup = self.supervisor
-        self.upstream = Upstream(lambda: sup.base_url, api_key=lambda: sup.api_key)
+        self.upstream = Upstream(
+            lambda: sup.base_url, api_key=lambda: sup.api_key, quarantine=lambda: sup.quarantine
+        )
         self.sweeps = Sweeps(self.clock, self.emit)
         self.pressure = PressureMonitor(
             lambda: self.settings.pressure,

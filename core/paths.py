@@ -2,10 +2,20 @@
 
 Defaults come from platformdirs. `--dev-dir DIR` or the environment variable
 ``WARMSLOT_HOME`` put everything under one folder (tests and development).
+
+Everything Warmslot writes is its user's alone: the databases, the slot files (prompts'
+token ids), the logs (prompts and paths), keys, config and state. `Paths.ensure`, which
+every entry point (``warmslot serve``, the tray, the `Core`) calls before it writes
+anything, makes each folder ``0700`` and sets the process umask to `PRIVATE_UMASK`, so
+every file made from then on — by Warmslot, SQLite's ``-wal``/``-shm`` files, rotated
+logs, and llama-server, which inherits the umask and writes the slot files itself — is
+``0600`` (folders ``0700``). One place, not a mode at each of the many creators
+(docs/security.md#file-modes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -15,6 +25,9 @@ import platformdirs
 
 APP_NAME = "warmslot"
 HOME_ENV = "WARMSLOT_HOME"
+# The umask of a Warmslot process (POSIX): no access for the group and others.
+PRIVATE_UMASK = 0o077
+PRIVATE_DIR_MODE = 0o700
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,10 @@ class Paths:
         return self.state_dir / "runtime.json"
 
     def ensure(self) -> None:
-        """Create every directory (idempotent)."""
+        """Create every directory, owner-only, and make what this process creates from now
+        on owner-only too (the module docstring says why). Idempotent; a folder an older
+        version made with the default mode is tightened to ``0700``."""
+        private_umask()
         for d in (
             self.config_dir,
             self.data_dir,
@@ -98,7 +114,17 @@ class Paths:
             self.log_dir,
             self.slot_dir,
         ):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+            if os.name == "posix":
+                with contextlib.suppress(OSError):  # not ours to change: used as it is
+                    d.chmod(PRIVATE_DIR_MODE)
+
+
+def private_umask() -> None:
+    """Set the process umask to `PRIVATE_UMASK` (POSIX; Windows has none: its folders under
+    the user's profile are the user's)."""
+    if os.name == "posix":
+        os.umask(PRIVATE_UMASK)
 
 
 def resources_dir() -> Path:

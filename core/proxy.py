@@ -39,10 +39,13 @@ from core.keys import DEFAULT_USER, LOCAL_USER, KeyRing, presented_key
 from core.proxy_checks import (
     THREAD_BYTES,
     Invalid,
+    check_token_ids,
+    crashed_before,
     host_name,
     is_json_type,
     origin_allowed,
     parse_json,
+    token_ids,
     validate,
 )
 from core.proxy_errors import (
@@ -57,6 +60,7 @@ from core.proxy_headers import (
     cache_headers,
     reuse_from,
     reuse_in_body,
+    safe_headers,
     stream_body,
 )
 from core.proxy_metrics import CONTENT_TYPE as METRICS_TYPE
@@ -70,6 +74,7 @@ from core.proxy_stream import (
 from core.proxy_types import Admit, CachePolicy, CacheService, ProxyRequest, Route
 from core.router import Refused, Router, metadata_session, session_key
 from core.server.client import Timings, send
+from core.server.quarantine import body_digest
 from core.server.upstream import Upstream
 from core.status import (
     Explanation,
@@ -397,8 +402,16 @@ class Proxy:
                 f"{self.host}); requests under other names are refused (DNS rebinding)",
                 type_="permission_error",
             )
-        origin = request.headers.get("Origin")
-        if origin is not None and not origin_allowed(safe_text(origin), self._allowed_origins()):
+        # Every Origin header: a second one must not slip past behind an allowed first.
+        origin = next(
+            (
+                o
+                for o in request.headers.getall("Origin", ())
+                if not origin_allowed(safe_text(o), self._allowed_origins())
+            ),
+            None,
+        )
+        if origin is not None:
             return error_response(
                 403,
                 f"Warmslot: requests from web pages at {safe_text(origin)!r} are refused; "
@@ -562,6 +575,7 @@ class Proxy:
             upstream=decision.upstream or self._upstream,
             policy=self.policy,
             body_bytes=len(raw),
+            body_digest=await _off_loop(body_digest, raw),
             raw_body=raw if generation else None,
             chat=chat,
             edits=edits,
@@ -651,6 +665,12 @@ class Proxy:
         self, request: web.Request, req: ProxyRequest, generation: bool, t0: float
     ) -> web.StreamResponse:
         body = req.body
+        # A body that crashed this server is not sent again (core.server.quarantine).
+        quarantine = (req.upstream or self._upstream).quarantine()
+        if quarantine is not None and (hit := quarantine.refusal(req.body_digest)) is not None:
+            return invalid_response(req.endpoint, crashed_before(hit, quarantine.clock()))
+        if checked := await self._check_token_ids(req):
+            return checked
         if generation:
             body.setdefault("cache_prompt", True)
             if req.policy is not None:
@@ -683,6 +703,19 @@ class Proxy:
             req.strip_timings = stream_body(req.endpoint, req.body)
         return await self._forward(request, req, t0)
 
+    async def _check_token_ids(self, req: ProxyRequest) -> web.Response | None:
+        """A 400 for /tokenize or /detokenize ids outside the vocabulary of the server the
+        request goes to (asked once per server run, only for bodies that hold ids)."""
+        if not token_ids(req.endpoint, req.body):
+            return None
+        n_vocab = await (req.upstream or self._upstream).n_vocab()
+        try:
+            if n_vocab is not None:
+                check_token_ids(req.endpoint, req.body, n_vocab)
+        except Invalid as e:
+            return invalid_response(req.endpoint, e)
+        return None
+
     async def _forward(
         self, request: web.Request, req: ProxyRequest, t0: float
     ) -> web.StreamResponse:
@@ -702,7 +735,16 @@ class Proxy:
                 error=error,
             )
         else:
-            out = await self._exchange_unless_gone(request, req, upstream, base, t0)
+            # In flight while it runs, for the quarantine to find if the server crashes.
+            quarantine = upstream.quarantine()
+            token = quarantine.begin(req.body_digest) if quarantine is not None else None
+            broke = True
+            try:
+                out = await self._exchange_unless_gone(request, req, upstream, base, t0)
+                broke = out.status == 502  # no answer: the server may have died of it
+            finally:
+                if quarantine is not None and token is not None:
+                    quarantine.end(token, failed=broke)
         total_ms = (time.perf_counter() - t0) * 1000
         parsed = Timings.parse(out.timings)
         if parsed is not None:
@@ -781,7 +823,7 @@ class Proxy:
                     body=data,
                     status=up.status,
                     content_type=up.content_type or "application/json",
-                    headers=req.response_headers,
+                    headers=safe_headers(req.response_headers),
                 )
                 return _Outcome(response, up.status, timings, ttfb, error)
         except _ClientGone:
@@ -878,7 +920,7 @@ class Proxy:
     ) -> None:
         """Send a stream's headers: the request's own and its cache headers."""
         self._add_cache_headers(req, reuse)
-        response.headers.update(req.response_headers)
+        response.headers.update(safe_headers(req.response_headers))
         await response.prepare(request)
 
     def _add_cache_headers(self, req: ProxyRequest, reuse: Reuse | None) -> None:

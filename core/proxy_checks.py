@@ -17,6 +17,7 @@ from typing import Any
 from yarl import URL
 
 from core.config.checks import is_loopback
+from core.server.quarantine import Quarantined
 
 
 class Invalid(Exception):
@@ -313,6 +314,49 @@ def _check_responses(body: Mapping[str, object]) -> None:
         raise Invalid(400, "'reasoning' must be an object", "reasoning")
 
 
+# Output limits in the client APIs' bodies. llama-server answers 0 with a token anyway
+# (measured: docs/llama-server-facts.md#an-output-limit-of-0), so 0 is refused there like
+# OpenAI and Anthropic refuse it; llama.cpp's own /completion keeps its n_predict 0.
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
+_LIMITED_ENDPOINTS = ("chat", "messages", "responses", "completions")
+
+
+def _check_limits(endpoint: str, body: Mapping[str, object]) -> None:
+    if endpoint not in _LIMITED_ENDPOINTS:
+        return
+    for key in _LIMIT_FIELDS:
+        if body.get(key) == 0 and _is_int(body.get(key)):
+            raise Invalid(
+                400,
+                f"'{key}' must be at least 1 (or -1 for no limit): llama-server "
+                "answers a limit of 0 with a token anyway",
+                key,
+            )
+
+
+def token_ids(endpoint: str, body: Mapping[str, object]) -> list[int]:
+    """The token ids a /tokenize (mixed ``content``) or /detokenize (``tokens``) body
+    holds; [] for other endpoints."""
+    if endpoint == "detokenize":
+        tokens = body.get("tokens")
+    elif endpoint == "tokenize":
+        tokens = body.get("content")
+    else:
+        return []
+    return [t for t in tokens if _is_int(t)] if isinstance(tokens, list) else []
+
+
+def check_token_ids(endpoint: str, body: Mapping[str, object], n_vocab: int) -> None:
+    """Raise Invalid (400) for a token id outside the model's vocabulary: llama-server
+    answers one with a 500 (``vector::_M_range_check``)."""
+    for t in token_ids(endpoint, body):
+        if not 0 <= t < n_vocab:
+            param = "tokens" if endpoint == "detokenize" else "content"
+            raise Invalid(
+                400, f"token id {t} is outside the model's vocabulary (0..{n_vocab - 1})", param
+            )
+
+
 def validate(endpoint: str, body: Any, n_slots: int) -> None:
     """Raise Invalid for malformed bodies; nothing invalid is forwarded.
 
@@ -348,6 +392,7 @@ def validate(endpoint: str, body: Any, n_slots: int) -> None:
             raise Invalid(400, f"'{key}' must be {what}", key)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise Invalid(400, "'stream' must be a boolean", "stream")
+    _check_limits(endpoint, body)
     if "id_slot" in body:
         slot = body["id_slot"]
         if not _is_int(slot):
@@ -356,6 +401,18 @@ def validate(endpoint: str, body: Any, n_slots: int) -> None:
         # (docs/llama-server-facts.md#slot-ids-wrap).
         if slot != -1 and not 0 <= slot < n_slots:
             raise Invalid(400, f"'id_slot' must be -1 or 0..{n_slots - 1}, got {slot}", "id_slot")
+
+
+def crashed_before(hit: Quarantined, now: float) -> Invalid:
+    """The 422 for a body that was in flight when llama-server crashed
+    (`core.server.quarantine`): sent again, it would crash it again."""
+    return Invalid(
+        422,
+        f"Warmslot: this exact request crashed llama-server ({hit.what}) "
+        f"{max(0.0, now - hit.at):.0f} s ago and is refused for another "
+        f"{max(0.0, hit.until - now) / 60:.0f} min; other requests are served "
+        "(docs/security.md#requests-that-crash-the-server)",
+    )
 
 
 # ------------------------------------------------------------ who may call

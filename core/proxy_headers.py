@@ -7,11 +7,18 @@ stream the first event, which llama-server sends after the prompt is read (with
 carries ``usage`` anyway). The proxy holds the client's headers until that event is in —
 the client would wait for it anyway — and writes them from it (docs/cache.md#response-headers).
 Every value here is measured by the server; nothing is predicted.
+
+`safe_headers` is the one place every value on its way into a response header passes
+(the proxy applies it to the whole set as it writes the response): text that came from a
+client — a session id from ``metadata.user_id``, a tool name inside a template warning —
+may hold control characters, which aiohttp refuses to write, closing the connection
+without any response (docs/security.md#response-headers).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -23,6 +30,25 @@ HIT_SHARE = 0.9
 # Most bytes of a stream held back while waiting for its first numbers: a stream whose
 # first events carry none is passed on after this much, headers without numbers.
 HOLD_MAX_BYTES = 64 * 1024
+
+
+# The longest header value written; longer ones are cut (clients' header limits are ~8 KiB).
+MAX_HEADER_CHARS = 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def header_safe(value: str) -> str:
+    """`value` as a header can carry it: ASCII, with control characters (``\\x00``–
+    ``\\x1f``, ``\\x7f``) and other characters written as backslash escapes, at most
+    `MAX_HEADER_CHARS` long."""
+    text = value.encode("ascii", "backslashreplace").decode("ascii")
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+    return text[:MAX_HEADER_CHARS]
+
+
+def safe_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """`headers` with every name and value made `header_safe`."""
+    return {header_safe(k): header_safe(v) for k, v in headers.items()}
 
 
 @dataclass(frozen=True)
@@ -157,7 +183,7 @@ def cache_headers(
     if slot is not None:
         out["X-Warmslot-Slot"] = str(slot)
     if session:
-        out["X-Warmslot-Session"] = session.encode("ascii", "replace").decode()[:128]
+        out["X-Warmslot-Session"] = session[:128]  # made header-safe with the rest
     return out
 
 

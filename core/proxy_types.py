@@ -40,6 +40,7 @@ class ProxyRequest:
     upstream: Upstream | None = None
     policy: CachePolicy | None = None
     body_bytes: int = 0  # the size of the body the client sent
+    body_digest: str = ""  # its hash (core.server.quarantine.body_digest)
     # The client's own bytes, kept only until the cache policy has prepared the request
     # (failing open parses them again); then dropped, so a large body is not held twice.
     raw_body: bytes | bytearray | None = field(default=None, repr=False)

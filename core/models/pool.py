@@ -27,6 +27,7 @@ from core.models.profiles import MIB, Footprint, Profile
 from core.proxy_types import Route
 from core.router import Decision, Router, Target
 from core.server import devices, model
+from core.server.quarantine import CrashQuarantine
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
 from core.status import ModelList, ModelRow, PoolDecision
@@ -110,7 +111,12 @@ class ModelPool:
                 e.upstream = core.upstream
                 e.manager = _as_manager(core.policy)
             else:  # the one HTTP session to the model's server, whenever it runs
-                e.upstream = Upstream(_base_url_of(e), name=prof.name, api_key=_api_key_of(e))
+                e.upstream = Upstream(
+                    _base_url_of(e),
+                    name=prof.name,
+                    api_key=_api_key_of(e),
+                    quarantine=_quarantine_of(e),
+                )
             self.entries[prof.name] = e
         # The proxy's router: by the `model` field, side calls to the side profile.
         self.router = Router(
@@ -464,6 +470,13 @@ def _base_url_of(e: Entry) -> Callable[[], str | None]:
         return e.server.base_url if e.server is not None else None
 
     return base_url
+
+
+def _quarantine_of(e: Entry) -> Callable[[], CrashQuarantine | None]:
+    def quarantine() -> CrashQuarantine | None:
+        return e.server.quarantine if e.server is not None else None
+
+    return quarantine
 
 
 def _api_key_of(e: Entry) -> Callable[[], str | None]:

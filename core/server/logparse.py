@@ -2,6 +2,13 @@
 
 Current builds print ``0.08.050.345 I slot get_availabl: id  1 | task -1 | ...``:
 a timestamp, a level letter, an area and the text. Older builds print bare text.
+
+`LineSplitter` cuts the raw output into lines of bounded length. A reader that waits
+for whole lines (asyncio's ``readline``, 64 KiB at most) dies on one longer line, and
+llama-server prints what a request gave it: a 145 KB invalid grammar is one line. With
+its output no longer read, llama-server blocks in its logger once the pipe and its
+512-entry log queue are full, and every request hangs
+(docs/llama-server-facts.md#a-long-log-line-wedged-the-server).
 """
 
 from __future__ import annotations
@@ -28,6 +35,59 @@ _ERROR_HINTS = (
     ("out of memory", "out of memory"),
     ("failed to allocate", "out of memory"),
 )
+
+
+# A longer output line keeps its first this many bytes and says how many were cut.
+MAX_LINE_BYTES = 16 * 1024
+
+
+def cut_marker(n: int) -> str:
+    """What ends a line that was cut: how many bytes of it were dropped."""
+    return f" … [{n} more bytes cut by Warmslot]"
+
+
+class LineSplitter:
+    """Raw output in, whole lines out: `feed` chunks as they come, `close` at the end.
+
+    Holds at most `max_bytes` of the line being read; the rest of a longer line is
+    counted and dropped, and the line is handed on with `cut_marker` at its end. Never
+    raises, whatever the bytes.
+    """
+
+    def __init__(self, max_bytes: int = MAX_LINE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._buf = bytearray()
+        self._cut = 0  # bytes of the current line dropped so far
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The lines `chunk` completes (without their line ends)."""
+        out: list[str] = []
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            room = self.max_bytes - len(self._buf)
+            if len(piece) > room:
+                self._buf += piece[: max(room, 0)]
+                self._cut += len(piece) - max(room, 0)
+            else:
+                self._buf += piece
+            if end < 0:
+                return out
+            out.append(self._take())
+            start = end + 1
+
+    def close(self) -> list[str]:
+        """The last line when the output did not end with a line end."""
+        return [self._take()] if self._buf or self._cut else []
+
+    def _take(self) -> str:
+        line = self._buf.decode("utf-8", errors="replace").rstrip("\r")
+        if self._cut:
+            line += cut_marker(self._cut)
+        self._buf = bytearray()
+        self._cut = 0
+        return line
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,18 @@ States: ``stopped → starting → ready → stopping → stopped``, and ``faile
 it cannot be (re)started. ``ready`` means ``GET /health`` answered 200. The
 process runs in its own process group (so stop kills helpers too), watched so that
 it never outlives Warmslot, even a killed one (`core.server.process.spawn`). A crash restarts it
-with capped exponential backoff. A crash during warm-up on a build that repacks
+with capped exponential backoff; after ``server.max_restarts`` of them in a row it is
+``failed`` and tried again after a longer wait (`FAILED_RETRY_S`, doubling), so no
+crash loop ends in a permanent 503. A crash during warm-up on a build that repacks
 weights for AMX is retried once with ``--no-repack`` and remembered for that
 binary (docs/llama-server-facts.md#amx-repack-crash).
+
+While it runs, its output is always read (`_pump`), and every `PROGRESS_EVERY_S` it
+must answer ``GET /metrics``, which its main loop serves — ``/health`` is answered by
+the HTTP thread alone, also while the loop is stuck. No answer within
+`PROGRESS_TIMEOUT_S` and it is killed and restarted like a crash. Each crash (or stuck
+kill) tells the server's `CrashQuarantine` (`core.server.quarantine`), which refuses
+the request that was in flight when it happened.
 
 Each launch gets a new random API key that only Warmslot knows, so that nothing else
 on the machine (another user's process, a web page that found the port) can use the
@@ -39,12 +48,20 @@ import aiohttp
 
 from core.config import ServerSettings
 from core.errors import PortInUse, ServerStartFailed, WarmslotError
-from core.events import Event, LogLine, ServerExited, ServerLaunched, ServerStateChanged
+from core.events import (
+    Event,
+    LogLine,
+    Notice,
+    ServerExited,
+    ServerLaunched,
+    ServerStateChanged,
+)
 from core.paths import Paths
 from core.server import logparse, process, rpc
 from core.server.argv import LaunchInputs, build_argv
 from core.server.discover import ServerBinary
 from core.server.model import ModelFile
+from core.server.quarantine import CrashQuarantine, Quarantined
 from core.status import ServerSnapshot
 
 log = logging.getLogger("warmslot.server")
@@ -58,9 +75,18 @@ _CRASH_SIGNALS = {
 }
 HEALTHY_RESET_S = 300.0  # a run this long resets the restart counter
 LOG_TAIL_LINES = 2000
+PUMP_CHUNK_BYTES = 64 * 1024  # llama-server's output is read this much at a time at most
 LOG_FILE_MAX_BYTES = 10 << 20
 LOG_FILE_KEEP = 3
 STOP_GRACE_S = 10.0
+# How often a ready server must prove that its main loop runs, and how long it may take.
+# The loop answers between two batches, and one batch of a large prompt on a slow CPU,
+# or a slot file of gigabytes written to disk, takes a while: well under this.
+PROGRESS_EVERY_S = 15.0
+PROGRESS_TIMEOUT_S = 120.0
+# After the restarts ran out: the first wait before trying again, and the longest.
+FAILED_RETRY_S = 60.0
+FAILED_RETRY_MAX_S = 900.0
 # Cross-origin reads of llama-server's answers: none. Set through the environment, which
 # a build without these options ignores (an unknown flag would stop it starting); a
 # ``--cors-*`` flag in the settings' extra args still wins (docs/security.md#llama-servers-port).
@@ -129,7 +155,7 @@ def _remove(path: Path) -> None:
 def _open_log(path: Path) -> logging.handlers.RotatingFileHandler:
     """llama-server's output file, rotated by size: ``llama-server.log``, ``.1`` …
     ``.LOG_FILE_KEEP``. Lines are written through `_write_log` as they are, one a line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     handler = logging.handlers.RotatingFileHandler(
         path,
         maxBytes=LOG_FILE_MAX_BYTES,
@@ -139,6 +165,13 @@ def _open_log(path: Path) -> logging.handlers.RotatingFileHandler:
     )
     handler.setFormatter(logging.Formatter("%(message)s"))
     return handler
+
+
+def _quarantine_text(hit: Quarantined) -> str:
+    return (
+        f"llama-server died ({hit.what}) while answering a request; the same request "
+        f"(body sha256 {hit.digest[:16]}…) is refused for {(hit.until - hit.at) / 60:.0f} min"
+    )
 
 
 def _write_log(handler: logging.Handler, line: str) -> None:
@@ -159,6 +192,8 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         name: str = "",
         log_path: Path | None = None,
+        progress_every_s: float | None = None,
+        progress_timeout_s: float | None = None,
     ) -> None:
         self.name = name  # the model profile it serves; "" for the primary server
         self._log_path = log_path if log_path is not None else paths.server_log
@@ -192,6 +227,14 @@ class Supervisor:
         self._worker_waits = 0  # checks in a row that found a needed RPC worker gone
         self._lines_total = 0  # output lines read, over all runs
         self._run_first_line = 0  # `_lines_total` when the current run was launched
+        self._line_failures = 0  # output lines that could not be logged or emitted
+        self._progress_every_s = progress_every_s or PROGRESS_EVERY_S
+        self._progress_timeout_s = progress_timeout_s or PROGRESS_TIMEOUT_S
+        self._progress_task: asyncio.Task[None] | None = None
+        self._stuck = ""  # why the current run was killed as stuck ("" when it was not)
+        self._failed_retries = 0  # give-ups in a row (the wait before the next try doubles)
+        # The request bodies in flight (told by the proxy) and those that crashed it.
+        self.quarantine = CrashQuarantine(clock=clock)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -417,7 +460,9 @@ class Supervisor:
         else:
             port = free_port(settings.host)
         slot_dir = resolved.slot_dir or self._paths.slot_dir
-        slot_dir.mkdir(parents=True, exist_ok=True)
+        # Slot files hold prompts' token ids: owner-only, the folder and (by the umask
+        # llama-server inherits, core.paths.PRIVATE_UMASK) every file it writes there.
+        slot_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:12]
         key = secrets.token_urlsafe(32)
         key_file = self._write_key(key)
@@ -497,6 +542,10 @@ class Supervisor:
         if healthy in done and not exited.done() and not refused:
             exited.cancel()
             self._watch_task = asyncio.create_task(self._watch(proc, pump, self.run_id))
+            self._stuck = ""
+            self._progress_task = asyncio.create_task(
+                self._check_progress(proc, f"http://{settings.host}:{port}/metrics")
+            )
             self._set_state(ServerState.READY, f"healthy on port {port}")
             return
         # It exited, never became healthy, or refused Warmslot's key.
@@ -580,42 +629,104 @@ class Supervisor:
             delay = min(delay * 1.5, 0.5)
 
     async def _pump(self, proc: asyncio.subprocess.Process) -> None:
+        """Read llama-server's output until it closes, whatever it holds.
+
+        Read in chunks and cut into bounded lines (`logparse.LineSplitter`), never with
+        ``readline``, whose 64 KiB limit one long line overruns; and a line that cannot
+        be handled (a full disk under the log file, a failing subscriber) is skipped,
+        never the rest: output nobody reads blocks llama-server in its logger
+        (docs/llama-server-facts.md#a-long-log-line-wedged-the-server).
+        """
         assert proc.stdout is not None
+        splitter = logparse.LineSplitter()
         while True:
-            raw = await proc.stdout.readline()
-            if not raw:
+            try:
+                chunk = await proc.stdout.read(PUMP_CHUNK_BYTES)
+            except (OSError, ValueError):  # the pipe broke: nothing more to read
+                chunk = b""
+            lines = splitter.feed(chunk) if chunk else splitter.close()
+            for line in lines:
+                self._take_line(line)
+            if not chunk:
                 break
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            self.log_tail.append(line)
-            self._lines_total += 1
+        if self._logfile is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._logfile.flush()
+
+    def _take_line(self, line: str) -> None:
+        """One output line into the tail, the log file and a `LogLine` event."""
+        self.log_tail.append(line)
+        self._lines_total += 1
+        try:
             if self._logfile is not None:
                 _write_log(self._logfile, line)
             parsed = logparse.parse_line(line)
             self._emit(LogLine(level=parsed.level, area=parsed.area, text=parsed.text, raw=line))
-        if self._logfile is not None:
-            self._logfile.flush()
+        except Exception:
+            self._line_failures += 1
+            if self._line_failures == 1:  # once: the next one would be as loud
+                log.exception("could not handle a line of llama-server's output; reading on")
+
+    async def _check_progress(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        """Ask the ready server for ``/metrics`` every `PROGRESS_EVERY_S`; kill it when
+        no answer comes within `PROGRESS_TIMEOUT_S` (the watch then restarts it).
+
+        ``/metrics`` is a task for llama-server's main loop, answered between two
+        batches, so an answer proves the loop runs; ``/health`` does not (its HTTP
+        thread answers it while the loop is stuck, e.g. blocked writing its log). Any
+        answer counts, even an error status; a refused connection is a crash, which the
+        watch sees. Off the request path: one small request at a time, from here.
+        """
+        assert self._http is not None
+        timeout = aiohttp.ClientTimeout(total=self._progress_timeout_s)
+        while True:
+            await asyncio.sleep(self._progress_every_s)
+            if proc.returncode is not None or self._proc is not proc:
+                return
+            try:
+                async with self._http.get(url, headers=self.auth_headers(), timeout=timeout) as r:
+                    await r.read()
+                continue
+            except TimeoutError:
+                pass
+            except (aiohttp.ClientError, OSError):
+                continue
+            if proc.returncode is not None or self._proc is not proc or self._stop_requested:
+                return
+            self._stuck = (
+                f"no progress: GET /metrics unanswered for {self._progress_timeout_s:.0f} s "
+                "while /health answers"
+            )
+            log.warning("llama-server makes %s; killing it to restart it", self._stuck)
+            process.kill_group(proc.pid)
+            return
 
     async def _watch(
         self, proc: asyncio.subprocess.Process, pump: asyncio.Task[None], run_id: str
     ) -> None:
         code = await _exited(proc)
         await pump
+        if self._progress_task is not None:
+            self._progress_task.cancel()
         if self._stop_requested or run_id != self.run_id:
             return
         sig = -code if code < 0 else None
         ran_for = self._clock() - self._started_at
-        self._record_exit(proc, "crashed", "nobody (crash)", code)
+        stuck, self._stuck = self._stuck, ""
+        self._record_exit(
+            proc, "crashed", "supervisor (no progress)" if stuck else "nobody (crash)", code
+        )
         if ran_for >= HEALTHY_RESET_S:
             self.restarts = 0
+            self._failed_retries = 0
         settings = self._settings()
-        what = f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}"
+        what = stuck or (f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}")
         if lost := rpc.rpc_failure(self._run_lines()):
             # llama-server does not say which worker: the restart checks them and names it.
             what += f", an RPC worker stopped answering: {lost}"
+        self._quarantine(what)
         if self.restarts >= settings.max_restarts:
-            self._set_state(
-                ServerState.FAILED, f"crashed ({what}); gave up after {self.restarts} restarts"
-            )
+            self._give_up(f"crashed ({what}); gave up after {self.restarts} restarts")
             return
         delay = min(0.5 * (2**self.restarts), settings.backoff_max_s)
         self.restarts += 1
@@ -624,6 +735,41 @@ class Supervisor:
         )
         self._restart_task = asyncio.create_task(self._restart_after(delay))
 
+    def _quarantine(self, what: str) -> None:
+        """Tell the quarantine the server died; say which request it now refuses."""
+        for hit in self.quarantine.crashed(what):
+            text = _quarantine_text(hit)
+            log.warning("%s", text)
+            self._emit(
+                Notice(
+                    level="warning",
+                    text=text,
+                    hint="the client that sent it gets a 422 saying so; every other request "
+                    "is served",
+                )
+            )
+
+    def _give_up(self, reason: str) -> None:
+        """``failed`` after the restarts ran out, with a start scheduled after a longer
+        wait (doubling, at most `FAILED_RETRY_MAX_S`): never failed for good."""
+        delay = min(FAILED_RETRY_S * (2**self._failed_retries), FAILED_RETRY_MAX_S)
+        self._failed_retries += 1
+        self._set_state(
+            ServerState.FAILED, f"{reason}; trying again in {delay:.0f} s (or restart it now)"
+        )
+        self._restart_task = asyncio.create_task(self._retry_failed(delay))
+
+    async def _retry_failed(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        async with self._lock:
+            if self._stop_requested or self.state is not ServerState.FAILED:
+                return  # stopped, or restarted by the user meanwhile
+            self.restarts = 0
+            try:
+                await self._start_locked("supervisor (retry after failing)", attempt="restart")
+            except WarmslotError as e:
+                self._give_up(f"the retry failed too: {e}")
+
     async def _restart_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
         async with self._lock:
@@ -631,12 +777,16 @@ class Supervisor:
                 return
             with contextlib.suppress(WarmslotError):
                 await self._start_locked("supervisor (crash restart)", attempt="restart")
-            if self._failed() and self.restarts < self._settings().max_restarts:
+            if not self._failed():
+                return
+            if self.restarts < self._settings().max_restarts:
                 # A failed restart counts as another crash: keep backing off.
                 delay = min(0.5 * (2**self.restarts), self._settings().backoff_max_s)
                 self.restarts += 1
                 self._set_state(ServerState.STARTING, f"restart failed; retry in {delay:.1f} s")
                 self._restart_task = asyncio.create_task(self._restart_after(delay))
+            else:
+                self._give_up(f"{self.state_reason}; gave up after {self.restarts} restarts")
 
     def _record_exit(
         self, proc: asyncio.subprocess.Process, outcome: str, requested_by: str, code: int | None
@@ -675,6 +825,9 @@ class Supervisor:
 
     async def _stop_locked(self, requested_by: str) -> None:
         self._stop_requested = True
+        if self._progress_task is not None:
+            self._progress_task.cancel()
+            self._progress_task = None
         proc = self._proc
         if proc is None or proc.returncode is not None:
             if self.state is not ServerState.STOPPED:

@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import ClientHandlerType, ClientRequest, ClientResponse
 
 from core.server.client import AttemptRequest, LlamaClient
+from core.server.quarantine import CrashQuarantine
 
 __all__ = ["KEEPALIVE_S", "Upstream"]
 
@@ -45,9 +46,12 @@ class Upstream:
         *,
         name: str = "",
         api_key: Callable[[], str | None] | None = None,
+        quarantine: Callable[[], CrashQuarantine | None] | None = None,
     ) -> None:
         self._base_url = base_url
         self._api_key = api_key  # the running server's key, read on every request
+        self._quarantine = quarantine
+        self._n_vocab: tuple[str, int | None] | None = None  # (base URL, its vocabulary size)
         self.name = name  # the model profile's name; "" for the primary server
         self._session: aiohttp.ClientSession | None = None
         self._client: LlamaClient | None = None
@@ -94,6 +98,33 @@ class Upstream:
             req.headers["Authorization"] = f"Bearer {key}"
             req.headers.popall("X-Api-Key", None)
         return await handler(req)
+
+    def quarantine(self) -> CrashQuarantine | None:
+        """The supervising server's record of request bodies in flight and of those that
+        crashed it (`core.server.quarantine`); None for a server Warmslot does not run."""
+        return self._quarantine() if self._quarantine is not None else None
+
+    async def n_vocab(self) -> int | None:
+        """The running model's vocabulary size (``meta.n_vocab`` of ``GET /v1/models``),
+        asked once per server address; None when the server does not say."""
+        base = self.base_url
+        if base is None:
+            return None
+        if self._n_vocab is not None and self._n_vocab[0] == base:
+            return self._n_vocab[1]
+        found: int | None = None
+        try:
+            timeout = aiohttp.ClientTimeout(total=10)
+            async with self.session.get(f"{base}/v1/models", timeout=timeout) as resp:
+                data = await resp.json(content_type=None) if resp.status == 200 else None
+            models = data.get("data") if isinstance(data, dict) else None
+            meta = models[0].get("meta") if isinstance(models, list) and models else None
+            value = meta.get("n_vocab") if isinstance(meta, dict) else None
+            found = value if isinstance(value, int) and value > 0 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            return None  # not remembered: asked again next time
+        self._n_vocab = (base, found)
+        return found
 
     def client(self) -> LlamaClient | None:
         """A `LlamaClient` for the server's current address; None while it is not running."""

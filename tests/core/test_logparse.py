@@ -109,3 +109,28 @@ def test_failure_reason_fallbacks() -> None:
     assert logparse.failure_reason(["0.00.001.000 W srv  llama_server: -----"]) == (
         "it exited without an error message (last line: llama_server: -----)"
     )
+
+
+# ------------------------------------------------------------ LineSplitter
+def test_splitter_joins_lines_across_chunks_and_keeps_the_last_one() -> None:
+    s = logparse.LineSplitter()
+    assert s.feed(b"first li") == []
+    assert s.feed(b"ne\r\nsecond\nthi") == ["first line", "second"]
+    assert s.feed(b"rd") == []
+    assert s.close() == ["third"]
+    assert s.close() == []
+
+
+def test_splitter_cuts_a_long_line_and_says_how_much() -> None:
+    s = logparse.LineSplitter(max_bytes=10)
+    # 100 KB in pieces, as a pipe delivers a grammar llama-server echoes in its error.
+    out = [line for _ in range(100) for line in s.feed(b"x" * 1000)]
+    out += s.feed(b"\nnext\n")
+    assert out == ["x" * 10 + logparse.cut_marker(100_000 - 10), "next"]
+
+
+def test_splitter_survives_any_bytes() -> None:
+    s = logparse.LineSplitter(max_bytes=4)
+    lines = s.feed(bytes(range(256)) + b"\n\xe2\x80")  # control bytes, a cut UTF-8 sequence
+    assert len(lines) == 2 and lines[0].startswith("\x00\x01\x02\x03")
+    assert s.close() == ["\ufffd"]

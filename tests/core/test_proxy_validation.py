@@ -84,7 +84,7 @@ def test_embeddings_input_type() -> None:
     [
         ("chat", CHAT),
         ("chat", {**CHAT, "tools": [], "stream": True, "max_tokens": None}),
-        ("chat", {**CHAT, "max_tokens": 0, "n_predict": -1}),
+        ("chat", {**CHAT, "max_tokens": 1, "n_predict": -1}),
         ("completions", {"prompt": "x"}),
         ("completion", {"prompt": [1, 2, "x"]}),
         ("tokenize", {"content": "anything"}),
@@ -512,3 +512,66 @@ def test_json_content_types(ctype: str, ok: bool) -> None:
 
 def test_legacy_completions_logprobs_is_a_count() -> None:
     validate("completions", {"prompt": "x", "logprobs": 3}, 2)
+
+
+# ------------------------------------------------------------ output limits, token ids
+@pytest.mark.parametrize(
+    ("endpoint", "key"),
+    [
+        ("chat", "max_tokens"),
+        ("chat", "max_completion_tokens"),
+        ("chat", "n_predict"),
+        ("completions", "max_tokens"),
+        ("responses", "max_output_tokens"),
+        ("messages", "max_tokens"),
+    ],
+)
+def test_an_output_limit_of_0_is_refused(endpoint: str, key: str) -> None:
+    body: dict[str, Any] = {
+        "chat": CHAT,
+        "completions": {"prompt": "x"},
+        "responses": {"input": "x"},
+        "messages": {"messages": [{"role": "user", "content": "x"}]},
+    }[endpoint]
+    err = invalid(endpoint, {**body, key: 0})
+    assert err.param == key and "at least 1" in str(err)
+    validate(endpoint, {**body, key: 1}, 2)
+    validate(endpoint, {**body, key: -1}, 2)  # llama.cpp's "no limit"
+
+
+def test_llama_cpp_completion_keeps_n_predict_0() -> None:
+    validate("completion", {"prompt": "x", "n_predict": 0}, 2)
+
+
+def test_token_ids_outside_the_vocabulary() -> None:
+    from core.proxy_checks import check_token_ids, token_ids
+
+    assert token_ids("tokenize", {"content": [5, "x", 7]}) == [5, 7]
+    assert token_ids("chat", {"tokens": [1]}) == []
+    check_token_ids("detokenize", {"tokens": [0, 1769]}, 1770)
+    with pytest.raises(Invalid) as e:
+        check_token_ids("detokenize", {"tokens": [0, 1770]}, 1770)
+    assert e.value.param == "tokens" and "0..1769" in str(e.value)
+    with pytest.raises(Invalid) as e:
+        check_token_ids("tokenize", {"content": [999_999, "x"]}, 1770)
+    assert e.value.param == "content"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "messages"])
+def test_a_quarantined_body_is_refused_in_its_apis_shape(endpoint: str) -> None:
+    from core.proxy_checks import crashed_before
+    from core.proxy_errors import invalid_response
+    from core.server.quarantine import Quarantined
+
+    hit = Quarantined("ab" * 32, "signal SIGSEGV", at=100.0, until=700.0)
+    resp = invalid_response(endpoint, crashed_before(hit, now=130.0))
+    assert resp.status == 422
+    assert resp.text is not None
+    data = json.loads(resp.text)
+    err = data["error"]
+    assert "crashed llama-server (signal SIGSEGV) 30 s ago" in err["message"]
+    assert "another 10 min" in err["message"]
+    if endpoint == "messages":
+        assert data["type"] == "error" and err["type"] == "invalid_request_error"
+    else:
+        assert err["code"] == 422

@@ -218,3 +218,34 @@ def test_crash_with_a_surviving_helper_still_restarts(make_core: MakeCore, tmp_p
     wait_until(lambda: len(log.of(ServerExited)) >= 1, 20, message="crash not noticed")
     wait_until(lambda: pid_gone(helper), 5, message="the crashed server's helper survived")
     wait_until(lambda: len(log.of(ServerLaunched)) >= 2, 20, message="no restart after crash")
+
+
+def test_a_failed_server_is_tried_again_after_a_longer_wait(
+    make_core: MakeCore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Giving up after the restarts is not for good: the supervisor starts it again after
+    `FAILED_RETRY_S` (doubling), so a crash loop never ends in a permanent 503."""
+    from core.server import supervisor as supervisor_mod
+
+    monkeypatch.setattr(supervisor_mod, "FAILED_RETRY_S", 1.0)
+    fake = make_fake_binary(tmp_path / "bin", "--fake-crash-after", "0.3")
+    core = make_core(server__binary=str(fake), binary_check=None, server__max_restarts=1)
+    core.settings.server.backoff_max_s = 0.5
+    log = started_with_log(core)
+    core.start(wait_ready=True, timeout=60)
+    sup = core.supervisor
+    assert sup is not None
+    wait_until(lambda: sup.state is ServerState.FAILED, 60, message=lambda: str(log.states()))
+    assert "gave up after 1 restarts; trying again in 1 s" in sup.state_reason
+    given_up = time.monotonic()
+    # start, restart, then the retry after failing, which crashes and gives up again with
+    # a wait twice as long.
+    wait_until(lambda: len(log.of(ServerLaunched)) >= 3, 60, message=lambda: str(log.states()))
+    assert time.monotonic() - given_up >= 0.9
+    wait_until(
+        lambda: sup.state is ServerState.FAILED and "trying again in 2 s" in sup.state_reason,
+        60,
+        message=lambda: sup.state_reason,
+    )
+    core.stop()  # a pending retry does not outlive the stop
+    assert sup.state is ServerState.STOPPED
