@@ -35,6 +35,7 @@ from core.backends import BackendSet
 from core.build import BuildRequest
 from core.cache import explain
 from core.cache.background import Background
+from core.cache.index import CacheIndex
 from core.cache.manager import CacheManager
 from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings, SettingsUpdate
@@ -93,7 +94,8 @@ class Core:
         self._subscribers: list[tuple[Subscriber, tuple[type[Event], ...] | None]] = []
         self._sub_lock = threading.Lock()
         self._stopping = False
-        self.telemetry: Telemetry | None = None
+        self.telemetry: Telemetry | None = None  # the history
+        self.cache_index: CacheIndex | None = None  # what the slot files are (its own file)
         # Lifetime totals behind /metrics: seeded from the history at start, then
         # counted from events (core.proxy_metrics).
         self.counters = Counters()
@@ -230,7 +232,26 @@ class Core:
 
     async def _setup(self) -> None:
         self.started_at = time.time()
-        self.telemetry = Telemetry(self.paths.telemetry_db)
+        # The cache index first: on the first start after the upgrade it takes its tables
+        # out of the history database. Either file, if it cannot be used, is moved aside
+        # and made afresh — said in a Notice, never a reason not to serve (docs/cache.md).
+        self.cache_index = CacheIndex.open(
+            self.paths.cache_index_db, slot_dir=self.paths.slot_dir, legacy=self.paths.telemetry_db
+        )
+        self.telemetry, history = Telemetry.open(self.paths.telemetry_db)
+        if history is not None:
+            log.warning("%s", history.text())
+        for text in ([history.text()] if history else []) + self.cache_index.notes:
+            self.emit(Notice(level="warning", text=text))
+        try:
+            local_key = write_local_key(self.paths.state_dir)
+        except OSError as e:  # a read-only state folder
+            local_key = ""
+            self._state_unwritable(
+                local_key_file(self.paths.state_dir),
+                e,
+                "`warmslot status` on this machine needs proxy.api_key for this run",
+            )
         self.counters.seed(lifetime(self.telemetry))  # once; then counted in memory
         self.subscribe(self.counters.record, COUNTED)
         s = self.settings
@@ -270,7 +291,7 @@ class Core:
             keys=KeyRing(
                 keys_file(self.paths.config_file),
                 lambda: self.settings.proxy.api_key,
-                local=write_local_key(self.paths.state_dir),
+                local=local_key,
             ),
             max_body_mb=lambda: self.settings.proxy.max_body_mb,
             upstream_timeout_s=lambda: self.settings.proxy.upstream_timeout_s,
@@ -306,7 +327,12 @@ class Core:
             self.background.register()
         await self.proxy.start(s.proxy.host, s.proxy.port)
         self.subscribe(self._on_server_state, (ServerStateChanged,))
-        self._write_runtime()
+        try:
+            self._write_runtime()
+        except OSError as e:
+            self._state_unwritable(
+                self.paths.runtime_file, e, "`warmslot status` will not find this run"
+            )
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         # A lost RPC worker restarts the server before a request finds out (docs/scale.md).
         sup = self.supervisor
@@ -317,6 +343,12 @@ class Core:
         )
         if self.sweeps.sweeps:
             self._tasks.append(asyncio.create_task(self.sweeps.run_forever()))
+
+    def _state_unwritable(self, path: Path, err: OSError, consequence: str) -> None:
+        """Say that a file of the state folder cannot be written (serving goes on)."""
+        text = f"cannot write {path} ({err.strerror or err}); {consequence}"
+        log.warning("%s", text)
+        self.emit(Notice(level="warning", text=text))
 
     def cache_managers(self) -> list[CacheManager]:
         """The cache manager of every model that has one: the primary's first, then each
@@ -436,9 +468,12 @@ class Core:
             await self.proxy.stop()
         if self.upstream is not None:  # nothing talks to the primary server any more
             await self.upstream.close()
-        if self.telemetry is not None:  # 4. flush and close the database
+        if self.telemetry is not None:  # 4. flush and close the databases
             self.telemetry.close()
             self.telemetry = None
+        if self.cache_index is not None:
+            self.cache_index.close()
+            self.cache_index = None
         if self._runtime_written:  # never another instance's (a start that found its port)
             self._runtime_written = False
             with contextlib.suppress(OSError):

@@ -73,7 +73,18 @@ class Paths:
 
     @property
     def telemetry_db(self) -> Path:
+        """The history (requests, events, charts): losing it loses no cache state."""
         return self.state_dir / "telemetry.sqlite3"
+
+    @property
+    def cache_index_db(self) -> Path:
+        """The cache index (`core.cache.index`): what the slot files under `slot_dir` are.
+
+        In the state folder beside them, not the data folder: it describes files that
+        live there and is worth nothing without them (and they nothing without it), and
+        state is what the platform keeps across restarts but not in backups of a user's
+        documents (XDG_STATE_HOME; the data folder on macOS and Windows anyway)."""
+        return self.state_dir / "cache-index.sqlite3"
 
     @property
     def models_dir(self) -> Path:

@@ -3,8 +3,8 @@
 A prefix Warmslot learned — the tokens of a client's stable prefix, as the
 server rendered and tokenized them — is only worth something while a slot
 holds it. Slot files keep the *state* where the disk tier is valid; this table
-(``prefixes``, created by `core.cache.store`'s migrations in the telemetry
-database) keeps the *definition*, what to prewarm, everywhere. After Warmslot
+(``prefixes``, created by `core.cache.store`'s migrations in the cache index,
+`core.cache.index`) keeps the *definition*, what to prewarm, everywhere. After Warmslot
 itself restarts, the most recently used definitions are loaded and warmed
 again from their tokens (see `core.cache.boot`); with the disk tier on, they
 are the fallback for a saved state that fails verification.

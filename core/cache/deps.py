@@ -2,8 +2,9 @@
 
 `CacheDeps` is everything `core.cache.manager.CacheManager` needs from the rest of
 Warmslot — settings, the llama-server it works on, the HTTP session to it, the
-database, an `emit` callable, the clock, paths, the machine's pressure monitor and
-the scheduler — so the manager never holds the engine (`core.engine.Core`).
+cache index's database (`core.cache.index`), an `emit` callable, the clock, paths,
+the machine's pressure monitor and the scheduler — so the manager never holds the
+engine (`core.engine.Core`).
 `deps_from` builds it from anything shaped like the engine (`EngineParts`).
 
 `CacheHost` is the manager's public surface that warm-up, keep-alive, retention,
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from core.cache.boot import BootRewarm, Emit
 from core.cache.definitions import DefinitionStore
 from core.cache.fingerprint import ServerIdentity
+from core.cache.learner import PrefixLearner
 from core.cache.prefix import PrefixInfo
 from core.cache.probe import LOGPROB_TOLERANCE, ProbeGate
 from core.cache.slots import SlotMap
@@ -40,9 +42,9 @@ from core.sweeps import Sweeps
 if TYPE_CHECKING:
     import sqlite_utils
 
+    from core.cache.index import CacheIndex
     from core.paths import Paths
     from core.server.supervisor import Resolved
-    from core.telemetry import Telemetry
 
 Subscriber = Callable[[Event], None]
 
@@ -83,7 +85,7 @@ class CacheDeps:
     settings: Callable[[], Settings]  # read on every use: settings can change while running
     server: Callable[[], ServerHandle | None]  # the llama-server this manager works on
     upstream: Upstream | None  # the one HTTP session to it (its maker closes it)
-    db: Callable[[], sqlite_utils.Database | None]  # the telemetry database (None: none yet)
+    db: Callable[[], sqlite_utils.Database | None]  # the cache index's (None: none yet)
     emit: Callable[[Event], None]
     subscribe: Callable[[Subscriber, tuple[type[Event], ...]], object]
     clock: Clock
@@ -110,7 +112,7 @@ class EngineParts(Protocol):
     @property
     def upstream(self) -> Upstream | None: ...
     @property
-    def telemetry(self) -> Telemetry | None: ...
+    def cache_index(self) -> CacheIndex | None: ...
     @property
     def pressure(self) -> PressureMonitor | None: ...
     @property
@@ -142,8 +144,8 @@ def deps_from(
         return server if server is not None else core.supervisor
 
     def db() -> sqlite_utils.Database | None:
-        telemetry = core.telemetry
-        return telemetry.db if telemetry is not None else None
+        index = core.cache_index
+        return index.db if index is not None else None
 
     return CacheDeps(
         settings=settings,
@@ -174,6 +176,7 @@ class CacheHost(Protocol):
     pressure: PressureMonitor
     boot: BootRewarm
     probe_gate: ProbeGate  # one known-answer probe at a time (docs/cache.md#verification)
+    learner: PrefixLearner  # the known prefixes by request shape, and what they belong to
 
     @property
     def prefixes(self) -> dict[str, PrefixInfo]: ...  # shape key → prefix

@@ -264,7 +264,7 @@ class CacheManager:
 
     @property
     def has_db(self) -> bool:
-        """Whether the engine's database is open (the index and definitions live there)."""
+        """Whether the engine's cache index is open (the states and definitions live there)."""
         return self.deps.db() is not None
 
     @property
@@ -998,7 +998,7 @@ class CacheManager:
             "keepalive": {"last": self.keepalive.last},
             "text": "",
         }
-        if self.has_db:  # the index lives in the telemetry database
+        if self.has_db:  # the index is open (the engine's cache index)
             self.retention.annotate(out)  # TTL classes, expiries, the disk's use
         out["text"] = format_inventory(out) + "\n" + bg.format_background(out)
         if recent := format_recent(out["explained"]):

@@ -8,7 +8,8 @@ defaults 5 min / 60 min / 24 h). Stable prefixes get ``cache.prefix_class``
 ``cache.aux_class`` (short). A pinned entry never expires and is never swept.
 
 **Disk retention** (every ``cache.retention_interval_s``, at least 60 s) looks
-only at files our index (the ``states`` table) says we wrote:
+only at files our index (the ``states`` table of the cache index,
+`core.cache.index`) says we wrote; a file's record beside it goes with it:
 
 1. a row whose file is gone is dropped; a file whose size no longer matches
    its row (truncated, replaced) is deleted;
@@ -64,11 +65,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 import sqlite_utils
-from sqlite_utils import Migrations
 from sqlite_utils.db import Table
 
 from core.cache.retention_plan import MIB, Eviction, Plan, human_age, plan_disk_sweep
-from core.cache.store import StateRecord, safe_name
+from core.cache.store import StateRecord, card_name, migrations, safe_name
 from core.config import TTL_CLASSES, CacheSettings
 from core.events import CacheEvent, CacheEventKind
 from core.status import BackoffRow, CacheStatus
@@ -100,15 +100,6 @@ UNFINISHED_GRACE_S = 600.0  # a journaled save older than this that never got a 
 SAVE_BACKOFF_FIRST_S = 30.0  # after a failed save, the prefix is not saved again for this long,
 SAVE_BACKOFF_MAX_S = 1800.0  # doubling per further failure up to this
 SIZE_SLACK = 0
-
-migrations = Migrations("warmslot.retention")
-
-
-@migrations()
-def m001_state_writes(db: sqlite_utils.Database) -> None:
-    cast(Table, db["state_writes"]).create(
-        {"filename": str, "identity": str, "started": float}, pk="filename"
-    )
 
 
 def ttl_seconds(settings: CacheSettings, ttl_class: str) -> float:
@@ -159,7 +150,7 @@ class WriteJournal:
     def __init__(self, db: sqlite_utils.Database, clock: Callable[[], float]) -> None:
         self.db = db
         self.clock = clock
-        migrations.apply(db)
+        migrations.apply(db)  # the cache index's (core.cache.store)
 
     @property
     def table(self) -> Table:
@@ -559,7 +550,9 @@ class Retention:
         root = self.mgr.store.root
         if not root.is_dir():
             return 0
-        known = {(r.identity, r.filename) for r in self.mgr.store.all()}
+        records = self.mgr.store.all()
+        known = {(r.identity, r.filename) for r in records}
+        known |= {(r.identity, card_name(r.filename)) for r in records}  # their records
         n = 0
         with contextlib.suppress(OSError):
             for d in root.iterdir():

@@ -4,6 +4,7 @@ name (`QUERIES`: `Telemetry.query`, `Core.query`, the GUI's offline backend)."""
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from collections.abc import Iterable
 from typing import Any, cast
@@ -18,6 +19,8 @@ from core.telemetry_rows import (
     SweepRunRow,
     TtfbMedians,
 )
+
+log = logging.getLogger("warmslot.telemetry")
 
 BUCKETS = {"minute": 60, "hour": 3600, "day": 86400}
 # The queries that may be run by name (`Telemetry.query`, `Core.query`, the GUI): the
@@ -45,6 +48,50 @@ QUERIES = frozenset(
 # A prefill this long, with no reuse, measures the cold rate (batched, as a re-read is).
 COLD_MIN_TOKENS = 256
 
+_warned: set[str] = set()  # the columns whose unreadable values were logged (once each)
+# A row counts in a time window only when its time is a number: a row with text there (no
+# version writes one) is in no window, instead of in every one (SQLite orders text after
+# numbers).
+TS = "typeof(ts) IN ('integer', 'real') AND ts"
+
+
+def _warn(column: str, value: object) -> None:
+    if column not in _warned:
+        _warned.add(column)
+        log.warning(
+            "telemetry: ignoring an unreadable %s value in the history: %.80r", column, value
+        )
+
+
+def _json(value: object, default: Any, column: str) -> Any:
+    """A JSON column's value, or `default` for an empty or unreadable one: a damaged row of
+    history is shown without its details, never fails the query that lists it."""
+    if not value:
+        return default
+    try:
+        out = json.loads(value) if isinstance(value, str | bytes) else None
+    except ValueError:
+        out = None
+    if out is None or type(out) is not type(default):
+        _warn(column, value)
+        return default
+    return out
+
+
+def _typed(table: str, types: dict[str, str], row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with each column of `table` as its declared type says: a number where text
+    belongs becomes text, text where a number belongs becomes None (logged once)."""
+    for key, value in row.items():
+        kind = types.get(key, "")
+        if value is None or not kind:
+            continue
+        if kind == "TEXT" and not isinstance(value, str):
+            row[key] = str(value)
+        elif kind in ("INTEGER", "FLOAT", "REAL") and not isinstance(value, int | float):
+            _warn(f"{table}.{key}", value)
+            row[key] = None
+    return row
+
 
 class Queries:
     """The read-only queries of `core.telemetry.Telemetry`, which owns the connection
@@ -70,11 +117,20 @@ class Queries:
             raise ValueError(f"unknown query {name!r}")
         return getattr(self, name)(**kwargs)
 
-    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    def _rows(
+        self, sql: str, params: Iterable[Any] = (), *, table: str = ""
+    ) -> list[dict[str, Any]]:
+        """The rows of a query; with `table`, its columns checked against their declared
+        types (`_typed`): a damaged row of history never fails the caller that formats it."""
         self.flush()
         cur = self._conn.execute(sql, list(params))
         cols = [c[0] for c in cur.description]
-        return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
+        rows = [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
+        if table:
+            info = self._conn.execute(f"PRAGMA table_info({table})").fetchall()
+            types = {str(c[1]): str(c[2]).upper() for c in info}
+            rows = [_typed(table, types, r) for r in rows]
+        return rows
 
     def hit_rate(
         self, bucket: str = "minute", since: float | None = None, until: float | None = None
@@ -89,7 +145,7 @@ class Queries:
                        COALESCE(SUM(cache_n), 0) AS cached,
                        COALESCE(SUM(prompt_n), 0) AS new,
                        COALESCE(SUM(cache_n), 0) + COALESCE(SUM(prompt_n), 0) AS total
-                FROM requests WHERE ts >= ? AND ts < ? AND prompt_n IS NOT NULL
+                FROM requests WHERE {TS} >= ? AND ts < ? AND prompt_n IS NOT NULL
                 GROUP BY bucket ORDER BY bucket""",
             [since, until],
         )
@@ -101,12 +157,12 @@ class Queries:
         """Requests, prompt/cached tokens, hit ratio and an estimate of seconds saved."""
         since = 0.0 if since is None else since
         row = self._rows(
-            """SELECT COUNT(*) AS requests,
+            f"""SELECT COUNT(*) AS requests,
                       COALESCE(SUM(prompt_n), 0) AS prompt_tokens,
                       COALESCE(SUM(cache_n), 0) AS cached_tokens,
                       COALESCE(SUM(prompt_ms), 0) AS prompt_ms,
                       SUM(CASE WHEN status >= 400 OR error != '' THEN 1 ELSE 0 END) AS errors
-               FROM requests WHERE ts >= ?""",
+               FROM requests WHERE {TS} >= ?""",
             [since],
         )[0]
         total = row["prompt_tokens"] + row["cached_tokens"]
@@ -129,9 +185,9 @@ class Queries:
         """Milliseconds per token of cold prefills: requests of at least COLD_MIN_TOKENS
         new tokens that reused under a tenth of that. None when there was none."""
         row = self._rows(
-            """SELECT COUNT(*) AS requests, COALESCE(SUM(prompt_n), 0) AS tokens,
+            f"""SELECT COUNT(*) AS requests, COALESCE(SUM(prompt_n), 0) AS tokens,
                       COALESCE(SUM(prompt_ms), 0) AS ms
-               FROM requests WHERE ts >= ? AND prompt_n >= ? AND prompt_ms > 0
+               FROM requests WHERE {TS} >= ? AND prompt_n >= ? AND prompt_ms > 0
                     AND COALESCE(cache_n, 0) * 10 <= prompt_n""",
             [0.0 if since is None else since, COLD_MIN_TOKENS],
         )[0]
@@ -141,9 +197,9 @@ class Queries:
     def per_client(self, since: float | None = None) -> list[ClientRow]:
         since = 0.0 if since is None else since
         rows = self._rows(
-            """SELECT client, COUNT(*) AS requests,
+            f"""SELECT CAST(COALESCE(client, '') AS TEXT) AS client, COUNT(*) AS requests,
                       COALESCE(SUM(cache_n), 0) AS cached, COALESCE(SUM(prompt_n), 0) AS new
-               FROM requests WHERE ts >= ? GROUP BY client ORDER BY requests DESC""",
+               FROM requests WHERE {TS} >= ? GROUP BY 1 ORDER BY requests DESC""",
             [since],
         )
         for r in rows:
@@ -155,10 +211,11 @@ class Queries:
         """Per API key name ("" without keys): requests, prompt (new) and cached tokens,
         prefill seconds and the latest request's time, busiest first."""
         rows = self._rows(
-            """SELECT user, COUNT(*) AS requests, COALESCE(SUM(prompt_n), 0) AS prompt_tokens,
+            f"""SELECT CAST(COALESCE(user, '') AS TEXT) AS user, COUNT(*) AS requests,
+                      COALESCE(SUM(prompt_n), 0) AS prompt_tokens,
                       COALESCE(SUM(cache_n), 0) AS cached_tokens,
                       COALESCE(SUM(prompt_ms), 0) / 1000.0 AS prefill_s, MAX(ts) AS last_used
-               FROM requests WHERE ts >= ? GROUP BY user ORDER BY requests DESC""",
+               FROM requests WHERE {TS} >= ? GROUP BY 1 ORDER BY requests DESC""",
             [0.0 if since is None else since],
         )
         for r in rows:
@@ -174,13 +231,14 @@ class Queries:
         """
         since = 0.0 if since is None else since
         rows = self._rows(
-            """SELECT client, COALESCE(session, '') AS session, COUNT(*) AS requests,
+            f"""SELECT CAST(COALESCE(client, '') AS TEXT) AS client,
+                      CAST(COALESCE(session, '') AS TEXT) AS session, COUNT(*) AS requests,
                       COALESCE(SUM(cache_n), 0) AS cached, COALESCE(SUM(prompt_n), 0) AS new,
                       COALESCE(SUM(prompt_ms), 0) AS prefill_ms, MIN(ts) AS first_seen,
                       MAX(ts) AS last_seen, slot, GROUP_CONCAT(DISTINCT kind) AS kinds
-               FROM requests WHERE ts >= ?
+               FROM requests WHERE {TS} >= ?
                     AND endpoint IN ('chat', 'messages', 'responses', 'completions', 'completion')
-               GROUP BY client, COALESCE(session, '') ORDER BY last_seen DESC LIMIT ?""",
+               GROUP BY 1, 2 ORDER BY last_seen DESC LIMIT ?""",
             [since, limit],
         )
         for r in rows:
@@ -190,7 +248,11 @@ class Queries:
 
     def recent_requests(self, limit: int = 50) -> list[RequestRow]:
         """The latest requests, newest first (every column of the table)."""
-        rows = self._rows("SELECT * FROM requests ORDER BY id DESC LIMIT ?", [limit])
+        rows = self._rows(
+            f"SELECT * FROM requests WHERE {TS} > 0 ORDER BY id DESC LIMIT ?",
+            [limit],
+            table="requests",
+        )
         return cast(list[RequestRow], rows)
 
     def recent_events(
@@ -201,7 +263,7 @@ class Queries:
         since: float | None = None,
     ) -> list[EventRow]:
         """The latest events (of a category, of a kind, since a time), newest first."""
-        where = ["ts >= ?"]
+        where = [f"{TS} >= ?"]
         params: list[Any] = [0.0 if since is None else since]
         if category:
             where.append("category = ?")
@@ -211,36 +273,47 @@ class Queries:
             params.append(kind)
         params.append(limit)
         rows = self._rows(
-            f"SELECT * FROM events WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT ?", params
+            f"SELECT * FROM events WHERE {' AND '.join(where)} ORDER BY id DESC LIMIT ?",
+            params,
+            table="events",
         )
         for r in rows:
-            r["details"] = json.loads(r["details"]) if r["details"] else {}
+            r["details"] = _json(r["details"], {}, "events.details")
         return cast(list[EventRow], rows)  # every column of the table
 
     def server_runs(self, limit: int = 20) -> list[ServerRunRow]:
         """The latest runs of llama-server, newest first."""
-        rows = self._rows("SELECT * FROM server_runs ORDER BY started DESC LIMIT ?", [limit])
+        rows = self._rows(
+            "SELECT * FROM server_runs WHERE typeof(started) IN ('integer', 'real') "
+            "ORDER BY started DESC LIMIT ?",
+            [limit],
+            table="server_runs",
+        )
         for r in rows:
-            r["argv"] = json.loads(r["argv"]) if r["argv"] else []
-            r["last_lines"] = json.loads(r["last_lines"]) if r["last_lines"] else []
+            r["argv"] = _json(r["argv"], [], "server_runs.argv")
+            r["last_lines"] = _json(r["last_lines"], [], "server_runs.last_lines")
         return cast(list[ServerRunRow], rows)  # every column of the table
 
     def sweep_runs(self, sweep: str | None = None, limit: int = 50) -> list[SweepRunRow]:
         """The latest runs of the background sweeps (or of one), newest first."""
         where, params = ("WHERE name = ?", [sweep]) if sweep else ("", [])
         rows = self._rows(
-            f"SELECT * FROM sweeps {where} ORDER BY id DESC LIMIT ?", [*params, limit]
+            f"SELECT * FROM sweeps {where} ORDER BY id DESC LIMIT ?",
+            [*params, limit],
+            table="sweeps",
         )
         for r in rows:
-            r["details"] = json.loads(r["details"]) if r["details"] else {}
+            r["details"] = _json(r["details"], {}, "sweeps.details")
         return cast(list[SweepRunRow], rows)  # every column of the table
 
     def pressure_series(self, since: float | None = None) -> list[PressureRow]:
         """Pressure samples since `since` (default: the last hour), oldest first."""
         since = self._clock() - 3600 if since is None else since
-        rows = self._rows("SELECT * FROM pressure WHERE ts >= ? ORDER BY ts", [since])
+        rows = self._rows(
+            f"SELECT * FROM pressure WHERE {TS} >= ? ORDER BY ts", [since], table="pressure"
+        )
         for r in rows:
-            r["gpus"] = json.loads(r["gpus"]) if r["gpus"] else []
+            r["gpus"] = _json(r["gpus"], [], "pressure.gpus")
         return cast(list[PressureRow], rows)  # every column of the table
 
     def ttfb(self, since: float | None = None) -> TtfbMedians:
@@ -258,7 +331,8 @@ class Queries:
                 vals = [
                     r[column]
                     for r in self._rows(
-                        f"SELECT {column} FROM requests WHERE ts >= ? AND {column} IS NOT NULL "
+                        f"SELECT {column} FROM requests WHERE {TS} >= ? "
+                        f"AND typeof({column}) IN ('integer', 'real') "
                         f"AND prompt_n IS NOT NULL AND {cond} {extra} ORDER BY {column}",
                         [since],
                     )
@@ -271,16 +345,23 @@ class Queries:
         """The latest explanations (core.cache.explain), newest first; `diverged`: only
         those that left their slot's previous prompt. Sections and divergence as JSON text."""
         where = "WHERE div_token IS NOT NULL" if diverged else ""
-        rows = self._rows(f"SELECT * FROM explanations {where} ORDER BY id DESC LIMIT ?", [limit])
+        rows = self._rows(
+            f"SELECT * FROM explanations {where} ORDER BY id DESC LIMIT ?",
+            [limit],
+            table="explanations",
+        )
         return cast(list[ExplanationRow], rows)  # every column of the table
 
     def explanation(self, request_id: str | None = None) -> ExplanationRow | None:
         """One request's explanation (the latest when `request_id` is None)."""
         if request_id is None:
-            rows = self._rows("SELECT * FROM explanations ORDER BY id DESC LIMIT 1")
+            rows = self._rows(
+                "SELECT * FROM explanations ORDER BY id DESC LIMIT 1", table="explanations"
+            )
         else:
             rows = self._rows(
                 "SELECT * FROM explanations WHERE request_id = ? ORDER BY id DESC LIMIT 1",
                 [request_id],
+                table="explanations",
             )
         return cast(ExplanationRow, rows[0]) if rows else None  # every column of the table

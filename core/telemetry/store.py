@@ -1,6 +1,12 @@
 """The telemetry writer: `Telemetry` owns the one connection, buffers rows (from
 events, `record`) and writes them in batches; a row SQLite refuses is dropped and
-counted, never stopping the rest. Old rows go by `prune`."""
+counted, never stopping the rest. Old rows go by `prune`.
+
+The file holds history only (requests, events, server runs, builds, explanations,
+pressure samples, sweeps): the cache index is a database of its own
+(`core.cache.index`), so losing this file loses charts, never cache state.
+`Telemetry.open` is how the engine opens it: a file that cannot be used is moved
+aside and a fresh one made (`core.dbfile`), so history never stops serving."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Any
 
 import sqlite_utils
 
+from core.dbfile import Recovery, connect, open_or_recover
 from core.events import (
     BuildProgress,
     CacheEvent,
@@ -86,12 +93,14 @@ class Telemetry(Queries):
         self.path = path
         if isinstance(path, Path):
             path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(str(path), isolation_level=None)
+        # WAL, and proven writable: a damaged, locked or read-only file raises here.
+        self._conn = connect(path)
         self.db = sqlite_utils.Database(self._conn)
-        if str(path) != ":memory:":
-            self.db.enable_wal()
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        migrations.apply(self.db)
+        try:
+            migrations.apply(self.db)
+        except BaseException:
+            self._conn.close()
+            raise
         self._clock = clock
         # Rows to write, per table: any values (one SQLite cannot store is dropped, counted).
         self._pending: dict[str, list[dict[str, object]]] = {}
@@ -103,6 +112,14 @@ class Telemetry(Queries):
         self._unnoted = 0
         self._last_cause = ""
         self._logged: set[str] = set()
+
+    @classmethod
+    def open(cls, path: Path, *, clock: Any = time.time) -> tuple[Telemetry, Recovery | None]:
+        """The history database at `path`, or — when that file cannot be used (damaged,
+        cut short, not a database, locked, a directory, read-only) — a fresh one in its
+        place after moving it aside, or one in memory for this run. Returns it with what
+        was done (None: the file was fine); never raises for the file's state."""
+        return open_or_recover(path, lambda p: cls(p, clock=clock), what="history database")
 
     # --------------------------------------------------------------- writing
     def add(self, table: str, row: Mapping[str, object]) -> None:

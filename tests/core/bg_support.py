@@ -19,6 +19,7 @@ from typing import Any
 from core.cache import prefix as pfx
 from core.cache.deps import deps_from
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
+from core.cache.index import CacheIndex
 from core.cache.manager import CacheManager, DiskTier
 from core.cache.store import StateRecord
 from core.clock import FakeClock
@@ -45,6 +46,7 @@ class FakeCore:
         self.paths.ensure()
         self.clock = FakeClock()
         self.telemetry: Telemetry | None = Telemetry(":memory:", clock=self.clock.time)
+        self.cache_index: CacheIndex | None = CacheIndex.memory()
         self.events: list[Event] = []
         self.supervisor = SimpleNamespace(
             resolved=SimpleNamespace(slot_dir=self.paths.slot_dir / IDENT),

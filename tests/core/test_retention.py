@@ -16,6 +16,7 @@ import pytest
 from core.cache import retention as ret
 from core.cache.deps import deps_from
 from core.cache.fingerprint import state_filename
+from core.cache.store import card_name
 from core.config import Settings
 from core.events import CacheEvent
 from tests.core.bg_support import (
@@ -43,9 +44,10 @@ def evicted(core: FakeCore) -> list[CacheEvent]:
     return core.cache_events("evicted")
 
 
-def files(core: FakeCore, identity: str = IDENT) -> set[str]:
+def files(core: FakeCore, identity: str = IDENT, pattern: str = "*.bin") -> set[str]:
+    """The slot files in an identity's directory (`pattern` "*.json": their records)."""
     d = core.paths.slot_dir / identity
-    return {p.name for p in d.iterdir()} if d.is_dir() else set()
+    return {p.name for p in d.glob(pattern)} if d.is_dir() else set()
 
 
 def test_ttl_classes_have_the_documented_defaults() -> None:
@@ -64,6 +66,7 @@ async def test_each_class_expires_after_its_ttl(tmp_path: Path, ttl_class: str, 
     out = await mgr.retention.sweep_disk()
     assert out.actions == 1
     assert files(core) == {fresh.filename}
+    assert files(core, pattern="*.json") == {card_name(fresh.filename)}  # its record went too
     assert mgr.store.get(stale.filename) is None
     (ev,) = evicted(core)
     assert ev.details["file"] == stale.filename and ev.details["rule"] == "expired"

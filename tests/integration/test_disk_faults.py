@@ -386,7 +386,7 @@ def test_kill_9_of_serve_during_a_save(tmp_path: Path, tiny_model: Path) -> None
     ):
         config.set_value(cfg, key, value)
     paths = Paths.under(home)
-    db = paths.telemetry_db
+    db = paths.cache_index_db  # the write journal and the states (core.cache.index)
     port = free_port()
     err = tmp_path / "serve.stderr"
     proc = _serve(home, port, err)

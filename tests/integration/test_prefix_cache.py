@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlite_utils
 
 from core.bench import tracebench
 from core.bench.trace import make_trace
@@ -137,10 +138,8 @@ def test_damaged_state_is_never_used(
 ) -> None:
     core, _ = learned_core
     # Damage the saved state while Warmslot is stopped, through a throwaway store view.
-    from core.telemetry import Telemetry
-
-    tel = Telemetry(core.paths.telemetry_db)
-    store = StateStore(tel.db, core.paths.slot_dir)
+    index = sqlite_utils.Database(core.paths.cache_index_db)
+    store = StateStore(index, core.paths.slot_dir)
     # The prefix's state (the conversation saved at the stop is another file). A server
     # without patch 0004 saves no prefix state of its own: the newest conversation that
     # starts with the prefix brings it back (core.cache.prefix_save), so that one is
@@ -207,7 +206,7 @@ def test_damaged_state_is_never_used(
         store.table.update(
             rec.filename, {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
         )
-    tel.close()
+    index.close()
     mgr = _restart_and_wait(core)
     rejected = _events(core, "restore_rejected")
     assert rejected, f"{damage}: the damaged state was not rejected"

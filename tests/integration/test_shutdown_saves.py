@@ -160,12 +160,13 @@ def _conversation_saves(db: Path) -> list[dict[str, Any]]:
 
 def test_a_graceful_stop_saves_every_live_conversation_in_time(tmp_path: Path) -> None:
     home, paths = _home(tmp_path)
-    db, port, err = paths.telemetry_db, free_port(), tmp_path / "serve.stderr"
+    db, index = paths.telemetry_db, paths.cache_index_db  # the history; the states
+    port, err = free_port(), tmp_path / "serve.stderr"
     proc = _serve(home, port, err)
     try:
         wait_until(lambda: _ready(port), 180, interval=0.2, message=lambda: err.read_text()[-2000:])
         _converse(port)
-        wait_until(lambda: _settled(db), 300, interval=0.1, message="background saves done")
+        wait_until(lambda: _settled(index), 300, interval=0.1, message="background saves done")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(STAGED_STOP_S + 30) == 0, err.read_text()[-2000:]
@@ -181,29 +182,31 @@ def test_a_graceful_stop_saves_every_live_conversation_in_time(tmp_path: Path) -
     assert span <= SHUTDOWN_SAVE_S, (span, saves)
     assert stopped <= STAGED_STOP_S, stopped
     # No partial file: nothing left journaled, every file in the slot folder indexed.
-    assert _rows(db, "SELECT filename FROM state_writes") == []
-    indexed = set(_assert_inventory_matches_the_disk(paths, db))
+    assert _rows(index, "SELECT filename FROM state_writes") == []
+    indexed = set(_assert_inventory_matches_the_disk(paths, index))
     on_disk = {p.name for p in paths.slot_dir.glob("*/*.bin")}
     assert on_disk == indexed, (on_disk - indexed, indexed - on_disk)
-    with contextlib.closing(sqlite3.connect(db)) as c:
-        assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    for f in (db, index):
+        with contextlib.closing(sqlite3.connect(f)) as c:
+            assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
 def test_kill_9_during_a_shutdown_save_adopts_nothing(tmp_path: Path) -> None:
     home, paths = _home(tmp_path)
-    db, port, err = paths.telemetry_db, free_port(), tmp_path / "serve.stderr"
+    db, index = paths.telemetry_db, paths.cache_index_db  # the history; the states
+    port, err = free_port(), tmp_path / "serve.stderr"
     proc = _serve(home, port, err)
     try:
         wait_until(lambda: _ready(port), 180, interval=0.2, message=lambda: err.read_text()[-2000:])
         messages = _converse(port)
-        wait_until(lambda: _settled(db), 300, interval=0.1, message="background saves done")
+        wait_until(lambda: _settled(index), 300, interval=0.1, message="background saves done")
         server_pids = [p.pid for p in _llama_servers_of(home)]
         assert server_pids, "no llama-server was running"
-        before = {r[0] for r in _rows(db, "SELECT filename FROM states")}
+        before = {r[0] for r in _rows(index, "SELECT filename FROM states")}
 
         def written_not_indexed() -> list[str]:
             # A shutdown save whose file the server has written but that is not indexed.
-            names = [r[0] for r in _rows(db, "SELECT filename FROM state_writes")]
+            names = [r[0] for r in _rows(index, "SELECT filename FROM state_writes")]
             return [n for n in names if any(paths.slot_dir.glob(f"*/{n}"))]
 
         proc.send_signal(signal.SIGINT)
@@ -215,24 +218,25 @@ def test_kill_9_during_a_shutdown_save_adopts_nothing(tmp_path: Path) -> None:
         size = [p.stat().st_size for p in paths.slot_dir.rglob(name)]
         print(f"\nkilled during the shutdown save of {name} ({size} bytes on disk)")
         wait_until(lambda: all(pid_gone(p) for p in server_pids), 60, message="orphans")
-        with contextlib.closing(sqlite3.connect(db)) as c:
-            assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        for f in (db, index):
+            with contextlib.closing(sqlite3.connect(f)) as c:
+                assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         killed_saves = len(_conversation_saves(db))
 
         # Started again: the half-saved file is in no index row, so nothing restores it;
         # its journal row leaves it to the retention sweep.
         proc = _serve(home, port, err)
         wait_until(lambda: _ready(port), 180, interval=0.2, message=lambda: err.read_text()[-2000:])
-        indexed = _assert_inventory_matches_the_disk(paths, db)
+        indexed = _assert_inventory_matches_the_disk(paths, index)
         assert name not in indexed
-        journaled = {r[0] for r in _rows(db, "SELECT filename FROM state_writes")}
+        journaled = {r[0] for r in _rows(index, "SELECT filename FROM state_writes")}
         assert name in journaled or not any(paths.slot_dir.rglob(name)), journaled
         # Every session's next turn is answered; none restores the half-saved file.
         for i, s in enumerate(SESSIONS):
             more = [*messages[s], {"role": "user", "content": "Next:\n" + _text(9 + i, 50)}]
             r = _chat(port, more, s)
             print(s, r.headers.get("X-Warmslot-Conversation"), r.json()["timings"])
-        assert name not in _assert_inventory_matches_the_disk(paths, db)
+        assert name not in _assert_inventory_matches_the_disk(paths, index)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(STAGED_STOP_S + 30) == 0, err.read_text()[-2000:]
         print(f"conversation saves before the kill: {killed_saves}")
