@@ -511,6 +511,13 @@ class Proxy:
             return None
         return time.monotonic() - self._last_done
 
+    @property
+    def settled(self) -> bool:
+        """No request is being handled and the cache has heard of every one that ended
+        (its `completed` ran): what "idle" means to a caller that waits for the
+        bookkeeping after a response, e.g. a test or a benchmark between requests."""
+        return not self._active and not self._inflight
+
     async def _handle_json(self, request: web.Request) -> web.StreamResponse:
         self._active += 1
         try:

@@ -218,10 +218,12 @@ def cache_manager(core: Core) -> CacheManager:
 
 
 def cache_idle(core: Core) -> bool:
-    """Whether the core's cache manager has no background work (asked on its loop)."""
+    """Whether the core's cache manager has no background work and has heard of every
+    request that ended (asked on its loop)."""
 
     async def idle() -> bool:
-        return cache_manager(core).idle()
+        proxy = core.proxy
+        return (proxy is None or proxy.settled) and cache_manager(core).idle()
 
     return core.submit(idle()).result(10)
 

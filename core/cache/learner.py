@@ -85,10 +85,26 @@ class PrefixLearner:
         self.learn: dict[str, list[tuple[str, list[int]]]] = {}  # tools key → first turns
         self._no_prefix: set[tuple[str, str]] = set()  # (shape, session) without a prefix
         self.template_warning: str | None = None  # set when the template drops tools
+        # The model file and chat template the known prefixes' tokens belong to.
+        self._tokens_of: tuple[str, str] | None = None
 
     def server_gone(self) -> None:
         """The server stopped or restarts: its template is checked again."""
         self.template_warning = None
+
+    def adopt(self, identity: ServerIdentity) -> bool:
+        """A server with `identity` is ready: keep the known prefixes when their tokens
+        are this model's and this template's (True: re-fingerprint them for it, as after
+        a new build or other flags); forget them otherwise — another model's token ids
+        mean nothing to this one, and its rendering of the same request differs."""
+        mine = (identity.model, identity.chat_template)
+        same = self._tokens_of is None or self._tokens_of == mine
+        if not same:
+            self.prefixes.clear()
+            self.learn.clear()
+            self._no_prefix.clear()
+        self._tokens_of = mine
+        return same
 
     async def prefix_for(
         self,

@@ -108,7 +108,10 @@ async def learn_identity(mgr: CacheHost) -> None:
         mgr.slots = SlotMap(n, reserve_aux=mgr.slots.reserve_aux, clock=mgr.clock.monotonic)
     mgr.disk = disk_tier(mgr, sup.resolved.model.path, patches)
     mgr.probe_suffix = await client.tokenize(PROBE_SUFFIX)
-    # Prefixes learned under an older identity are re-fingerprinted for this one.
+    # Prefixes learned under an older identity of the same model and template are
+    # re-fingerprinted for this one; another model's are forgotten (`PrefixLearner.adopt`):
+    # its definitions and saved states stay on disk for when it runs again.
+    mgr.learner.adopt(mgr.identity)
     for info in list(mgr.prefixes.values()):
         info.fingerprint = fingerprint(mgr.identity, info.tokens)
     mgr.by_fp = {i.fingerprint: i for i in mgr.prefixes.values()}

@@ -1,4 +1,4 @@
-"""The request path's work budget (DESIGN.md §4, docs/benchmarks.md#request-budget): at
+"""The request path's work budget (docs/benchmarks.md#request-budget): at
 steady state — a known session whose slot holds its prefix — a managed request costs
 llama-server one call, its own generation, and nothing runs in its wake either.
 
