@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from core.events import BuildProgress
-from core.status import CacheStatus, Status, cache_error, cache_of
+from core.status import Status, cache_error, cache_of
 
 
 class TrayState(StrEnum):
@@ -38,7 +38,6 @@ LABELS = {
 }
 
 RUNNING = (TrayState.STARTING, TrayState.WARM, TrayState.COLD, TrayState.DEGRADED)
-RESTORE_AT_START = 3  # the cache manager restores this many recent prefixes after a start
 
 
 @dataclass(frozen=True)
@@ -93,42 +92,17 @@ def model_name(status: Status | None, configured: str = "") -> str:
     return Path(path).name if path else ""
 
 
-def expected_warm(cache: CacheStatus) -> list[str]:
-    """Fingerprints the cache manager brings back after a start (pinned first, then recent)."""
-    slots = cache["slots"]
-    primary = [s for s in slots if s["id"] != cache["aux_slot"]] or slots
-    saved = [s for s in cache["saved"] if s["current"]]
-    saved.sort(key=lambda s: (not s["pinned"], -s["last_used"]))
-    n = min(len(primary), RESTORE_AT_START)
-    return [s["fingerprint"] for s in saved[:n] if s["fingerprint"]]
-
-
 def cache_warmth(status: Status) -> tuple[bool, str]:
-    """(warm?, why) for a ready server, from the cache inventory."""
+    """(warm?, why) for a ready server: the core's own verdict (`core.cache.inventory.warmth`)."""
     if error := cache_error(status):
         return False, f"cache status failed: {error}"
     cache = cache_of(status)
     if cache is None:
         return True, "no cache manager attached: plain proxy"
-    if not cache["enabled"]:
-        return False, "cache management is off (cache.enabled)"
-    boot = cache["boot_rewarm"]
-    if boot["state"] == "running":
-        return False, f"re-warming recently used prefixes: {boot['done']} of {boot['total']} done"
-    if cache["warming"]:
-        return False, "restoring or prewarming prefixes"
-    if cache["identity"] is None:
-        return False, "learning the server's identity"
-    want = expected_warm(cache)
-    held = {s["prefix"] for s in cache["slots"] if s["prefix"]}
-    missing = [fp for fp in want if fp not in held]
-    if missing:
-        return False, f"{len(want) - len(missing)} of {len(want)} saved prefixes warm"
-    if want:
-        return True, f"{len(want)} saved prefixes warm"
-    if boot["state"] == "done" and boot["warmed"]:
-        return True, f"{boot['warmed']} recently used prefixes re-warmed"
-    return True, "ready; prefixes warm as clients send them"
+    verdict = cache.get("warmth")
+    if verdict is None:
+        return False, "the cache has not said yet"
+    return verdict["warm"], verdict["why"]
 
 
 def derive_state(

@@ -441,6 +441,24 @@ class BootRewarmStatus(TypedDict):
     current_slot: int | None
     started_at: float | None
     finished_at: float | None
+    # The steps that failed and why, in words (what the tray says when it is not warm).
+    failures: NotRequired[list[BootFailure]]
+
+
+class BootFailure(TypedDict):
+    """A prefix the boot re-warm could not bring back."""
+
+    fingerprint: str  # the first 16 hex digits
+    slot: int
+    reason: str
+
+
+class CacheWarmth(TypedDict):
+    """The core's one verdict on whether the cache is warm, and why in words: what
+    `warmslot status` and the tray's Warm / Cold say (`core.cache.inventory.warmth`)."""
+
+    warm: bool
+    why: str
 
 
 class PressureSnapshot(TypedDict):
@@ -600,6 +618,7 @@ class CacheStatus(TypedDict):
     unmanaged_apis: dict[str, str]  # route → why it is forwarded unmanaged
     warming: bool  # the restore / prewarm after a (re)start still runs
     boot_rewarm: BootRewarmStatus
+    warmth: NotRequired[CacheWarmth]  # absent only in a status from before it existed
     pressure: PressureSnapshot
     paused: list[str]
     sweeps: list[SweepStatus]

@@ -38,7 +38,7 @@ from core.cache import prefix as pfx
 from core.cache.store import StateRecord
 from core.errors import UpstreamError
 from core.events import CacheEventKind
-from core.status import BootRewarmStatus
+from core.status import BootFailure, BootRewarmStatus
 
 __all__ = ["BootRewarm", "BootStep", "Emit"]
 
@@ -90,6 +90,7 @@ class BootRewarm:
         self.failed = 0
         self.started_at: float | None = None
         self.finished_at: float | None = None
+        self.failures: list[BootFailure] = []
         self._pending: dict[int, BootStep] = {}  # slot → step not started yet
         self._running: _Running | None = None
 
@@ -111,6 +112,7 @@ class BootRewarm:
             "current_slot": run.step.slot if run is not None else None,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
+            "failures": list(self.failures),
         }
 
     def forget(self) -> None:
@@ -120,6 +122,7 @@ class BootRewarm:
             self.state = "idle"
             self.total = self.warmed = self.skipped = self.failed = 0
             self.started_at = self.finished_at = None
+            self.failures = []
 
     def claim(self, slot: int, fingerprint: str) -> None:
         """A client request needs `slot` for the prefix `fingerprint` ("" for none)."""
@@ -171,6 +174,7 @@ class BootRewarm:
         self.state = "running"
         self.total = len(steps)
         self.warmed = self.skipped = self.failed = 0
+        self.failures = []
         self.started_at, self.finished_at = self._clock(), None
         self._pending = {s.slot: s for s in steps}
         self._running = None
@@ -216,6 +220,9 @@ class BootRewarm:
                 self.skipped += 1
             return
         self.failed += 1
+        self.failures.append(
+            {"fingerprint": step.info.fingerprint[:16], "slot": step.slot, "reason": str(error)}
+        )
         if not isinstance(error, UpstreamError):
             log.error("boot re-warm of slot %d failed", step.slot, exc_info=error)
         self._emit(

@@ -5,7 +5,43 @@ from __future__ import annotations
 import time
 
 from core.cache import background as bg
-from core.status import BootRewarmStatus, CacheStatus, Status, cache_of
+from core.status import BootRewarmStatus, CacheStatus, CacheWarmth, Status, cache_of
+
+
+def warmth(st: CacheStatus) -> CacheWarmth:
+    """Whether the cache is warm, and why: the one verdict the CLI and the tray show.
+
+    Cold while the cache is off, the server's identity is not known yet, or the boot
+    re-warm (or a restore) still runs; cold, naming the cause, when a prefix the boot
+    re-warm should have brought back failed and no slot holds it now. Warm otherwise:
+    what was brought back, or prefixes warm as clients send them. A prefix that client
+    requests later displaced is not "cold": that is the slots doing their work."""
+    if not st["enabled"]:
+        return {"warm": False, "why": "cache management is off (cache.enabled)"}
+    if st["identity"] is None:
+        return {"warm": False, "why": "learning the server's identity"}
+    boot = st["boot_rewarm"]
+    if boot["state"] == "running":
+        return {
+            "warm": False,
+            "why": f"re-warming recently used prefixes: {boot['done']} of {boot['total']} done",
+        }
+    if st["warming"]:
+        return {"warm": False, "why": "restoring or prewarming prefixes"}
+    held = {s["prefix"] for s in st["slots"] if s["prefix"]}
+    lost = [f for f in boot.get("failures", []) if f["fingerprint"] not in held]
+    if lost:
+        first = lost[0]
+        more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+        return {
+            "warm": False,
+            "why": f"could not bring prefix {first['fingerprint']} back into slot "
+            f"{first['slot']}: {first['reason']}{more}",
+        }
+    if boot["state"] == "done" and boot["warmed"]:
+        n = boot["warmed"]
+        return {"warm": True, "why": f"{n} recently used prefix{'es' if n > 1 else ''} warm"}
+    return {"warm": True, "why": "ready; prefixes warm as clients send them"}
 
 
 def format_inventory(st: CacheStatus) -> str:
@@ -17,6 +53,8 @@ def format_inventory(st: CacheStatus) -> str:
     ]
     for route, why in st["unmanaged_apis"].items():
         lines.append(f"  {route}: forwarded unmanaged (accounting only) — {why}")
+    if (verdict := st.get("warmth")) is not None:
+        lines.append(f"  {'warm' if verdict['warm'] else 'cold'}: {verdict['why']}")
     boot = boot_rewarm_text(st["boot_rewarm"])
     if boot:
         lines.append(f"  {boot}")

@@ -40,7 +40,7 @@ from core.cache.deps import CacheDeps, EngineParts, ServerHandle, deps_from
 from core.cache.deps import DiskTier as DiskTier
 from core.cache.explain import Explainer, format_recent
 from core.cache.fingerprint import ServerIdentity
-from core.cache.inventory import format_inventory
+from core.cache.inventory import format_inventory, warmth
 from core.cache.keepalive import KeepAlive, prewarm_body
 from core.cache.learner import PrefixLearner, chat_of, render_body, renderable
 from core.cache.plan import SlotPlan
@@ -1000,6 +1000,7 @@ class CacheManager:
         }
         if self.has_db:  # the index is open (the engine's cache index)
             self.retention.annotate(out)  # TTL classes, expiries, the disk's use
+        out["warmth"] = warmth(out)
         out["text"] = format_inventory(out) + "\n" + bg.format_background(out)
         if recent := format_recent(out["explained"]):
             out["text"] += "\n" + recent

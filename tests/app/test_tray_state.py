@@ -145,18 +145,12 @@ def test_derive_states() -> None:
     assert (building.tray, building.build_percent) == (TrayState.BUILDING, 30.0)
     done = BuildProgress(build_id="b", percent=100, step="ok", done=True, ok=True)
     assert derive_state(stopped, build=done).tray is TrayState.STOPPED
-    # Ready: warm when every prefix the manager restores after a start is in a slot.
-    assert derive_state(ready_status()).tray is TrayState.WARM
-    st = ready_status()
-    st["cache"]["slots"][1]["prefix"] = ""  # the 2nd most recent saved prefix is not loaded
-    cold = derive_state(st)
-    assert (cold.tray, cold.detail) == (TrayState.COLD, "2 of 3 saved prefixes warm")
-    assert derive_state(ready_status(identity=None)).tray is TrayState.COLD
-    assert derive_state(ready_status(enabled=False)).tray is TrayState.COLD
-    fresh = ready_status(saved=[], prefixes=[])
-    for s in fresh["cache"]["slots"]:
-        s["prefix"] = ""
-    assert derive_state(fresh).tray is TrayState.WARM  # nothing known yet: ready is warm
+    # Ready: warm or cold as the core says (core.cache.inventory.warmth), in its words.
+    warm = derive_state(ready_status())
+    assert (warm.tray, warm.detail) == (TrayState.WARM, "3 recently used prefixes warm")
+    why = "could not bring prefix 3f9c0a1d2b4e5f60 back into slot 0: 400 invalid tokens"
+    cold = derive_state(ready_status(warmth={"warm": False, "why": why}))
+    assert (cold.tray, cold.detail) == (TrayState.COLD, why)
     low = derive_state(ready_status(), pressure="low")
     assert (low.tray, low.detail) == (TrayState.DEGRADED, "memory pressure is low")
     st = ready_status()

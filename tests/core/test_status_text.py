@@ -23,3 +23,59 @@ def test_sessions_and_the_crowding_warning() -> None:
     assert "warning: 2 agent sessions were active" in text and "1 agent slot:" in text
     roomy = {"slots": [{"id": 0}, {"id": 1}, {"id": 2}], "aux_slot": 2}
     assert "warning:" not in format_status(complete({**base, "cache": roomy}))
+
+
+def test_the_cache_verdict_is_one_rule_in_words() -> None:
+    """`warmth` is what the tray's Warm / Cold and `warmslot status` say: a saved state
+    that is a conversation is not a prefix to wait for, a prefix that failed to come back
+    makes the cache cold and says why, and one a client later brought back does not."""
+    from core.cache.inventory import warmth
+    from tests.fixtures.status_shapes import blank_cache
+
+    st = blank_cache()
+    st["identity"] = "abc"
+    st["slots"] = [
+        {"id": 0, "session": "s", "prefix": "", "tokens": 0, "inflight": 0, "kind": "agent"}
+    ]
+    assert warmth(st) == {"warm": True, "why": "ready; prefixes warm as clients send them"}
+    st["saved"] = [
+        {
+            "file": "ws-conv.bin",
+            "fingerprint": "c0ffee0000000000",
+            "tokens": 16036,
+            "bytes": 1,
+            "ttl_class": "long",
+            "pinned": False,
+            "last_used": 1.0,
+            "verified": "reference",
+            "current": True,
+            "kind": "conversation",
+            "session": "s",
+            "client": "opencode",
+            "created": 1.0,
+        }
+    ]
+    st["boot_rewarm"].update(state="done", total=1, warmed=1)
+    st["slots"][0]["prefix"] = "aaaa000000000000"
+    assert warmth(st) == {"warm": True, "why": "1 recently used prefix warm"}
+    st["boot_rewarm"].update(state="running", done=0, total=2)
+    assert warmth(st)["warm"] is False and "0 of 2 done" in warmth(st)["why"]
+    st["boot_rewarm"].update(state="done", done=2, warmed=1, failed=1)
+    st["boot_rewarm"]["failures"] = [
+        {
+            "fingerprint": "bbbb000000000000",
+            "slot": 1,
+            "reason": "400: Prompt contains invalid tokens",
+        }
+    ]
+    assert warmth(st) == {
+        "warm": False,
+        "why": "could not bring prefix bbbb000000000000 back into slot 1: "
+        "400: Prompt contains invalid tokens",
+    }
+    st["slots"][0]["prefix"] = "bbbb000000000000"  # a client's request warmed it since
+    assert warmth(st)["warm"] is True
+    st["identity"] = None
+    assert warmth(st) == {"warm": False, "why": "learning the server's identity"}
+    st["enabled"] = False
+    assert warmth(st)["why"] == "cache management is off (cache.enabled)"
