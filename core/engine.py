@@ -307,6 +307,7 @@ class Core:
         self.proxy.on_demand = self._start_for_request
         self.proxy.explain = self._explain
         self.proxy.strip_billing_header = lambda: self.settings.proxy.strip_billing_header
+        self.proxy.repair_tool_arguments = lambda: self.settings.proxy.repair_tool_arguments
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
             self.proxy.policy = self.policy

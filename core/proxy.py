@@ -29,7 +29,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from core import apis
+from core import apis, tool_arguments
 from core.apis import ChatView
 from core.cache import context_limit
 from core.config.checks import is_loopback
@@ -51,6 +51,7 @@ from core.proxy_checks import (
 from core.proxy_errors import (
     auth_response,
     error_response,
+    history_error,
     invalid_response,
     unavailable_response,
 )
@@ -245,6 +246,9 @@ class Proxy:
         # Take Claude Code's attribution line out of /v1/messages bodies (setting
         # proxy.strip_billing_header; core.apis.strip_billing_header).
         self.strip_billing_header: Callable[[], bool] = lambda: True
+        # Close history tool calls whose arguments are not JSON (setting
+        # proxy.repair_tool_arguments; core.tool_arguments).
+        self.repair_tool_arguments: Callable[[], bool] = lambda: True
         self.counters = ProxyCounters()
         # Per model profile ("" for the primary): the cold prefill rate seen so far, which
         # prices the cached tokens in X-Warmslot-Est-Saved-Ms (and, read by the cache,
@@ -554,6 +558,13 @@ class Proxy:
         strip = endpoint == "messages" and self.strip_billing_header()
         if strip and apis.strip_billing_header(body):
             edits = (apis.BILLING_HEADER_EDIT,)
+        # A tool call cut short in the history makes llama-server fail every later request
+        # of the conversation (docs/clients.md#errors-from-the-history).
+        if endpoint in ("chat", "responses") and self.repair_tool_arguments():
+            repair = functools.partial(tool_arguments.repair, endpoint)
+            if repaired := await _off_loop(repair, body, big=len(raw) > THREAD_BYTES):
+                log.info("%s: closed %s", endpoint, "; ".join(r.text for r in repaired))
+                edits += (tool_arguments.REPAIR_EDIT,)
         chat = await self._chat_view(endpoint, body, len(raw))
         decision = self.router.decide(endpoint, headers, body, chat)
         if isinstance(decision, Refused):
@@ -823,6 +834,14 @@ class Proxy:
                 else:
                     error = error_text(data)
                     self._add_cache_headers(req, None)  # no numbers: "unknown", the ids
+                    # A 500 the request's own history causes is the client's to fix: a 400
+                    # that says so (a 5xx is retried, the same way, by agents).
+                    refused = history_error(req.endpoint, up.status, error, req.body)
+                    if refused is not None:
+                        log.warning("%s %s → 400: %s", req.endpoint, req.request_id, refused)
+                        headers = safe_headers(req.response_headers)
+                        response = invalid_response(req.endpoint, refused, headers)
+                        return _Outcome(response, 400, None, ttfb, str(refused))
                 # A prompt or answer that hit the slot's context is named (issue 16, 0e).
                 if (hit := context_limit.warning_for(up.status, data, req.body)) is not None:
                     context_limit.note(req.response_headers, hit)

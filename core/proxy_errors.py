@@ -1,12 +1,14 @@
 """The proxy's own error responses, each in its client API's error shape (OpenAI's,
-or Anthropic's for /v1/messages)."""
+or Anthropic's for /v1/messages), and llama-server's errors that the request itself
+caused, said as such (`history_error`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 from aiohttp import web
 
+from core import tool_arguments
 from core.proxy_checks import Invalid
 
 
@@ -34,13 +36,15 @@ def auth_response(endpoint: str) -> web.Response:
     return error_response(401, message, type_="authentication_error", headers=headers)
 
 
-def invalid_response(endpoint: str, e: Invalid) -> web.Response:
+def invalid_response(
+    endpoint: str, e: Invalid, headers: Mapping[str, str] | None = None
+) -> web.Response:
     """A refused body's 4xx in its API's own error shape: Anthropic's
     ``{"type": "error", "error": {"type", "message"}}`` for /v1/messages, else OpenAI's."""
     if endpoint in ("messages", "messages-count"):
         body = {"type": "error", "error": {"type": e.code, "message": str(e)}}
-        return web.json_response(body, status=e.status)
-    return error_response(e.status, str(e), param=e.param)
+        return web.json_response(body, status=e.status, headers=headers)
+    return error_response(e.status, str(e), param=e.param, headers=headers)
 
 
 def unavailable_response(endpoint: str, message: str, retry_after_s: int) -> web.Response:
@@ -52,3 +56,46 @@ def unavailable_response(endpoint: str, message: str, retry_after_s: int) -> web
         body = {"type": "error", "error": {"type": "overloaded_error", "message": message}}
         return web.json_response(body, status=503, headers=headers)
     return error_response(503, message, type_="unavailable_error", headers=headers)
+
+
+# llama-server's 500s that the request's own history causes, not the server: the same
+# body fails the same way every time, so a client that retries a 5xx (Codex: "high
+# demand … Reconnecting 5/5") only repeats it. Said as a 400 that names the cause.
+_BAD_ARGUMENTS = "Failed to parse tool call arguments as JSON"
+_BAD_MESSAGES = "Failed to parse messages: "  # a message part or tool call it cannot read
+
+
+def history_error(
+    endpoint: str, status: int, upstream_message: str, body: MutableMapping[str, object]
+) -> Invalid | None:
+    """The 400 to answer instead of a llama-server 500 that the request's own history
+    caused (None for any other answer): a history tool call whose arguments are not
+    JSON, named by its field in the client's body (core.tool_arguments), or a message
+    llama-server cannot read, in its words. (A chat template's own refusal, its
+    raise_exception, is llama-server's 400 already.)"""
+    if status != 500:
+        return None
+    if upstream_message.startswith(_BAD_MESSAGES):
+        return Invalid(
+            400,
+            "Warmslot: llama-server cannot read a message of this conversation: "
+            f"{upstream_message[len(_BAD_MESSAGES) :]} (its 500; the same messages fail every "
+            "time, docs/clients.md#errors-from-the-history)",
+            param="input" if endpoint == "responses" else "messages",
+        )
+    if _BAD_ARGUMENTS not in upstream_message:
+        return None
+    bad = tool_arguments.find(endpoint, body)
+    named = "; ".join(b.text for b in bad[:3])
+    if len(bad) > 3:
+        named += f" (and {len(bad) - 3} more)"
+    return Invalid(
+        400,
+        "Warmslot: this conversation's history holds a tool call whose arguments are not "
+        f"JSON, which llama-server cannot render: {named or upstream_message}. An answer "
+        "cut short at its output limit inside a tool call leaves one, and every later "
+        "request of the conversation fails the same way until the call is closed or "
+        "removed: the setting proxy.repair_tool_arguments closes it "
+        "(docs/clients.md#errors-from-the-history).",
+        param=bad[0].where if bad else None,
+    )

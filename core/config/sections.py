@@ -272,6 +272,17 @@ class ProxySettings:
             applies=Applies.LIVE,
         ),
     )
+    repair_tool_arguments: bool = field(
+        default=True,
+        metadata=meta(
+            "Close a history tool call whose arguments are not JSON (an answer cut at its "
+            "output limit inside a tool call) before a chat or Responses request goes to "
+            "llama-server, which otherwise fails every later request of that conversation "
+            "(docs/clients.md#errors-from-the-history). Off: such a request gets a 400 "
+            "naming the call.",
+            applies=Applies.LIVE,
+        ),
+    )
 
 
 @dataclass

@@ -157,6 +157,32 @@ def test_proxy_settings_apply_to_the_next_request(live: Core) -> None:
         httpx.get(f"http://127.0.0.1:{new}/health", timeout=5)
 
 
+@probes("proxy.repair_tool_arguments")
+def test_the_tool_argument_repair_applies_to_the_next_request(live: Core) -> None:
+    """A history tool call cut mid-JSON: closed (200, named in X-Warmslot-Edited), or with
+    the repair off the 400 that names it (llama-server's own answer is a 500)."""
+    core = live
+    call = {"name": "bash", "arguments": '{"command": "ls -l'}
+    cut = [
+        {"role": "user", "content": "list the files"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "invalid arguments"},
+        {"role": "user", "content": "again"},
+    ]
+    repaired = chat(core, messages=cut)
+    assert repaired.status_code == 200 and "tool-arguments" in repaired.headers["X-Warmslot-Edited"]
+    flip(core, proxy__repair_tool_arguments=False)
+    refused = chat(core, messages=cut)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+    flip(core, proxy__repair_tool_arguments=True)
+    assert chat(core, messages=cut).status_code == 200
+
+
 @probes("proxy.upstream_timeout_s")
 def test_the_upstream_timeout_applies_to_the_next_request(live: Core) -> None:
     """llama-server held still (SIGSTOP) answers nothing: with a 1 s timeout the proxy
