@@ -50,6 +50,7 @@ from core.proxy import CacheService, Proxy
 from core.proxy_headers import PrefillRates
 from core.proxy_metrics import COUNTED, Counters, Metrics
 from core.server import discover
+from core.server.devices import GpuInfo, read_llama_devices
 from core.server.fit import FitPlan
 from core.server.fit_report import format_plan
 from core.server.launch import resolve_launch
@@ -253,10 +254,6 @@ class Core:
                 "`warmslot status` on this machine needs proxy.api_key for this run",
             )
         self.counters.seed(lifetime(self.telemetry))  # once; then counted in memory
-        # Each model's cold prefill rate continues from its history, so the headers'
-        # estimate and the dashboard's "saved" agree from the first request on.
-        for model, rate in self.telemetry.cold_prefill_rates().items():
-            self.prefill_rates.seed(model, rate["tokens"], rate["ms"])
         self.subscribe(self.counters.record, COUNTED)
         s = self.settings
         self.supervisor = Supervisor(
@@ -267,10 +264,7 @@ class Core:
         )
         sup = self.supervisor
         self.upstream = Upstream(
-            lambda: sup.base_url,
-            api_key=lambda: sup.api_key,
-            quarantine=lambda: sup.quarantine,
-            served=lambda: sup.model_name,
+            lambda: sup.base_url, api_key=lambda: sup.api_key, quarantine=lambda: sup.quarantine
         )
         self.sweeps = Sweeps(self.clock, self.emit)
         self.pressure = PressureMonitor(
@@ -278,6 +272,7 @@ class Core:
             Sampler(
                 (self.paths.slot_dir, self.paths.state_dir),  # slot files first (issue 19)
                 self._server_pids,
+                devices=self._llama_devices,
                 clock=self.clock.monotonic,
             ),
             self.emit,
@@ -365,6 +360,11 @@ class Core:
             return self.pool.managers()
         primary = [self.policy] if isinstance(self.policy, CacheManager) else []
         return primary + (self.backends.managers() if self.backends is not None else [])
+
+    def _llama_devices(self) -> list[GpuInfo]:
+        """GPUs NVML cannot see (Vulkan, ROCm, Metal): the running server binary's list."""
+        r = self.supervisor.resolved if self.supervisor is not None else None
+        return [] if r is None else read_llama_devices(r.binary.path, r.binary.launch_env())
 
     def _server_pids(self) -> list[int]:
         """Every running llama-server's pid (their RSS joins each pressure sample)."""

@@ -2,7 +2,10 @@
 
 Every `pressure.sample_interval_s` (default 5 s) the pressure sweep reads
 available RAM and swap (psutil), each GPU's free memory (NVML through
-`core.server.devices.read_gpus`; no GPU or no driver is not an error), the
+`core.server.devices.read_gpus`; no GPU or no driver is not an error; a GPU NVML
+cannot see — Vulkan, ROCm, Metal — from the running llama-server binary's own device
+list, `core.server.devices.read_llama_devices`, at most every `LLAMA_DEVICES_EVERY_S`
+because each read starts a process that opens the devices), the
 llama-server process's RSS and the free space of the filesystems that hold the
 slot files (llama-server's ``--slot-save-path``, where a full disk breaks saves)
 and the state directory (the database), the fuller of the two counting. Each
@@ -62,6 +65,7 @@ DOWNSAMPLE_AFTER_S = 3600.0  # samples older than this …
 DOWNSAMPLE_BUCKET_S = 60.0  # … keep one (the worst) per bucket
 DOWNSAMPLE_EVERY_S = 600.0
 GPU_RECHECK_S = 3600.0  # after NVML found no GPU, ask again this often
+LLAMA_DEVICES_EVERY_S = 60.0  # llama.cpp's device list: a process per read, so not every sample
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,9 @@ class Sampler:
     `ps` is the psutil module or a stand-in with `virtual_memory()`,
     `swap_memory()` and `Process(pid).memory_info().rss`; `nvml` is passed to
     `read_gpus` (None: the real pynvml, if installed); `gpus=False` skips GPUs.
+    `devices` lists the GPUs NVML cannot see (llama.cpp's device list of the running
+    binary, `core.server.devices.read_llama_devices`); it is asked only while NVML sees
+    none, at most every `LLAMA_DEVICES_EVERY_S`, and its last answer is reused between.
     """
 
     def __init__(
@@ -159,6 +166,7 @@ class Sampler:
         ps: Any = psutil,
         nvml: Any = None,
         gpus: bool = True,
+        devices: Callable[[], Sequence[GpuInfo]] | None = None,
         disk_usage: Callable[[Path], Any] = shutil.disk_usage,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -170,6 +178,9 @@ class Sampler:
         self.disk_usage = disk_usage
         self._clock = clock
         self._no_gpu_since: float | None = None
+        self.devices = devices
+        self._llama_read_at: float | None = None
+        self._llama_last: tuple[GpuInfo, ...] = ()
 
     def _existing_dirs(self) -> list[Path]:
         """Each watched directory (or its nearest existing parent), one per filesystem."""
@@ -218,11 +229,25 @@ class Sampler:
         if not self.gpus_enabled:
             return ()
         now = self._clock() if self._clock is not None else 0.0
-        if self._no_gpu_since is not None and now - self._no_gpu_since < GPU_RECHECK_S:
+        if self._no_gpu_since is None or now - self._no_gpu_since >= GPU_RECHECK_S:
+            found = tuple(read_gpus(self.nvml))
+            self._no_gpu_since = None if found else now
+            if found:
+                return found
+        return self._other_devices(now)
+
+    def _other_devices(self, now: float) -> tuple[GpuInfo, ...]:
+        if self.devices is None:
             return ()
-        found = tuple(read_gpus(self.nvml))
-        self._no_gpu_since = None if found else now
-        return found
+        due = self._llama_read_at is None or now - self._llama_read_at >= LLAMA_DEVICES_EVERY_S
+        if due:
+            self._llama_read_at = now
+            try:
+                self._llama_last = tuple(self.devices())
+            except Exception as e:  # a failed read is "no GPU seen", never a failed sample
+                log.debug("llama.cpp device list failed: %s", e)
+                self._llama_last = ()
+        return self._llama_last
 
     def read(self) -> Reading:
         vm = self.ps.virtual_memory()

@@ -32,6 +32,8 @@ _TMP_PREFIX = ".tmp-"
 _EXE = "llama-server.exe" if os.name == "nt" else "llama-server"
 # The RPC worker built beside the server (cmake target; the binary lands next to llama-server).
 RPC_SERVER = "ggml-rpc-server"
+# llama.cpp's tool that prints the placement --fit would choose (lands next to llama-server).
+FIT_PARAMS = "llama-fit-params"
 _VERSION_TIMEOUT_S = 60.0
 
 ProgressCallback = Callable[[BuildProgress], None]
@@ -258,6 +260,22 @@ async def compile_build(
         check_cancel(cancel)
         if rpc_rc != 0:
             blog.note(f"{RPC_SERVER} was not built (exit {rpc_rc}); RPC workers need it")
+        # llama-fit-params prints the placement llama-server's --fit would choose, without
+        # loading the weights: `warmslot fit` shows it. Optional like the RPC worker (a
+        # source before llama.cpp's fit tooling has no such target).
+        step(99.0, f"Building the placement tool ({FIT_PARAMS})")
+        fit_rc = await run_step(
+            build_target(FIT_PARAMS),
+            cwd=tmp,
+            env=env,
+            blog=blog,
+            cancel=cancel,
+        )
+        check_cancel(cancel)
+        if fit_rc != 0:
+            blog.note(
+                f"{FIT_PARAMS} was not built (exit {fit_rc}); warmslot fit parses --fit's log"
+            )
         binary = await in_thread(functools.partial(_stage_outputs, built, out))
         step(99.0, "Checking the binary (--version)")
         version = await _probe_version(binary, blog)
@@ -272,6 +290,7 @@ async def compile_build(
             "duration_s": round(duration, 3),
             "binary": binary.relative_to(out).as_posix(),
             "rpc_server_built": rpc_rc == 0,
+            "fit_params_built": fit_rc == 0,
             "log": LOG_NAME,
             "llama_cpp_version": version,
             "build_number": plan.resolved.build_number,

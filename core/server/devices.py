@@ -1,33 +1,52 @@
-"""What the machine offers: GPU memory via NVML, host RAM and swap, free disk.
+"""What the machine offers: GPU memory via NVML or llama.cpp, host RAM and swap, free disk.
 
 `read_gpus` returns ``[]`` quietly when NVML is missing (no NVIDIA driver, a
-CPU-only machine, macOS): the planner then plans for host memory only. Tests
-pass a fake `nvml` object with the few pynvml functions used here.
+CPU-only machine, macOS). Tests pass a fake `nvml` object with the few pynvml
+functions used here. `read_llama_devices` asks a llama-server binary for its own
+device list (``--list-devices``: any backend — Vulkan, ROCm, Metal, CUDA — with the
+free memory its allocator sees, the numbers llama.cpp's ``--fit`` plans with);
+`parse_device_list` reads that output. `gpus_for` is the one place that picks: NVML
+when it sees a GPU, else the binary's list, else none (plan for host memory only).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
+import subprocess
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil  # type: ignore[import-untyped, unused-ignore]  # stubs: types-psutil
 
-__all__ = ["GpuInfo", "HostInfo", "read_gpus", "read_host"]
+__all__ = [
+    "GpuInfo",
+    "HostInfo",
+    "gpus_for",
+    "parse_device_list",
+    "read_gpus",
+    "read_host",
+    "read_llama_devices",
+]
 
 log = logging.getLogger("warmslot.fit")
 
 
 @dataclass(frozen=True)
 class GpuInfo:
-    """One GPU as NVML reports it, memory in bytes."""
+    """One GPU as NVML (or llama.cpp's device list) reports it, memory in bytes."""
 
     index: int
     name: str
     total_bytes: int
     free_bytes: int
+    source: str = "nvml"
+    """``nvml``, or ``llama.cpp`` for a device from ``llama-server --list-devices``."""
+    device: str = ""
+    """llama.cpp's name for it (``CUDA0``, ``Vulkan0``, ``ROCm0``, ``MTL0``) when known."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-able form (the fields by name)."""
@@ -88,6 +107,76 @@ def read_gpus(nvml: Any = None) -> list[GpuInfo]:
         except Exception as e:
             log.debug("nvmlShutdown failed: %s", e)
     return gpus
+
+
+# "  Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) (23105 MiB, 23105 MiB free)" (common/arg.cpp)
+_DEVICE_LINE = re.compile(
+    r"^\s+(?P<dev>[A-Za-z][\w-]*?\d+): (?P<desc>.*) "
+    r"\((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$"
+)
+_MIB = 1 << 20
+DEVICE_LIST_TIMEOUT_S = 60.0
+
+
+def parse_device_list(text: str) -> list[GpuInfo]:
+    """The devices of ``llama-server --list-devices`` output (``(none)``: ``[]``).
+
+    RPC devices (``RPC0`` …) are left out: they are workers, planned for by
+    `core.server.rpc_fit`, not memory of this machine.
+    """
+    out: list[GpuInfo] = []
+    for line in text.splitlines():
+        m = _DEVICE_LINE.match(line)
+        if m is None or m["dev"].upper().startswith("RPC"):
+            continue
+        out.append(
+            GpuInfo(
+                index=len(out),
+                name=m["desc"].strip(),
+                total_bytes=int(m["total"]) * _MIB,
+                free_bytes=int(m["free"]) * _MIB,
+                source="llama.cpp",
+                device=m["dev"],
+            )
+        )
+    return out
+
+
+def read_llama_devices(
+    binary: Path, env: Mapping[str, str] | None = None, *, timeout: float = DEVICE_LIST_TIMEOUT_S
+) -> list[GpuInfo]:
+    """The devices `binary` would offload to, with their free memory (blocking).
+
+    ``[]`` for a CPU-only build, or when the binary does not answer: planning then
+    treats the machine as having no GPU, which is what such a server would use.
+    """
+    try:
+        proc = subprocess.run(
+            [str(binary), "--list-devices"],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout,
+            env=None if env is None else dict(env),
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("%s --list-devices failed (%s): planning without GPUs", binary, e)
+        return []
+    return parse_device_list(proc.stdout)
+
+
+def gpus_for(
+    binary: Path | None, env: Mapping[str, str] | None = None, *, nvml: Any = None
+) -> list[GpuInfo]:
+    """The GPUs to plan with: NVML's when it sees one (cheap, and what CUDA uses), else
+    the devices `binary` reports (Vulkan, ROCm, Metal — devices NVML cannot see), else
+    none."""
+    found = read_gpus(nvml)
+    if found or binary is None:
+        return found
+    return read_llama_devices(binary, env)
 
 
 def _existing(path: Path) -> Path:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from core.errors import ConfigError
 from core.server.devices import GpuInfo, HostInfo
 from core.server.gguf_facts import ModelFacts
+from core.server.placement import Placement
 
 __all__ = [
     "CACHE_TYPES",
@@ -215,6 +216,10 @@ class FitPlan:
     reasons: dict[str, str] = field(default_factory=dict)
     gave_up: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    placement: Placement | None = None
+    """llama.cpp's placement of layers and tensors (`core.server.placement`): when set,
+    the launch uses it instead of this plan's ``n_gpu_layers``/``tensor_split``, which
+    are then Warmslot's estimate only."""
 
     def to_dict(self) -> dict[str, object]:
         """JSON-able form, with each device's total and verdict, and the argv."""
@@ -223,6 +228,7 @@ class FitPlan:
             {**dataclasses.asdict(d), "total_bytes": d.total_bytes, "fits": d.fits}
             for d in self.devices
         ]
+        out["placement"] = None if self.placement is None else self.placement.to_dict()
         out["argv"] = plan_argv(self)
         return out
 
@@ -585,7 +591,7 @@ def plan(
     r: dict[str, str] = {}
     gpu_names = ", ".join(d.name for d in devices if d.kind == "gpu" and d.layers)
     if not gpus:
-        r["n_gpu_layers"] = "no NVIDIA GPU found: the model runs on the CPU from host RAM"
+        r["n_gpu_layers"] = "no GPU found: the model runs on the CPU from host RAM"
         if req.n_gpu_layers:
             notes.append(f"n_gpu_layers {req.n_gpu_layers} is pinned, but there is no GPU")
     elif req.n_gpu_layers is not None:
@@ -653,8 +659,8 @@ def plan(
     if cfg.ctx < min(AGENT_CTX, trained):
         notes.append(
             f"{cfg.ctx} tokens per slot: a coding agent's conversation outgrows it within "
-            "a few turns; llama-server then refuses the request (\"exceeds the available "
-            "context size\") or cuts the answer short — Warmslot says so in the "
+            'a few turns; llama-server then refuses the request ("exceeds the available '
+            'context size") or cuts the answer short — Warmslot says so in the '
             "X-Warmslot-Warning header, an event and `warmslot status`"
         )
     if split:
@@ -736,10 +742,13 @@ def plan(
 
 
 def plan_argv(plan: FitPlan) -> list[str]:
-    """The llama-server flags the plan implies (-c is the total: per slot × slots)."""
-    argv = [
-        "-ngl",
-        str(plan.n_gpu_layers),
+    """The llama-server flags the plan implies (-c is the total: per slot × slots).
+
+    Layers and tensors are placed by llama.cpp when the plan carries its `placement`
+    (its flags replace ``-ngl``/``-ts``); otherwise by this plan's estimate."""
+    place = plan.placement
+    argv = [] if place is not None else ["-ngl", str(plan.n_gpu_layers)]
+    argv += [
         "-np",
         str(plan.slots),
         "-c",
@@ -763,6 +772,8 @@ def plan_argv(plan: FitPlan) -> list[str]:
         argv += ["-ub", str(plan.n_ubatch)]
     if not plan.flash_attn:
         argv += ["-fa", "off"]
-    if plan.tensor_split:
+    if place is not None:
+        argv += place.argv()
+    elif plan.tensor_split:
         argv += ["-ts", ",".join(map(str, plan.tensor_split))]
     return argv

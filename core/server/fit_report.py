@@ -49,14 +49,40 @@ def format_plan(plan: FitPlan) -> str:
         "checkpoint_min_step": str(plan.checkpoint_min_step),
         "tensor_split": ",".join(map(str, plan.tensor_split)),
     }
+    place = plan.placement
     for key, why in plan.reasons.items():
+        if place is not None and key in ("n_gpu_layers", "tensor_split"):
+            why = f"Warmslot's estimate, not launched: {why}"
         lines.append(f"    {key:<20} {values.get(key, ''):<14} {why}")
+    lines += ["", *placement_lines(plan)]
     if plan.gave_up:
         lines += ["", "  gave up:"] + [f"    - {g}" for g in plan.gave_up]
     if plan.notes:
         lines += ["", "  notes:"] + [f"    - {n}" for n in plan.notes]
     lines += ["", "  llama-server " + " ".join(plan_argv(plan))]
     return "\n".join(lines)
+
+
+def placement_lines(plan: FitPlan) -> list[str]:
+    """Who places the layers and tensors, what llama.cpp chose, and Warmslot's estimate
+    beside it (docs/gpu.md#placement)."""
+    place = plan.placement
+    estimate = f"-ngl {plan.n_gpu_layers}" + (
+        f", -ts {','.join(map(str, plan.tensor_split))}" if plan.tensor_split else ""
+    )
+    if place is None:
+        gpus = [d for d in plan.devices if d.kind == "gpu"]
+        who = "Warmslot's estimate (RPC workers)" if gpus else "none: no GPU, all on the CPU"
+        return [f"  layers and tensors: {who}; the launch uses {estimate if gpus else 'no -ngl'}"]
+    out = [
+        "  layers and tensors: placed by llama.cpp (the launch uses its answer)",
+        f"    llama.cpp:           {place.describe()}",
+        f"    Warmslot estimate:   {estimate} (no expert offload; for comparison)",
+    ]
+    if place.error:
+        out.append(f"    llama-fit-params:    {place.error}")
+    out += [f"    | {ln}" for ln in place.log_lines[-8:]]
+    return out
 
 
 _KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers")

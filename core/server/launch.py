@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,9 +21,9 @@ from typing import Any
 
 from core.config import ServerSettings
 from core.paths import Paths, resources_dir
-from core.server import discover, model
+from core.server import discover, model, placement
 from core.server.argv import LaunchInputs, build_argv, kv_relevant
-from core.server.devices import read_gpus, read_host
+from core.server.devices import gpus_for, read_gpus, read_host
 from core.server.fit import FitPlan, FitRequest, plan_argv
 from core.server.fit import plan as plan_fit
 from core.server.gguf_facts import read_facts
@@ -52,6 +53,9 @@ _PINNING_FLAGS: dict[str, tuple[str, Any]] = {
     "--checkpoint-min-step": ("checkpoint_min_step", int),
     "-fa": ("flash_attn", lambda v: v != "off"),
     "--flash-attn": ("flash_attn", lambda v: v != "off"),
+    # The memory left free per device: Warmslot's estimate and llama.cpp's fit use it.
+    "-fitt": ("vram_margin_mib", int),
+    "--fit-target": ("vram_margin_mib", int),
 }
 _SWITCHES = {
     "--swa-full": ("swa_full", True),
@@ -148,19 +152,68 @@ def launch_id(
     return h.hexdigest()[:16]
 
 
+def place(
+    result: FitPlan,
+    binary: discover.ServerBinary,
+    model_path: Path,
+    request: FitRequest,
+    extra_args: Sequence[str] = (),
+) -> FitPlan:
+    """`result` with llama.cpp's placement of its layers and tensors
+    (`core.server.placement`), for the plan's own context and KV flags; unchanged when
+    the user pinned ``-ngl`` (llama.cpp's fit would stop at it: the pin is kept)."""
+    if request.n_gpu_layers is not None:
+        return result
+    target = request.vram_margin_mib  # server.extra_args --fit-target pins it
+    argv = plan_argv(dataclasses.replace(result, placement=placement.at_launch(target)))
+    found = placement.ask(
+        binary.path,
+        model_path,
+        argv,
+        target_mib=target,
+        extra=_placement_flags(extra_args),
+        env=binary.launch_env(),
+    )
+    if found.source == "failed":
+        log.warning("llama-fit-params: %s; llama-server's --fit places the layers", found.error)
+        found = dataclasses.replace(placement.at_launch(target), error=found.error)
+    return dataclasses.replace(result, placement=found)
+
+
+def _placement_flags(args: Sequence[str]) -> list[str]:
+    """The user's flags that steer llama.cpp's placement (llama-fit-params takes them)."""
+    keep = {"-dev", "--device", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-sm",
+            "--split-mode", "-mg", "--main-gpu", "-ot", "--override-tensor"}  # fmt: skip
+    switches = {"-cmoe", "--cpu-moe"}
+    out: list[str] = []
+    for i, token in enumerate(args):
+        flag = token.partition("=")[0]
+        if flag in keep:
+            out.append(token)
+            if flag not in switches and "=" not in token and i + 1 < len(args):
+                out.append(args[i + 1])
+    return out
+
+
 def plan_fit_for(
-    s: ServerSettings, mdl: model.ModelFile, state_dir: Path
+    s: ServerSettings,
+    mdl: model.ModelFile,
+    state_dir: Path,
+    binary: discover.ServerBinary | None = None,
+    *,
+    placed_by_llama: bool = True,
 ) -> tuple[FitPlan | None, bool]:
     """The memory plan for these settings (its flags join the launch), or None if
     the model's metadata cannot be planned for: the launch then uses the settings.
-    Also whether NVML saw a GPU: without one (CPU only, or a GPU NVML cannot see —
-    AMD via Vulkan/HIP, Apple Metal) the layer count is left to llama-server."""
-    gpus = read_gpus()
+    Also whether a GPU was seen: NVML's, else the devices `binary` lists (Vulkan,
+    ROCm, Metal). Without one the layer count is left to llama-server; with one and a
+    `binary`, llama.cpp places the layers and tensors (`place`) unless not
+    `placed_by_llama` (RPC workers: `core.server.rpc_fit` places them)."""
+    gpus = gpus_for(binary.path, binary.launch_env()) if binary else read_gpus()
+    request = request_from_settings(s)
     try:
         facts = read_facts(mdl.path)
-        result = plan_fit(
-            facts, gpus, read_host(state_dir), request_from_settings(s)
-        )
+        result = plan_fit(facts, gpus, read_host(state_dir), request)
     except Exception as e:
         log.warning("no fit plan for %s (%r); launching with the settings alone", mdl.path, e)
         return None, bool(gpus)
@@ -170,6 +223,8 @@ def plan_fit_for(
             mdl.path.name,
             "; ".join(result.gave_up) or "see `warmslot fit`",
         )
+    if gpus and binary is not None and placed_by_llama:
+        result = place(result, binary, mdl.path, request, s.extra_args)
     return result, bool(gpus)
 
 
@@ -192,8 +247,12 @@ async def resolve_launch(
     template = chat_template_for(s, mdl)
     plan: list[str] = []
     primary_plan: FitPlan | None = None
-    fit_plan, gpus_seen = await loop.run_in_executor(None, plan_fit_for, s, mdl, paths.state_dir)
-    if fit_plan is not None and workers.configured and is_primary(s):
+    on_workers = workers.configured and is_primary(s)
+    fit_plan, gpus_seen = await loop.run_in_executor(
+        None,
+        lambda: plan_fit_for(s, mdl, paths.state_dir, binary, placed_by_llama=not on_workers),
+    )
+    if fit_plan is not None and on_workers:
         # (No plan: the model's metadata is unreadable, and the launch goes without.)
         # Raises WorkerUnavailable when a needed worker is gone: the supervisor waits.
         wp = await loop.run_in_executor(
@@ -208,8 +267,10 @@ async def resolve_launch(
             ),
         )
         if wp.endpoints:  # -ngl/-ts place layers on the workers even without a GPU here
+            # llama.cpp has no answer for a layout pinned per worker: Warmslot's estimate
+            # places the layers, and --fit stays off (explicit -ngl would stop it anyway).
             fit_plan, gpus_seen = wp.plan, True
-            plan += wp.argv
+            plan += [*wp.argv, "--fit", "off"]
     if fit_plan is not None:
         flags = plan_argv(fit_plan)
         plan += flags if gpus_seen else drop_flag(flags, "-ngl")

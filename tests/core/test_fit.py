@@ -156,7 +156,7 @@ def test_dense_70b_on_every_device(devices: str) -> None:
     )
     vram = sum(g.free_bytes - 1024 * MIB for g in gpus)
     if not gpus:
-        assert p.n_gpu_layers == 0 and "no NVIDIA GPU" in p.reasons["n_gpu_layers"]
+        assert p.n_gpu_layers == 0 and "no GPU" in p.reasons["n_gpu_layers"]
     elif devices == "2x24GB":
         # 40 GB of weights fit on two cards once the KV cache is q8_0 and 16k per slot.
         assert p.n_gpu_layers == 81 and p.ctx_per_slot == 16384 and p.cache_type_k == "q8_0"

@@ -275,3 +275,49 @@ async def test_pressure_sweep_downsamples_every_ten_minutes(tmp_path: Path) -> N
     await mgr.pressure.sample()  # thins everything older than an hour to 1/min
     assert len(core.telemetry.pressure_series(since=0)) == 2
     assert any(isinstance(e, CacheEvent) for e in core.events) is False
+
+
+def test_gpus_nvml_cannot_see_come_from_llama_devices_at_most_once_a_minute(
+    tmp_path: Path,
+) -> None:
+    """A Vulkan/ROCm/Metal GPU: NVML sees none, the binary's device list is read instead —
+    not on every 5 s sample (each read starts a process that opens the devices)."""
+    now = [0.0]
+    calls: list[float] = []
+    vk = GpuInfo(0, "llvmpipe", 8 * GB, 500 * 1024**2, source="llama.cpp", device="Vulkan0")
+
+    def devices() -> list[GpuInfo]:
+        calls.append(now[0])
+        return [vk]
+
+    sampler = Sampler(
+        tmp_path,
+        lambda: None,
+        ps=FakePsutil(total=16 * GB, available=8 * GB),
+        nvml=FakeNvml([]),
+        devices=devices,
+        disk_usage=disk(),
+        clock=lambda: now[0],
+    )
+    assert sampler.read().gpus == (vk,)
+    now[0] = 30.0
+    assert sampler.read().gpus == (vk,)  # the last answer, reused
+    now[0] = 61.0
+    level, causes = assess(sampler.read(), PressureSettings())
+    assert calls == [0.0, 61.0]
+    assert level == "low" and causes[0].label == "GPU 0 VRAM low"
+
+
+def test_nvml_gpus_win_over_the_llama_device_list(tmp_path: Path) -> None:
+    asked: list[int] = []
+    sampler = Sampler(
+        tmp_path,
+        lambda: None,
+        ps=FakePsutil(total=16 * GB, available=8 * GB),
+        nvml=FakeNvml([(24 * GB, 6 * GB)]),
+        devices=lambda: asked.append(1) or [],
+        disk_usage=disk(),
+        clock=lambda: 0.0,
+    )
+    assert sampler.read().gpus == (GpuInfo(0, "Fake GPU", 24 * GB, 6 * GB),)
+    assert asked == []

@@ -57,3 +57,25 @@ def test_idempotent_and_parameter_sensitive(tmp_path: Path) -> None:
     make_tiny_model(path, seed=1)
     assert path.read_bytes() != first[1]
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]  # no temp files left
+
+
+def test_tiny_moe_model_has_stacked_experts(tmp_path: Path) -> None:
+    from core.server.gguf_facts import read_facts
+    from core.server.tinymodel import make_tiny_moe_model
+
+    path = make_tiny_moe_model(tmp_path / "moe.gguf", n_layer=2, n_expert=4, n_ff=64)
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "llama.expert_count") == 4
+    assert _field(reader, "llama.expert_used_count") == 2
+    shapes = {t.name: list(t.shape) for t in reader.tensors}
+    assert shapes["blk.1.ffn_gate_exps.weight"] == [128, 64, 4]  # ne: n_embd, n_ff, n_expert
+    assert shapes["blk.1.ffn_down_exps.weight"] == [64, 128, 4]
+    assert shapes["blk.0.ffn_gate_inp.weight"] == [128, 4]
+    assert "blk.0.ffn_gate.weight" not in shapes
+    facts = read_facts(path)
+    assert facts.n_expert == 4
+    experts = sum(t.n_bytes for t in reader.tensors if "_exps." in t.name)
+    assert experts > 0.5 * sum(facts.layer_bytes)  # most of each layer, as in a real MoE
+    # A dense file keeps the parameters (and so the identity) it had before.
+    dense = make_tiny_model(tmp_path / "dense.gguf")
+    assert "n_expert" not in str(_field(gguf.GGUFReader(dense), "warmslot.tinymodel.params"))
