@@ -1,11 +1,14 @@
 """ "Client setup…": copyable snippets for opencode, aider, Claude Code and Codex CLI.
 
-The texts come from `core.clients` (shared with ``warmslot clients``); this
-window shows one tab per client with what works today, where the snippet goes,
-the snippet itself and a Copy button.
+The texts come from `core.clients`, the one declaration ``warmslot clients``, the
+README and docs/clients.md are made from; this window shows one tab per client with
+what works, where the snippet goes, the snippet itself with a Copy button, and why
+each of its settings is there.
 """
 
 from __future__ import annotations
+
+import html
 
 from app.menu import client_url
 from app.qt import QtGui, QtWidgets
@@ -28,13 +31,16 @@ class ClientSetupDialog(QtWidgets.QDialog):
         keys or proxy.api_key); None reads proxy.api_key alone."""
         super().__init__(parent)
         self.setWindowTitle("Warmslot — Client setup")
-        self.resize(760, 520)
+        self.resize(760, 640)
         address = proxy_address(state_url, settings)
         self.url = client_url(address)
         self.model = client_model_name(settings)
         key = bool(settings.proxy.api_key) if key_required is None else key_required
-        self.setups = client_setups(address, self.model, api_key=key)
+        # Each agent waits as long as Warmslot waits for llama-server (docs/clients.md#timeouts).
+        timeout = settings.proxy.upstream_timeout_s
+        self.setups = client_setups(address, self.model, api_key=key, timeout_s=timeout)
         self.snippets: dict[str, QtWidgets.QPlainTextEdit] = {}
+        self.reasons: dict[str, QtWidgets.QLabel] = {}
         self.copy_buttons: dict[str, QtWidgets.QPushButton] = {}
 
         lay = QtWidgets.QVBoxLayout(self)
@@ -58,7 +64,7 @@ class ClientSetupDialog(QtWidgets.QDialog):
 
         self.tabs = QtWidgets.QTabWidget()
         for s in self.setups:
-            self.tabs.addTab(self._page(s), s.title if s.works else f"{s.title} (not yet)")
+            self.tabs.addTab(self._page(s), s.title if s.works else f"{s.title} (does not work)")
         lay.addWidget(self.tabs, 1)
         close = QtWidgets.QPushButton("Close")
         close.clicked.connect(self.accept)
@@ -83,6 +89,13 @@ class ClientSetupDialog(QtWidgets.QDialog):
         text.setFont(QtGui.QFontDatabase.systemFont(QtGui.QFontDatabase.SystemFont.FixedFont))
         text.setLineWrapMode(QtWidgets.QPlainTextEdit.LineWrapMode.NoWrap)
         lay.addWidget(text, 1)
+        reasons = QtWidgets.QLabel(
+            "<br>".join(f"<b>{html.escape(o.name)}</b>: {html.escape(o.why)}" for o in s.options)
+        )
+        reasons.setWordWrap(True)
+        reasons.setObjectName(f"why_{s.id}")
+        lay.addWidget(reasons)
+        self.reasons[s.id] = reasons
         copy = QtWidgets.QPushButton("Copy")
         copy.clicked.connect(
             lambda _checked=False, t=s.snippet: QtWidgets.QApplication.clipboard().setText(t)

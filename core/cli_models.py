@@ -11,6 +11,7 @@ prints setup snippets for opencode, aider, Claude Code and Codex CLI.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -22,7 +23,9 @@ from core.clients import (
     client_model_name,
     client_setups,
     format_setups,
+    options_section,
     proxy_address,
+    readme_section,
 )
 from core.errors import ConfigError, ModelNotFound
 from core.keys import key_required
@@ -164,18 +167,25 @@ def _proxy_url(paths: Paths, settings: config_mod.Settings) -> str:
 
 def cmd_clients(args: argparse.Namespace) -> int:
     """Print setup snippets for opencode, aider, Claude Code and Codex CLI."""
+    if getattr(args, "markdown", False):  # the documents' sections (core.clients)
+        print("README.md, between the client-setup markers:\n")
+        print(readme_section())
+        print("\ndocs/clients.md, between the client-options markers:\n")
+        print(options_section())
+        return 0
     paths = Paths.default(getattr(args, "dev_dir", None))
     settings = config_mod.load(paths.config_file)
     url = _proxy_url(paths, settings)
     model = args.model or client_model_name(settings)
     # Named keys (core.keys) or proxy.api_key: the snippets then read the key.
     key = key_required(paths.config_file, settings.proxy.api_key)
-    setups = client_setups(url, model, api_key=key)
+    # Each agent waits as long as Warmslot waits for llama-server (docs/clients.md#timeouts).
+    setups = client_setups(url, model, api_key=key, timeout_s=settings.proxy.upstream_timeout_s)
     if args.json:
         doc: dict[str, object] = {
             "base_url": base_url(url),
             "model": model,
-            "clients": [s.__dict__ for s in setups],
+            "clients": [dataclasses.asdict(s) for s in setups],
         }
         print(json.dumps(doc, indent=2))
     else:
@@ -206,4 +216,9 @@ def register(subparsers: Any) -> None:
     )
     c.add_argument("--model", help="model name to put in the snippets")
     c.add_argument("--json", action="store_true", help="print JSON")
+    c.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the README's and docs/clients.md's setup sections (with the defaults)",
+    )
     c.set_defaults(func=cmd_clients)

@@ -1,17 +1,26 @@
-"""Setup snippets for coding agents: where to point each client at Warmslot.
+"""Client setup for coding agents: the one declaration of how to point each at Warmslot.
 
-Pure functions of the proxy's URL and a model name, shared by ``warmslot clients``
-and the tray's "Client setup…" dialog. Whether a client works follows from the
-routes the proxy forwards (`core.proxy.JSON_ROUTES`): opencode and aider speak OpenAI
-chat completions, Claude Code Anthropic's Messages API (``POST /v1/messages``) and
-Codex CLI OpenAI's Responses API (``POST /v1/responses``); the proxy manages all three
-alike (`core.apis`), /v1/messages with slot pinning only on a server with patch 0004.
+Each client's setup is a list of `Option` values — the setting as the client spells
+it, its value and why Warmslot's setup has it — from which everything is made:
+the snippet (``warmslot clients``, the tray's "Client setup…" dialog), the README's
+client section (`readme_section`) and the settings table in docs/clients.md
+(`options_section`). tests/core/test_clients.py checks both documents against this
+module; ``warmslot clients --markdown`` prints the two sections to paste.
+
+Pure functions of the proxy's URL, a model name, whether a key is required and how
+long Warmslot waits for llama-server (``proxy.upstream_timeout_s``: each agent is set
+to wait as long). Whether a client works follows from the routes the proxy forwards
+(`core.proxy.JSON_ROUTES`): opencode and aider speak OpenAI chat completions, Claude
+Code Anthropic's Messages API (``POST /v1/messages``) and Codex CLI OpenAI's
+Responses API (``POST /v1/responses``); the proxy manages all three alike
+(`core.apis`), /v1/messages with slot pinning only on a server with patch 0004.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,17 +29,44 @@ from core.models import profiles
 from core.proxy import JSON_ROUTES
 
 __all__ = [
+    "API_KEY_ENV",
     "ClientSetup",
+    "Option",
     "base_url",
     "client_model_name",
     "client_setups",
     "format_setups",
+    "options_section",
     "proxy_address",
+    "readme_section",
 ]
 
 API_KEY_ENV = "WARMSLOT_API_KEY"
 ANTHROPIC_ROUTE = "/v1/messages"
 RESPONSES_ROUTE = "/v1/responses"
+# What the documents show: the default address and model, no key, the default wait.
+DOC_URL = "http://127.0.0.1:8089"
+DOC_MODEL = "gemma-3-270m"
+DOC_TIMEOUT_S = 600.0
+# A cold prefill on a CPU, measured (docs/clients.md#timeouts): why the agents' own
+# limits are raised to Warmslot's.
+PREFILL_NOTE = "a cold 19.6k-token prefill took 434–503 s on 2 CPU cores"
+
+Value = str | int | bool
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of a client's setup: where it goes, its value, why it is there."""
+
+    key: tuple[str, ...]  # an environment variable or flag (one part), or a file path
+    value: Value
+    why: str
+
+    @property
+    def name(self) -> str:
+        """The setting as the client's documentation spells it."""
+        return ".".join(self.key)
 
 
 @dataclass(frozen=True)
@@ -39,11 +75,14 @@ class ClientSetup:
 
     id: str
     title: str
-    works: bool  # False: the proxy does not forward this client's API yet
-    status: str  # one or two sentences on what works today
+    api: str  # the API it speaks
+    works: bool  # False: the proxy does not forward this client's API
+    status: str  # one or two sentences on what works
     where: str  # the file to edit or where to run it
     language: str  # json | toml | shell
     snippet: str
+    options: tuple[Option, ...]  # what the snippet sets, each with its reason
+    tried: str = ""  # the client version the setup was run with (docs/clients.md)
 
 
 def base_url(proxy_url: str) -> str:
@@ -79,141 +118,224 @@ def client_model_name(settings: Settings) -> str:
         stem = Path(settings.server.model).name
         stem = re.sub(r"-\d{5}-of-\d{5}(?=\.gguf$)", "", stem, flags=re.IGNORECASE)
         return re.sub(r"\.gguf$", "", stem, flags=re.IGNORECASE) or "local"
-    return "gemma-3-270m"
+    return DOC_MODEL
 
 
-def _opencode(url: str, model: str, key: bool) -> ClientSetup:
-    options: dict[str, str] = {"baseURL": base_url(url)}
+def _key_value(key: bool, placeholder: str) -> str:
+    return f"${API_KEY_ENV}" if key else placeholder
+
+
+# Whether a key matters: only when Warmslot requires one (named keys, `warmslot keys add
+# NAME`, or proxy.api_key); the snippets then read it from WARMSLOT_API_KEY.
+_KEY_ONLY = (
+    f"only when Warmslot requires a key (named keys or proxy.api_key): read from {API_KEY_ENV}"
+)
+
+
+def _key_why(key: bool, without: str) -> str:
     if key:
-        options["apiKey"] = "{env:" + API_KEY_ENV + "}"
-    doc = {
-        "$schema": "https://opencode.ai/config.json",
-        "provider": {
-            "warmslot": {
-                "npm": "@ai-sdk/openai-compatible",
-                "name": "Warmslot (local)",
-                "options": options,
-                "models": {model: {"name": model}},
-            }
-        },
-        "model": f"warmslot/{model}",
-    }
+        return f"the key Warmslot requires, read from {API_KEY_ENV}"
+    return f"any value: Warmslot requires no key ({without})"
+
+
+# ------------------------------------------------------------ the declaration
+def _opencode(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
+    provider = ("provider", "warmslot")
+    options = [
+        Option(("$schema",), "https://opencode.ai/config.json", "opencode's config schema"),
+        Option((*provider, "npm"), "@ai-sdk/openai-compatible", "opencode's provider for "
+               "any OpenAI-compatible server"),
+        Option((*provider, "name"), "Warmslot (local)", "the provider's name in opencode"),
+        Option((*provider, "options", "baseURL"), base_url(url), "Warmslot's proxy"),
+        *([Option((*provider, "options", "apiKey"), "{env:" + API_KEY_ENV + "}", _KEY_ONLY)]
+          if key else []),
+        Option((*provider, "options", "timeout"), timeout_ms, "opencode gives up on a "
+               "request after 300,000 ms; Warmslot waits for llama-server as long as this "
+               f"(proxy.upstream_timeout_s), and {PREFILL_NOTE}"),
+        Option((*provider, "options", "headerTimeout"), timeout_ms, "opencode waits "
+               "300,000 ms for the response headers; Warmslot sends them with the first "
+               "token, after the whole prefill"),
+        Option((*provider, "models", model, "name"), model, "the model, by the name "
+               "Warmslot answers to"),
+        Option(("model",), f"warmslot/{model}", "use it"),
+    ]  # fmt: skip
     return ClientSetup(
         id="opencode",
         title="opencode",
+        api="OpenAI chat completions",
         works=True,
-        status="Works today (OpenAI chat completions). opencode's x-session-id pins each "
+        status="Works (OpenAI chat completions). opencode's x-session-id pins each "
         "session to a slot, and its title calls are kept off the agent's slot.",
         where="opencode.json in your project, or ~/.config/opencode/opencode.json",
         language="json",
-        snippet=json.dumps(doc, indent=2),
+        snippet=_json_snippet(options),
+        options=tuple(options),
+        tried="1.18.33",
     )
 
 
-def _aider(url: str, model: str, key: bool) -> ClientSetup:
-    key_value = f"${API_KEY_ENV}" if key else "warmslot  # any value: no key is required"
-    lines = [
-        f"export OPENAI_API_BASE={base_url(url)}",
-        f"export OPENAI_API_KEY={key_value}",
-        f"aider --model openai/{model}",
-        "",
-        "# or, without environment variables:",
-        f"aider --model openai/{model} --openai-api-base {base_url(url)} "
-        f"--openai-api-key {'$' + API_KEY_ENV if key else 'warmslot'}",
-    ]
+def _aider(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
+    options = [
+        Option(("OPENAI_API_BASE",), base_url(url), "Warmslot's proxy (`--openai-api-base`)"),
+        Option(("OPENAI_API_KEY",), _key_value(key, "warmslot"),
+               _key_why(key, "litellm requires one; `--openai-api-key`")),
+        Option(("--model",), f"openai/{model}", "litellm's openai/ prefix: any "
+               "OpenAI-compatible server"),
+        Option(("--timeout",), timeout_ms // 1000, "aider (litellm) gives up on a request "
+               f"after 600 s; as long as Warmslot waits ({PREFILL_NOTE})"),
+    ]  # fmt: skip
+    lines = [f"export {o.name}={o.value}" for o in options if o.name.isupper()]
+    flags = " ".join(f"{o.name} {o.value}" for o in options if o.name.startswith("--"))
+    lines.append(f"aider {flags}")
     return ClientSetup(
         id="aider",
         title="aider",
+        api="OpenAI chat completions",
         works=True,
-        status="Works today (OpenAI chat completions, through litellm's openai/ prefix). "
+        status="Works (OpenAI chat completions, through litellm's openai/ prefix). "
         "aider may warn that it does not know the model's context size; that is harmless.",
         where="a shell, in your project",
         language="shell",
         snippet="\n".join(lines),
+        options=tuple(options),
+        tried="0.86.2",
     )
 
 
-def _claude_code(url: str, model: str, key: bool) -> ClientSetup:
+def _claude_code(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
     works = ANTHROPIC_ROUTE in JSON_ROUTES
-    lines = [
-        f"export ANTHROPIC_BASE_URL={url.rstrip('/')}",
-        f"export ANTHROPIC_AUTH_TOKEN={'$' + API_KEY_ENV if key else 'warmslot'}",
-        f"export ANTHROPIC_MODEL={model}",
-        # Else its system prompt opens with a stamp that changes per session (docs/clients.md).
-        "export CLAUDE_CODE_ATTRIBUTION_HEADER=0",
-        "claude",
-    ]
+    options = [
+        Option(("ANTHROPIC_BASE_URL",), url.rstrip("/"), "Warmslot's proxy, without /v1 "
+               "(Claude Code adds /v1/messages)"),
+        Option(("ANTHROPIC_AUTH_TOKEN",), _key_value(key, "warmslot"),
+               _key_why(key, "without one Claude Code asks you to log in")),
+        Option(("ANTHROPIC_MODEL",), model, "the model, by the name Warmslot answers to"),
+        Option(("ANTHROPIC_DEFAULT_HAIKU_MODEL",), model, "Claude Code's quick calls "
+               "(titles, topics) name its small model, a Claude Haiku by default: the local "
+               "one (a model pool with pool.strict_models refuses a name it does not serve)"),
+        Option(("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",), 1, "no telemetry, error "
+               "reports or update checks: nothing leaves the machine but the model calls"),
+        Option(("API_TIMEOUT_MS",), timeout_ms, "how long one request may take: as long "
+               "as Warmslot waits for llama-server (proxy.upstream_timeout_s)"),
+        Option(("CLAUDE_STREAM_IDLE_TIMEOUT_MS",), timeout_ms, "Claude Code drops a stream "
+               "silent for max(this, 300,000 ms) and sends the request again; a stream is "
+               f"silent for the whole prefill, and {PREFILL_NOTE}"),
+    ]  # fmt: skip
+    lines = [f"export {o.name}={o.value}" for o in options] + ["claude"]
     status = (
         "Works (Anthropic Messages API, managed like chat completions: Claude Code's "
-        "session from metadata.user_id pins a slot, its tool-less quick calls go to the "
-        "side slot). Pinning needs a llama-server with patch 0004 (`warmslot build`); on "
-        "a stock server requests are forwarded and accounted, unmanaged (`warmslot "
-        "status` says so). Use a model with a tool-capable chat template."
+        "session, from its x-claude-code-session-id header, pins a slot; its tool-less "
+        "quick calls go to the side slot). Pinning needs a llama-server with patch 0004 "
+        "(`warmslot build`); on a stock server requests are forwarded and accounted, "
+        "unmanaged (`warmslot status` says so). The proxy takes Claude Code's per-session "
+        "attribution line out of the system text, so CLAUDE_CODE_ATTRIBUTION_HEADER=0 is "
+        "not needed. Use a model with a tool-capable chat template."
         if works
-        else "Does not work yet: Claude Code speaks Anthropic's Messages API "
-        f"(POST {ANTHROPIC_ROUTE}), and Warmslot's proxy forwards only OpenAI-style "
-        "routes (chat/completions, completions, embeddings) today, so Claude Code gets "
-        "404 Not Found. The snippet is what it will take once that support lands."
+        else f"Does not work: Claude Code speaks Anthropic's Messages API (POST "
+        f"{ANTHROPIC_ROUTE}), which this proxy does not forward."
     )
     return ClientSetup(
         id="claude-code",
         title="Claude Code",
+        api="Anthropic Messages",
         works=works,
         status=status,
-        where="a shell, before running claude",
+        where="a shell, before running claude (or the env block of ~/.claude/settings.json)",
         language="shell",
         snippet="\n".join(lines),
+        options=tuple(options),
+        tried="2.1.197",
     )
 
 
-def _codex(url: str, model: str, key: bool) -> ClientSetup:
+def _codex(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
     works = RESPONSES_ROUTE in JSON_ROUTES
-    lines = [
-        f'model = "{model}"',
-        'model_provider = "warmslot"',
-        "",
-        "[model_providers.warmslot]",
-        'name = "Warmslot"',
-        f'base_url = "{base_url(url)}"',
-        'wire_api = "responses"',
-    ]
-    if key:
-        lines.append(f'env_key = "{API_KEY_ENV}"')
+    provider = ("model_providers", "warmslot")
+    options = [
+        Option(("model",), model, "the model, by the name Warmslot answers to"),
+        Option(("model_provider",), "warmslot", "use the provider below"),
+        Option((*provider, "name"), "Warmslot", "the provider's name in Codex"),
+        Option((*provider, "base_url"), base_url(url), "Warmslot's proxy"),
+        Option((*provider, "wire_api"), "responses", "the Responses API, the only one "
+               "current Codex releases speak"),
+        *([Option((*provider, "env_key"), API_KEY_ENV, f"{_KEY_ONLY} (Codex refuses "
+                  "to start when the variable named here is unset)")] if key else []),
+        Option((*provider, "stream_idle_timeout_ms"), timeout_ms, "Codex drops a stream "
+               "silent for 300,000 ms and retries it (\"Reconnecting 5/5\"); a stream is "
+               f"silent for the whole prefill, and {PREFILL_NOTE}"),
+        Option(("features", "plugins"), False, "Codex contacts its plugin hosts at every "
+               "start, even with a local provider"),
+    ]  # fmt: skip
     status = (
         "Works (OpenAI Responses API, managed like chat completions: the stable prefix "
         "of instructions and function tools stays in its slot, tool-less calls go to the "
-        "side slot). Codex's built-in non-function tools are dropped by llama-server."
+        "side slot; its session comes from the session-id header). Codex's built-in "
+        "non-function tools are dropped by llama-server."
         if works
-        else "Does not work yet: current Codex CLI releases speak only OpenAI's Responses "
-        f'API (POST {RESPONSES_ROUTE}; wire_api = "chat" is no longer accepted), and '
-        "Warmslot's proxy forwards only chat/completions, completions and embeddings "
-        "today. The snippet is what it will take once that support lands."
+        else f"Does not work: current Codex CLI releases speak only OpenAI's Responses "
+        f"API (POST {RESPONSES_ROUTE}), which this proxy does not forward."
     )
     return ClientSetup(
         id="codex",
         title="Codex CLI",
+        api="OpenAI Responses",
         works=works,
         status=status,
-        where="~/.codex/config.toml (top-level keys before the table)",
+        where="~/.codex/config.toml (top-level keys before the tables; merge [features] "
+        "into yours if you have one)",
         language="toml",
-        snippet="\n".join(lines),
+        snippet=_toml_snippet(options),
+        options=tuple(options),
+        tried="0.171.0",
     )
 
 
-def client_setups(proxy_url: str, model: str, *, api_key: bool = False) -> list[ClientSetup]:
-    """Snippets for opencode, aider, Claude Code and Codex CLI, working ones first.
+def client_setups(
+    proxy_url: str, model: str, *, api_key: bool = False, timeout_s: float = DOC_TIMEOUT_S
+) -> list[ClientSetup]:
+    """The setups of opencode, aider, Claude Code and Codex CLI, working ones first.
 
     `proxy_url` is the proxy's address (``http://127.0.0.1:8089``); `api_key` says
-    that the proxy requires a key (``proxy.api_key``): the snippets then read it
-    from the environment variable ``WARMSLOT_API_KEY`` instead of containing it.
+    that the proxy requires a key (named keys or ``proxy.api_key``): the snippets then
+    read it from the environment variable ``WARMSLOT_API_KEY`` instead of containing
+    it. `timeout_s` is how long Warmslot waits for llama-server
+    (``proxy.upstream_timeout_s``): each agent is told to wait as long.
     """
+    timeout_ms = int(timeout_s * 1000)
     setups = [
-        _opencode(proxy_url, model, api_key),
-        _aider(proxy_url, model, api_key),
-        _claude_code(proxy_url, model, api_key),
-        _codex(proxy_url, model, api_key),
+        make(proxy_url, model, api_key, timeout_ms)
+        for make in (_opencode, _aider, _claude_code, _codex)
     ]
     return sorted(setups, key=lambda s: not s.works)
+
+
+# ------------------------------------------------------------ what is made of it
+def _json_snippet(options: Sequence[Option]) -> str:
+    doc: dict[str, object] = {}
+    for o in options:
+        at = doc
+        for part in o.key[:-1]:
+            nxt = at.setdefault(part, {})
+            assert isinstance(nxt, dict)
+            at = nxt
+        at[o.key[-1]] = o.value
+    return json.dumps(doc, indent=2)
+
+
+def _toml_value(value: Value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, int) else json.dumps(value)
+
+
+def _toml_snippet(options: Sequence[Option]) -> str:
+    tables: dict[str, list[str]] = {}  # table ("" for the top level) → its lines
+    for o in options:
+        tables.setdefault(".".join(o.key[:-1]), []).append(f"{o.key[-1]} = {_toml_value(o.value)}")
+    lines = tables.pop("", [])
+    for table, body in tables.items():
+        lines += ["", f"[{table}]", *body]
+    return "\n".join(lines)
 
 
 def format_setups(setups: list[ClientSetup], proxy_url: str, *, api_key: bool = False) -> str:
@@ -225,6 +347,37 @@ def format_setups(setups: list[ClientSetup], proxy_url: str, *, api_key: bool = 
             "`warmslot keys add NAME`, or proxy.api_key>"
         )
     for s in setups:
-        mark = "" if s.works else "  [not yet]"
+        mark = "" if s.works else "  [does not work]"
         out += ["", f"== {s.title}{mark} — {s.where}", s.status, "", s.snippet]
+        out += ["", "Why each setting (docs/clients.md#setup):"]
+        out += [f"  {o.name}: {o.why}" for o in s.options]
     return "\n".join(out)
+
+
+def _doc_setups(*, api_key: bool) -> list[ClientSetup]:
+    return client_setups(DOC_URL, DOC_MODEL, api_key=api_key, timeout_s=DOC_TIMEOUT_S)
+
+
+def readme_section() -> str:
+    """The README's client list: each client's snippet with the default address and
+    model (the block between the ``client-setup`` markers in README.md)."""
+    out: list[str] = []
+    for s in _doc_setups(api_key=False):
+        out += [f"- **{s.title}** ({s.api}; tried with {s.tried}), {s.where}:", ""]
+        out += [f"  ```{'bash' if s.language == 'shell' else s.language}"]
+        out += [f"  {line}" if line else "" for line in s.snippet.splitlines()]
+        out += ["  ```", ""]
+    return "\n".join(out).rstrip("\n")
+
+
+def options_section() -> str:
+    """docs/clients.md's table of every setting and why, the key's too (the block
+    between the ``client-options`` markers)."""
+    out: list[str] = []
+    for s in _doc_setups(api_key=True):
+        out += [f"**{s.title}** — {s.where}:", "", "| setting | value | why |", "|---|---|---|"]
+        for o in s.options:
+            value = _toml_value(o.value) if s.language == "toml" else str(o.value)
+            out.append(f"| `{o.name}` | `{value}` | {o.why} |")
+        out.append("")
+    return "\n".join(out).rstrip("\n")

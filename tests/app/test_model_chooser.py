@@ -145,6 +145,14 @@ def test_client_setup_dialog_shows_snippets_with_the_url(qtbot: Any) -> None:
     assert "aider --model openai/qwen3-coder" in dlg.snippets["aider"].toPlainText()
     dlg.copy_buttons["codex"].click()
     assert 'base_url = "http://127.0.0.1:18123/v1"' in QtWidgets.QApplication.clipboard().text()
+    # Each setting with its reason, from the same declaration (core/clients.py); the agents
+    # wait as long as Warmslot does (proxy.upstream_timeout_s).
+    assert "CLAUDE_STREAM_IDLE_TIMEOUT_MS" in dlg.reasons["claude-code"].text()
+    assert "stream_idle_timeout_ms = 600000" in dlg.snippets["codex"].toPlainText()
+    s.proxy.upstream_timeout_s = 1800
+    slow = ClientSetupDialog("http://127.0.0.1:18123", s)
+    qtbot.addWidget(slow)
+    assert "API_TIMEOUT_MS=1800000" in slow.snippets["claude-code"].toPlainText()
     # Not running yet: the configured address.
     s.proxy.port = 18999
     later = ClientSetupDialog("", s)

@@ -1,8 +1,10 @@
-"""Client setup snippets: the proxy's URL in each, valid JSON/TOML, honest status."""
+"""Client setup snippets: the proxy's URL in each, valid JSON/TOML, honest status; one
+declaration (core/clients.py) that the README, docs/clients.md and the snippets agree with."""
 
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 
 import pytest
@@ -13,10 +15,14 @@ from core.clients import (
     client_model_name,
     client_setups,
     format_setups,
+    options_section,
     proxy_address,
+    readme_section,
 )
 from core.config import ModelProfile, Settings
 from core.proxy import JSON_ROUTES
+from core.router import SESSION_HEADERS
+from tests.helpers import REPO
 
 URL = "http://127.0.0.1:18089"
 
@@ -31,7 +37,7 @@ def test_every_snippet_points_at_the_proxy() -> None:
     assert base_url(URL) == base_url(URL + "/v1/") == URL + "/v1"
     oc = json.loads(s["opencode"].snippet)
     provider = oc["provider"]["warmslot"]
-    assert provider["options"] == {"baseURL": URL + "/v1"}
+    assert provider["options"]["baseURL"] == URL + "/v1" and "apiKey" not in provider["options"]
     assert provider["npm"] == "@ai-sdk/openai-compatible"
     assert oc["model"] == "warmslot/qwen3-coder" and "qwen3-coder" in provider["models"]
     assert f"OPENAI_API_BASE={URL}/v1" in s["aider"].snippet
@@ -69,7 +75,7 @@ def test_a_required_key_is_read_from_the_environment_not_written() -> None:
     )
     text = format_setups(client_setups(URL, "m", api_key=True), URL, api_key=True)
     assert "export WARMSLOT_API_KEY=<your key from `warmslot keys add NAME`" in text
-    assert text.count(URL) >= 4 and "[not yet]" not in text
+    assert text.count(URL) >= 4 and "[does not work]" not in text
 
 
 def test_model_name_for_clients() -> None:
@@ -88,3 +94,59 @@ def test_proxy_address_running_or_configured() -> None:
     assert proxy_address("", s) == "http://127.0.0.1:8089"
     s.proxy.host = "::1"
     assert proxy_address("", s) == "http://[::1]:8089"
+
+
+def _between(path: str, name: str) -> str:
+    text = (REPO / path).read_text(encoding="utf-8")
+    m = re.search(rf"<!-- {name}: [^>]*-->\n(.*?)\n<!-- end {name} -->", text, re.DOTALL)
+    assert m, f"{path} has no {name} markers"
+    return m.group(1)
+
+
+def test_the_readme_and_docs_are_the_declaration() -> None:
+    """README's client list and docs/clients.md's settings table are what core/clients.py
+    makes of its declaration (`warmslot clients --markdown` prints both to paste)."""
+    fix = "out of date: paste the output of `warmslot clients --markdown`"
+    assert _between("README.md", "client-setup") == readme_section(), f"README.md {fix}"
+    assert _between("docs/clients.md", "client-options") == options_section(), (
+        f"docs/clients.md {fix}"
+    )
+    # Every setting of every snippet has its reason in the table.
+    table = options_section()
+    for s in client_setups(clients.DOC_URL, clients.DOC_MODEL, api_key=True):
+        for o in s.options:
+            assert f"| `{o.name}` |" in table, o.name
+            assert o.why, o.name
+
+
+def test_the_agents_wait_as_long_as_warmslot() -> None:
+    """Each agent's own time limits are raised to proxy.upstream_timeout_s: a stream is
+    silent for the whole prefill (docs/clients.md#timeouts)."""
+    s = {x.id: x for x in client_setups(URL, "m", timeout_s=1800)}
+    claude = s["claude-code"].snippet
+    assert "export API_TIMEOUT_MS=1800000" in claude
+    assert "export CLAUDE_STREAM_IDLE_TIMEOUT_MS=1800000" in claude
+    codex = tomllib.loads(s["codex"].snippet)
+    assert codex["model_providers"]["warmslot"]["stream_idle_timeout_ms"] == 1800000
+    options = json.loads(s["opencode"].snippet)["provider"]["warmslot"]["options"]
+    assert options["timeout"] == options["headerTimeout"] == 1800000
+    assert "--timeout 1800" in s["aider"].snippet
+    assert "--timeout 600" in by_id()["aider"].snippet  # the default: 600 s
+
+
+def test_claude_code_and_codex_setups_say_what_is_read() -> None:
+    s = by_id()
+    claude = s["claude-code"]
+    assert "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1" in claude.snippet
+    # The proxy takes the attribution line out itself (docs/clients.md#claude-code).
+    assert "CLAUDE_CODE_ATTRIBUTION_HEADER" not in claude.snippet
+    assert "export ANTHROPIC_DEFAULT_HAIKU_MODEL=qwen3-coder" in claude.snippet
+    # The session the router reads first is the header; metadata.user_id only without it.
+    assert "x-claude-code-session-id" in SESSION_HEADERS
+    assert "x-claude-code-session-id" in claude.status and "metadata.user_id" not in claude.status
+    codex = tomllib.loads(s["codex"].snippet)
+    assert codex["features"] == {"plugins": False}  # no plugin hosts contacted at start
+    assert "env_key" not in codex["model_providers"]["warmslot"]  # no key: no variable named
+    assert "session-id" in s["codex"].status and "session-id" in SESSION_HEADERS
+    text = format_setups(client_setups(URL, "m"), URL)
+    assert "features.plugins: Codex contacts its plugin hosts" in text
