@@ -3,7 +3,8 @@
 A stable prefix (core.cache.prefix) is only the head of a conversation; an agent session
 that has grown to 30k tokens would be re-read from there after a restart. So the whole
 slot of a conversation that holds more than its stable prefix is saved — the *live*
-slot (`POST /slots/N?action=save`, milliseconds, no prefill) — at these moments:
+slot (`POST /slots/N?action=save`: no prefill; the server writes in milliseconds, and
+the probe that follows takes most of a save's time) — at these moments:
 
 - after a response, once it has grown by ``cache.conversation_save_tokens`` since its
   last save (debounced; 0 turns this off);
@@ -12,9 +13,11 @@ slot (`POST /slots/N?action=save`, milliseconds, no prefill) — at these moment
   `SHUTDOWN_SAVE_S` and the disk cap.
 
 Saves run under the slot's lock, between requests: a request for that slot waits for the
-few milliseconds of a save, never for a prefill. Each save records the known-answer probe
-(core.cache.probe) the same way a prefix save does: the file is restored into its slot,
-probed, and restored once more so the slot is left as the conversation left it.
+save — ~50 ms on an idle server, seconds on a loaded CPU (2.7–9.4 s measured for the
+save a displacing request waited for, docs/cache.md#conversations) — never for a
+prefill. Each save records the known-answer probe (core.cache.probe) the same way a
+prefix save does: the file is restored into its slot, probed, and restored once more so
+the slot is left as the conversation left it.
 
 When a request's rendered prompt shares more with a saved conversation than its stable
 prefix gives — found by session id, or by token prefix among conversations that started
@@ -56,6 +59,7 @@ log = logging.getLogger("warmslot.cache")
 KIND = "conversation"  # `StateRecord.kind` of a conversation state
 SEQ_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence state file (llama_state_seq_save_file)
 SHUTDOWN_SAVE_S = 20.0  # share of the staged stop's time (60 s) the conversation saves get
+ALREADY_SAVED = "conversation already saved"
 OTHERS_WAIT_S = 10.0  # longest a save at release or shutdown waits for other slots to finish
 MIN_GAIN_TOKENS = 64  # a conversation state must give this many tokens beyond the prefix
 CANDIDATES = 8  # most recent states looked at per request
@@ -115,6 +119,35 @@ class Choice:
     saves_ms: float  # predicted: the prefill it saves
 
 
+@dataclass(frozen=True)
+class Skip:
+    """A saved conversation that would cover the request but costs more to restore than
+    the prefill it saves."""
+
+    rec: StateRecord
+    gain: int  # tokens it would save beyond what the request gets anyway
+    cost_ms: float  # predicted: hash + restore + verify
+    saves_ms: float  # predicted: the prefill of `gain` tokens
+
+    @property
+    def reason(self) -> str:
+        """The ``prewarm_skipped`` event's reason."""
+        return (
+            f"{self.rec.n_tokens}-token conversation {self.rec.filename} not restored: "
+            f"restore + verify ≈ {self.cost_ms:.0f} ms > prefill of {self.gain} tokens "
+            f"≈ {self.saves_ms:.0f} ms"
+        )
+
+    @property
+    def header(self) -> str:
+        """``X-Warmslot-Conversation`` for the request it was skipped for."""
+        return (
+            f"not restored: restoring the saved {self.rec.n_tokens}-token conversation "
+            f"(~{self.cost_ms:.0f} ms) would take longer than prefilling the {self.gain} "
+            f"tokens it covers (~{self.saves_ms:.0f} ms)"
+        )
+
+
 def restore_cost_ms(rec: StateRecord, verify_ms: float | None = None) -> float:
     """Predicted milliseconds to restore and verify `rec`, from what its save measured.
 
@@ -135,8 +168,9 @@ def choose(
     base_n: int,
     prefill_ms_per_token: float | None,
     verify_ms: float | None = None,
-) -> tuple[Choice | None, str]:
-    """The state covering most of `prompt`, or None and why none (empty: nothing fits).
+) -> tuple[Choice | None, Skip | None]:
+    """The state covering most of `prompt`, or None and the state skipped as too slow to
+    restore (None: nothing fits).
 
     A state counts for the tokens it shares with the prompt; it must give at least
     `MIN_GAIN_TOKENS` more than `base_n` (what the stable prefix gives anyway). The
@@ -146,7 +180,7 @@ def choose(
     request longer than prefilling would.
     """
     best: Choice | None = None
-    skipped = ""
+    skipped: Skip | None = None
     for rec in candidates:
         tokens = rec.probe.get("prefix")
         if not isinstance(tokens, list):
@@ -161,10 +195,7 @@ def choose(
         saves = gain * rate
         cost = restore_cost_ms(rec, verify_ms)
         if cost > saves:
-            skipped = (
-                f"{rec.n_tokens}-token conversation {rec.filename} not restored: "
-                f"restore + verify ≈ {cost:.0f} ms > prefill of {gain} tokens ≈ {saves:.0f} ms"
-            )
+            skipped = Skip(rec, gain, cost, saves)
             continue
         by = "session" if rec.session == session else "tokens"
         c = Choice(rec, match, by, cost, saves)
@@ -174,7 +205,7 @@ def choose(
             best.rec.created,
         ):
             best = c
-    return best, ("" if best is not None else skipped)
+    return best, (None if best is not None else skipped)
 
 
 class SaveTimes(TypedDict):
@@ -281,7 +312,7 @@ class Conversations:
             if not await wait_quiet(m.client, slot, OTHERS_WAIT_S if wait else 0.0) and not wait:
                 return "not saved now: the server works for another slot"
             if self.unsaved(slot) <= 0:
-                return "conversation already saved"
+                return ALREADY_SAVED
             # Backs off per conversation after a failure, as prefix saves do (a full disk
             # costs one event per backoff step, not one per response).
             key = f"{st.prefix_fp}:{st.session_of_last}"
@@ -464,6 +495,16 @@ class Conversations:
             key=lambda s: (-self.unsaved(s.id), -s.last_used),
         )
         done: list[str] = []
+        failed: list[str] = []
+        # Saved already, by the save after a last response (it may have run during this
+        # very shutdown, while the requests under way finished): said, not counted as none.
+        already = [
+            f"slot {s.id}: its {self._saved[s.id].n_tokens}-token conversation"
+            for s in m.slots.slots
+            if self.unsaved(s.id) <= 0
+            and s.id in self._saved
+            and self._saved[s.id].session == s.session_of_last
+        ]
         left = [s.id for s in order]
         for st in order:
             remaining = deadline - time.monotonic()
@@ -475,12 +516,40 @@ class Conversations:
                 continue
             try:
                 async with asyncio.timeout(remaining):
-                    done.append(await self.save(st.id, "shutdown"))
+                    said = await self.save(st.id, "shutdown")
             except TimeoutError:
                 log.warning("conversation saves stopped: the shutdown's time is up")
                 break
             left.remove(st.id)
-        return {"saved": done, "not_saved_slots": left}
+            if said == ALREADY_SAVED:  # a save under way when the shutdown began did it
+                already.append(
+                    f"slot {st.id}: its {self._saved[st.id].n_tokens}-token conversation"
+                )
+            elif said.startswith("saved "):
+                done.append(f"slot {st.id}: {said}")
+            else:  # why not, in words (a failure, the pressure, a busy slot …)
+                failed.append(f"slot {st.id}: {said}")
+        out: dict[str, object] = {"saved": done, "already_saved": already, "failed": failed}
+        return {**out, "not_saved_slots": left}
+
+    @staticmethod
+    def describe(out: dict[str, object]) -> str:
+        """`save_all`'s outcome in words (the shutdown's log line)."""
+        if "reason" in out:
+            return f"none saved: {out['reason']}"
+        parts = []
+        for key, words in (
+            ("saved", "saved now"),
+            ("already_saved", "already on disk"),
+            ("failed", "not saved"),
+        ):
+            items = out.get(key)
+            if isinstance(items, list) and items:
+                parts.append(f"{words}: " + "; ".join(str(i) for i in items))
+        left = out.get("not_saved_slots")
+        if isinstance(left, list) and left:
+            parts.append("not saved (time or disk cap): slots " + ", ".join(map(str, left)))
+        return " — ".join(parts) or "no conversation beyond its stable prefix to save"
 
     def _bytes_per_token(self) -> float:
         """From the last saves (0 before any: the first save is not held back)."""
@@ -579,15 +648,15 @@ class Conversations:
         base_n = info.n_tokens if has_prefix else 0
         choice, skipped = choose(cands, prompt, session, base_n, self.mgr.prefill_rate(), quickest)
         if choice is None:
-            if skipped:
+            if skipped is not None:
                 m.emit(
                     CacheEventKind.PREWARM_SKIPPED,
-                    skipped,
+                    skipped.reason,
                     fp=info.fingerprint,
                     slot=slot,
                     state=KIND,
                 )
-                req.response_headers["X-Warmslot-Conversation"] = "skipped: too large to pay"
+                req.response_headers["X-Warmslot-Conversation"] = skipped.header
             return False
         async with m.lock(slot):
             if st.inflight:

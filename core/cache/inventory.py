@@ -75,7 +75,7 @@ def format_inventory(st: CacheStatus) -> str:
             what = f"conversation of {r['client'] or '—'} session {r['session'] or '—'}"
         lines.append(
             f"  {what} {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
-            f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {r['verified']}"
+            f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {verified_words(r['verified'])}"
             f"{bg.expiry_text(r)}"
         )
     if st["divergences"]:
@@ -95,6 +95,17 @@ def format_inventory(st: CacheStatus) -> str:
             f"{limits['recent'][0]['text']}"
         )
     return "\n".join(lines)
+
+
+def verified_words(result: str) -> str:
+    """A saved state's check in words (its ``verified`` in the status JSON): "reference"
+    is the known-answer probe recorded when it was saved, "ok" a restore that gave that
+    answer back since; anything else is why the last check failed."""
+    if result == "reference":
+        return "probe answer recorded at save, not restored since"
+    if result == "ok":
+        return "verified: its last restore gave the recorded answer"
+    return f"last check: {result}" if result else "not checked"
 
 
 def boot_rewarm_text(boot: BootRewarmStatus | None) -> str:

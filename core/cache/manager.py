@@ -1069,7 +1069,7 @@ class CacheManager:
         if self.client is not None and self.identity is not None:
             try:  # before the jobs are cancelled: a conversation save is a few ms each
                 out = await self.conversations.save_all()
-                log.info("conversations at shutdown: %s", out)
+                log.info("conversations at shutdown: %s", self.conversations.describe(out))
             except Exception:
                 log.exception("saving conversations at shutdown failed")
         if self._definitions is not None and self.has_db:

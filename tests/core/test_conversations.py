@@ -75,7 +75,7 @@ def test_the_longest_match_wins() -> None:
     longest = _rec("2", _conv(1900), created=1)
     other = _rec("3", _conv(2500, tail=1), created=2)  # another conversation: prefix only
     choice, why = choose([short, other, longest], prompt, "s1", len(SYSTEM), 1.0)
-    assert choice is not None and why == ""
+    assert choice is not None and why is None
     assert choice.rec is longest and choice.match == len(SYSTEM) + 1900
     assert choice.by == "session"
 
@@ -99,20 +99,25 @@ def test_a_state_that_gives_little_beyond_the_prefix_is_not_restored() -> None:
     prompt = _conv(1000)
     barely = _rec("1", _conv(MIN_GAIN_TOKENS - 1))
     enough = _rec("2", _conv(MIN_GAIN_TOKENS))
-    assert choose([barely], prompt, "s1", len(SYSTEM), 1.0) == (None, "")
+    assert choose([barely], prompt, "s1", len(SYSTEM), 1.0) == (None, None)
     choice, _ = choose([barely, enough], prompt, "s1", len(SYSTEM), 1.0)
     assert choice is not None and choice.rec is enough
     # What the slot or the stable prefix gives anyway is the base: measured from there.
-    assert choose([enough], prompt, "s1", len(SYSTEM) + 10, 1.0) == (None, "")
+    assert choose([enough], prompt, "s1", len(SYSTEM) + 10, 1.0) == (None, None)
 
 
 def test_a_state_slower_to_restore_than_to_prefill_is_skipped() -> None:
     prompt = [*_conv(1000), 3]
     # 1,000 tokens at 0.1 ms each: 100 ms of prefill saved.
     slow = _rec("1", _conv(1000), restore_ms=150.0)
-    choice, why = choose([slow], prompt, "s1", len(SYSTEM), 0.1)
-    assert choice is None
-    assert "not restored" in why and "> prefill of 1000 tokens" in why, why
+    choice, skip = choose([slow], prompt, "s1", len(SYSTEM), 0.1)
+    assert choice is None and skip is not None
+    assert "not restored" in skip.reason and "> prefill of 1000 tokens" in skip.reason
+    # The response header says it in words (it once said "skipped: too large to pay").
+    assert skip.header == (
+        f"not restored: restoring the saved {slow.n_tokens}-token conversation (~171 ms) "
+        "would take longer than prefilling the 1000 tokens it covers (~100 ms)"
+    )
     # The same state pays where prefill is slower (measured 1 ms per token).
     choice, _ = choose([slow], prompt, "s1", len(SYSTEM), 1.0)
     assert choice is not None and choice.cost_ms == pytest.approx(1 + 150 + 20)
@@ -276,8 +281,15 @@ async def test_shutdown_saves_longest_unsaved_then_most_recent_within_its_time(
     assert recs["long-old"].probe["prefix"] == mgr.fake.contents[1][: len(SYSTEM) + 2000]
     assert all(r.kind == KIND and r.ttl_class == "long" for r in recs.values())
     assert mgr.retention.journal.pending() == []  # every save finished and was indexed
-    # Saved: nothing is left to save, so a second stop saves nothing again.
-    assert (await mgr.conversations.save_all())["saved"] == []
+    assert out["saved"][0].startswith("slot 1: saved its 2")  # each save names its slot
+    # Saved: nothing is left to save, so a second stop saves nothing again — and says that
+    # the three are on disk (the log once read "{'saved': []}" after a shutdown in which
+    # the save that followed the last response had saved the conversation).
+    again = await mgr.conversations.save_all()
+    assert again["saved"] == [] and len(again["already_saved"]) == 3
+    words = mgr.conversations.describe(again)
+    assert words.startswith("already on disk: slot 0: its 500-token conversation;"), words
+    assert "saved now" not in words
     # A saved state restores and verifies against its own reference.
     await mgr.restore(recs["long-old"], 0)
     assert [e.details.get("state") for e in core.cache_events("restore_ok")] == [None]

@@ -79,3 +79,23 @@ def test_the_cache_verdict_is_one_rule_in_words() -> None:
     assert warmth(st) == {"warm": False, "why": "learning the server's identity"}
     st["enabled"] = False
     assert warmth(st)["why"] == "cache management is off (cache.enabled)"
+
+
+def test_a_saved_states_check_is_said_in_words() -> None:
+    """`warmslot status` once listed saved states ending in a bare "reference" or "ok"."""
+    from core.cache.inventory import format_inventory
+    from tests.fixtures.status_shapes import blank_cache
+
+    st = blank_cache()
+    row = {
+        "file": "ws-a.bin", "fingerprint": "c0ffee0000000000", "tokens": 100, "bytes": 1,
+        "ttl_class": "long", "pinned": False, "last_used": 1.0, "current": True,
+        "kind": "prefix", "session": "", "client": "opencode", "created": 1.0,
+    }  # fmt: skip
+    st["saved"] = [{**row, "verified": "reference"}, {**row, "file": "ws-b.bin", "verified": "ok"}]
+    text = format_inventory(st)
+    assert "ws-a.bin: 100 tokens, 0.0 MB, long, probe answer recorded at save, not restored" in text
+    assert (
+        "ws-b.bin: 100 tokens, 0.0 MB, long, verified: its last restore gave the recorded" in text
+    )
+    assert not text.rstrip().endswith((", reference", ", ok"))
