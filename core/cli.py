@@ -319,6 +319,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         chosen = found.found is not None and c.path == found.found.path and c.ok
         print(f"  {'→' if chosen else ' '}{mark} {c.source:<12} {c.path or '-'}")
         print(f"      {c.reason}")
+    from core.cli_build import doctor_lines as backend_lines
+
+    for line in backend_lines(paths, found.found.path if found.found else None):
+        print(line)
     tools = check_toolchain()
     print(
         "build tools: "

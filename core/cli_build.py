@@ -11,6 +11,7 @@ import json
 import shutil
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 from core.build import (
@@ -151,6 +152,23 @@ def _record_json(rec: BuildRecord) -> dict[str, object]:
         "cmake_args": list(rec.cmake_args),
         "cached": rec.cached,
     }
+
+
+def doctor_lines(paths: Paths, binary: Path | None) -> list[str]:
+    """What `warmslot doctor` says about backends: the chosen binary's (when it is one of
+    Warmslot's builds) and why, and what a new build on this machine would use."""
+    from core.build.toolchain import detect_backend
+
+    lines: list[str] = []
+    rec = next((r for r in list_builds(paths) if binary is not None and r.binary == binary), None)
+    if rec is not None:
+        why = f" ({rec.backend_reason})" if rec.backend_reason else ""
+        lines.append(f"backend:     {rec.backend} build {rec.build_id}{why}")
+    elif binary is not None:
+        lines.append("backend:     not one of Warmslot's builds: see its --list-devices")
+    choice = detect_backend()
+    lines.append(f"  a new build here: {choice.backend} ({choice.reason})")
+    return lines
 
 
 def _cmd_build(args: argparse.Namespace) -> int:

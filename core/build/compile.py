@@ -23,7 +23,12 @@ from core.build.log import BuildCancelled, BuildLog, ProgressTracker, run_step
 from core.build.patches import apply_patches
 from core.build.plan import Plan, default_jobs, low_priority_prefix
 from core.build.records import LOG_NAME, MANIFEST, SCHEMA, BuildRecord
-from core.build.toolchain import tool_path
+from core.build.toolchain import (
+    VULKAN_COMPAT_HEADER,
+    VULKAN_COMPAT_VAR,
+    tool_path,
+    vulkan_compat_source,
+)
 from core.errors import BuildError
 from core.events import BuildProgress
 from core.paths import Paths
@@ -191,9 +196,20 @@ async def compile_build(
         # paths are made relative to it, or a rebuild (one patch changed) would miss.
         env.setdefault("CCACHE_BASEDIR", str(tmp))
         env.setdefault("CCACHE_NOHASHDIR", "1")
+        configure_args = list(plan.cmake_args)
+        if any(a.startswith(f"-D{VULKAN_COMPAT_VAR}=") for a in plan.cmake_args):
+            # The plan names the header without a folder (the build id must not depend on
+            # this temp dir); the compiler gets its path here (cmake's test compiles run
+            # in other folders).
+            bdir.mkdir(parents=True, exist_ok=True)
+            header = bdir / VULKAN_COMPAT_HEADER
+            shutil.copyfile(vulkan_compat_source(), header)
+            configure_args = [a.replace(f"-include {VULKAN_COMPAT_HEADER}", f"-include {header}")
+                              for a in configure_args]  # fmt: skip
+            blog.note(f"Vulkan headers older than 1.3.261: pre-including {VULKAN_COMPAT_HEADER}")
         step(0.0, "Configuring (cmake)")
         rc = await run_step(
-            ["cmake", "-S", str(src), "-B", str(bdir), *generator, *plan.cmake_args],
+            ["cmake", "-S", str(src), "-B", str(bdir), *generator, *configure_args],
             cwd=tmp,
             env=env,
             blog=blog,

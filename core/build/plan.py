@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.build.cuda_wheels import cuda_architecture
 from core.build.patches import Patch, default_patches_dir, load_patches
 from core.build.records import ID_LENGTH, compute_build_id
 from core.build.source import (
@@ -27,9 +28,11 @@ from core.build.toolchain import (
     BACKENDS,
     BackendChoice,
     cmake_args,
+    cuda_toolkit,
     detect_backend,
     toolchain_versions,
     tools_for,
+    vulkan_header_version,
 )
 from core.errors import BuildError
 from core.paths import Paths
@@ -122,6 +125,15 @@ def make_plan(request: BuildRequest, paths: Paths, emit: Callable[[str], None]) 
         emit("Patches disabled")
     tools = tools_for(choice.backend, env, shutil.which, os.path.exists)
     toolchain = toolchain_versions(tools, paths.builds_dir / _TOOLCHAIN_CACHE)
+    wheels, arch = None, None
+    if choice.backend == "cuda":
+        wheels = cuda_toolkit(shutil.which, env, os.path.exists)[1]
+        arch = cuda_architecture()
+        emit(
+            f"CUDA: nvcc {tools['nvcc']}"
+            + (" (PyPI wheels)" if wheels else "")
+            + f", architecture {arch} (CMAKE_CUDA_ARCHITECTURES)"
+        )
     args = cmake_args(
         choice.backend,
         native=request.native,
@@ -129,6 +141,9 @@ def make_plan(request: BuildRequest, paths: Paths, emit: Callable[[str], None]) 
         commit=resolved.commit,
         extra=request.extra_cmake_args,
         cuda_compiler=tools.get("nvcc"),
+        cuda_wheels=wheels,
+        cuda_arch=arch,
+        vulkan_headers=vulkan_header_version(env) if choice.backend == "vulkan" else None,
     )
     build_hash = compute_build_id(
         source_identity=resolved.identity,

@@ -85,6 +85,8 @@ class BuildRecord:
     patches: tuple[str, ...]
     cmake_args: tuple[str, ...]
     toolchain: Mapping[str, str]
+    backend_reason: str = ""
+    """Why the backend was chosen, in words (``chosen by the user``, what auto detected)."""
     cached: bool = False
     """True when this call found the build in the cache instead of building it."""
 
@@ -117,6 +119,7 @@ class BuildRecord:
                 patches=tuple(p["name"] for p in m.get("patches", [])),
                 cmake_args=tuple(m["cmake_args"]),
                 toolchain=dict(m.get("toolchain", {})),
+                backend_reason=str(m.get("backend_reason", "")),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None

@@ -11,9 +11,11 @@ build runs with: Warmslot's own environment first, where pip puts cmake and ninj
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -21,6 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.build.cuda_wheels import PACKAGES as CUDA_PACKAGES
+from core.build.cuda_wheels import (
+    WheelToolkit,
+    find_wheel_toolkit,
+    missing_pieces,
+    wheel_cmake_args,
+)
 from core.errors import BuildError
 from core.syslibs import os_release_ids
 
@@ -31,11 +40,14 @@ __all__ = [
     "check_toolchain",
     "cmake_args",
     "compiler_hint",
+    "cuda_toolkit",
     "detect_backend",
     "nvml_gpu_count",
     "tool_path",
     "toolchain_versions",
     "tools_for",
+    "vulkan_compat_args",
+    "vulkan_header_version",
 ]
 
 BACKENDS = ("cpu", "cuda", "hip", "vulkan", "metal")
@@ -80,9 +92,81 @@ def _find_nvcc(
     return None
 
 
+def cuda_toolkit(
+    which: Callable[[str], str | None] = shutil.which,
+    env: Mapping[str, str] | None = None,
+    exists: Callable[[str], bool] = os.path.exists,
+    wheels: WheelToolkit | bool | None = True,
+) -> tuple[str, WheelToolkit | None]:
+    """The nvcc a CUDA build uses, and the wheels' toolkit when it is theirs.
+
+    A complete toolkit from PyPI wheels in Warmslot's environment comes first (it was
+    installed for this: ``pip install warmslot[cuda]``), then a system nvcc (PATH,
+    $CUDA_PATH, $CUDA_HOME, /usr/local/cuda). Raises BuildError naming the packages to
+    install when there is neither, or the wheels are incomplete and no system nvcc is
+    there. `wheels`: True finds them, None/False means none, or pass one (tests).
+    """
+    env = os.environ if env is None else env
+    tk = find_wheel_toolkit() if wheels is True else wheels or None
+    missing = missing_pieces(tk) if tk is not None else list(CUDA_PACKAGES)
+    if tk is not None and not missing:
+        return str(tk.nvcc), tk
+    nvcc = _find_nvcc(which, env, exists)
+    if nvcc:
+        return nvcc, None
+    raise BuildError(
+        "No CUDA compiler (nvcc) for a CUDA build"
+        + (f": the CUDA wheels in {tk.root} lack {', '.join(missing)}" if tk else ""),
+        hint=f"pip install {' '.join(missing)} (into Warmslot's environment), install the "
+        "CUDA toolkit, or choose another backend (--backend vulkan or cpu).",
+    )
+
+
+def _vulkan_roots(env: Mapping[str, str]) -> list[str]:
+    return [r for r in (env.get("VULKAN_SDK", ""), "/usr", "/usr/local", "/opt/homebrew") if r]
+
+
 def _vulkan_headers(env: Mapping[str, str], exists: Callable[[str], bool]) -> bool:
-    roots = [env.get("VULKAN_SDK", ""), "/usr", "/usr/local", "/opt/homebrew"]
-    return any(r and exists(os.path.join(r, "include", "vulkan", "vulkan.h")) for r in roots)
+    roots = _vulkan_roots(env)
+    return any(exists(os.path.join(r, "include", "vulkan", "vulkan.h")) for r in roots)
+
+
+# Vulkan headers before 1.3.261 lack VK_EXT_layer_settings, which llama.cpp's Vulkan
+# backend names unconditionally (Debian 12 and Ubuntu 22.04 ship 1.3.239 / 1.3.204).
+VULKAN_LAYER_SETTINGS_HEADER = 261
+VULKAN_COMPAT_HEADER = "warmslot-vulkan-compat.h"  # copied into the build dir (compile.py)
+VULKAN_COMPAT_VAR = "WARMSLOT_VULKAN_COMPAT"
+
+
+def vulkan_header_version(env: Mapping[str, str] | None = None) -> int | None:
+    """VK_HEADER_VERSION of the Vulkan headers cmake will find (None: no headers)."""
+    env = os.environ if env is None else env
+    for root in _vulkan_roots(env):
+        core = Path(root) / "include" / "vulkan" / "vulkan_core.h"
+        with contextlib.suppress(OSError):
+            m = re.search(r"#define VK_HEADER_VERSION (\d+)", core.read_text("utf-8", "replace"))
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def vulkan_compat_source() -> Path:
+    """The definitions of VK_EXT_layer_settings' C++ types for older headers."""
+    from core.paths import resources_dir
+
+    return resources_dir() / "build" / "vulkan_layer_settings_compat.h"
+
+
+def vulkan_compat_args(header_version: int | None) -> list[str]:
+    """cmake flags that pre-include the compat header when the headers are too old.
+
+    The flag names the header relative to the build dir (the compiler's working
+    directory), so the build id does not depend on where Warmslot is installed; the
+    header's hash joins the flags so that a changed header is a new build."""
+    if header_version is None or header_version >= VULKAN_LAYER_SETTINGS_HEADER:
+        return []
+    digest = hashlib.sha256(vulkan_compat_source().read_bytes()).hexdigest()[:12]
+    return [f"-DCMAKE_CXX_FLAGS=-include {VULKAN_COMPAT_HEADER}", f"-D{VULKAN_COMPAT_VAR}={digest}"]
 
 
 def detect_backend(
@@ -92,18 +176,23 @@ def detect_backend(
     system: str | None = None,
     exists: Callable[[str], bool] = os.path.exists,
     gpu_count: Callable[[], int] = nvml_gpu_count,
+    wheels: WheelToolkit | bool | None = True,
 ) -> BackendChoice:
     """Pick the GPU backend this machine can build for, else CPU.
 
-    Order: Metal (macOS), CUDA (nvcc on PATH or under $CUDA_PATH or /usr/local/cuda, and
-    NVML sees a GPU), HIP (hipcc or rocminfo), Vulkan (vulkan/vulkan.h and glslc), CPU.
+    Order: Metal (macOS), CUDA (`cuda_toolkit` finds nvcc — PyPI wheels, PATH, $CUDA_PATH,
+    /usr/local/cuda — and NVML sees a GPU), HIP (hipcc or rocminfo), Vulkan
+    (vulkan/vulkan.h and glslc), CPU.
     Every probe is injectable so tests can fake a machine.
     """
     env = os.environ if env is None else env
     system = system or platform.system()
     if system == "Darwin":
         return BackendChoice("metal", "macOS: Metal is available on every supported Mac")
-    nvcc = _find_nvcc(which, env, exists)
+    try:
+        nvcc: str | None = cuda_toolkit(which, env, exists, wheels)[0]
+    except BuildError:
+        nvcc = None
     if nvcc:
         n = gpu_count()
         if n > 0:
@@ -134,6 +223,9 @@ def cmake_args(
     extra: Sequence[str] = (),
     system: str | None = None,
     cuda_compiler: str | None = None,
+    cuda_wheels: WheelToolkit | None = None,
+    cuda_arch: str | None = None,
+    vulkan_headers: int | None = None,
 ) -> list[str]:
     """The cmake configure flags for a llama-server build (checked against b11434).
 
@@ -164,12 +256,18 @@ def cmake_args(
     ]
     if backend == "cuda":
         args.append("-DGGML_CUDA=ON")
-        if cuda_compiler:
-            args.append(f"-DCMAKE_CUDA_COMPILER={cuda_compiler}")
+        if cuda_wheels is not None:
+            args += wheel_cmake_args(cuda_wheels, cuda_arch or "75")
+        else:
+            if cuda_compiler:
+                args.append(f"-DCMAKE_CUDA_COMPILER={cuda_compiler}")
+            if cuda_arch:  # one architecture: llama.cpp's default list compiles ~8
+                args.append(f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}")
     elif backend == "hip":
         args.append("-DGGML_HIP=ON")
     elif backend == "vulkan":
         args.append("-DGGML_VULKAN=ON")
+        args += vulkan_compat_args(vulkan_headers)
     elif backend == "metal":
         args.append("-DGGML_METAL=ON")
     elif system == "Darwin":
@@ -273,9 +371,7 @@ def tools_for(
     if os.name == "nt" and not which(tools["cc"]):
         tools = {"cc": "cl", "c++": "cl"}
     if backend == "cuda":
-        nvcc = _find_nvcc(which, env, exists)
-        if nvcc:
-            tools["nvcc"] = nvcc
+        tools["nvcc"] = cuda_toolkit(which, env, exists)[0]
     elif backend == "hip":
         tools["hipcc"] = which("hipcc") or "/opt/rocm/bin/hipcc"
     elif backend == "vulkan":

@@ -522,7 +522,12 @@ def test_detect_backend(
     expected: str,
 ) -> None:
     choice = b.detect_backend(
-        which=_which(which), env=env, system=system, exists=_exists(exists), gpu_count=lambda: gpus
+        which=_which(which),
+        env=env,
+        system=system,
+        exists=_exists(exists),
+        gpu_count=lambda: gpus,
+        wheels=None,  # not the CUDA wheels this environment may have (test_cuda_build)
     )
     assert choice.backend == expected
     assert choice.reason
@@ -535,6 +540,7 @@ def test_detect_backend_explains_skipped_cuda() -> None:
         system="Linux",
         exists=_exists(set()),
         gpu_count=lambda: 0,
+        wheels=None,
     )
     assert "NVML sees no GPU" in choice.reason
 
