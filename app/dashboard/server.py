@@ -18,6 +18,28 @@ LOG_BLOCKS = 2000
 LEVEL_COLORS = {"error": "#c92a2a", "warn": "#e67700", "warning": "#e67700"}
 
 
+def placement_text(plan: dict[str, Any] | None) -> str:
+    """One line on who places the layers and tensors of the launched server."""
+    if not plan:
+        return ""
+    place = plan.get("placement")
+    if not isinstance(place, dict):
+        if any(d.get("kind") == "gpu" for d in plan.get("devices", [])):
+            return f"Layers: Warmslot's estimate, -ngl {plan.get('n_gpu_layers')} (RPC workers)"
+        return "Layers: no GPU — everything runs on the CPU"
+    if place.get("source") == "llama-fit-params":
+        experts = place.get("cpu_expert_layers") or []
+        moe = f"; MoE experts of {len(experts)} layer(s) in host RAM" if experts else ""
+        return (
+            f"Layers: placed by llama.cpp (llama-fit-params): -ngl {place.get('n_gpu_layers')}"
+            f"{moe}. Warmslot's own estimate was -ngl {plan.get('n_gpu_layers')}."
+        )
+    return (
+        "Layers: placed by llama-server's --fit as it loads (this build has no "
+        f"llama-fit-params), leaving {place.get('target_mib')} MiB free per device"
+    )
+
+
 class ServerTab(Tab):
     title = "Server"
 
@@ -55,6 +77,11 @@ class ServerTab(Tab):
         lcol.addWidget(self.argv)
 
         lcol.addWidget(QtWidgets.QLabel("<b>Fit plan</b>"))
+        # Who placed the layers and tensors: llama.cpp (its answer is launched) or, with RPC
+        # workers or no GPU, Warmslot's estimate (docs/gpu.md#placement).
+        self.placement = QtWidgets.QLabel()
+        self.placement.setWordWrap(True)
+        lcol.addWidget(self.placement)
         # The plan is a table aligned with spaces (`warmslot fit` prints the same):
         # monospaced, not wrapped, scrollable — a label would clip or re-flow it.
         self.fit = QtWidgets.QPlainTextEdit()
@@ -175,6 +202,7 @@ class ServerTab(Tab):
         text = fit["text"] if fit is not None else ""
         if text != self.fit.toPlainText():
             self.fit.setPlainText(text)
+        self.placement.setText(placement_text(fit["plan"] if fit is not None else None))
         self.fit.setPlaceholderText(
             "No fit plan yet: it is made when llama-server starts (`warmslot fit` shows it "
             "before). The flags are in the command line above."

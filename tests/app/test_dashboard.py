@@ -477,3 +477,27 @@ def test_dashboard_window_geometry_and_tabs(qtbot: Any, offline: Any, tmp_path: 
     assert isinstance(again.page("reuse"), QtWidgets.QWidget)
     for page in dash.pages.values():  # let in-flight refreshes land before teardown
         qtbot.waitUntil(lambda p=page: not p.busy)
+
+
+def test_server_tab_says_who_placed_the_layers(qtbot: Any, offline: Any) -> None:
+    """llama.cpp's placement (and any MoE experts it kept in RAM) beside Warmslot's estimate."""
+    from core.server.placement import Placement
+
+    tab = ServerTab(offline)
+    qtbot.addWidget(tab)
+    place = Placement(
+        "llama-fit-params",
+        n_gpu_layers=5,
+        overrides=("blk\\.0\\.ffn_(up|down|gate_up|gate)_(ch|)exps=CPU",),
+    )
+    plan = {"n_gpu_layers": 3, "devices": [{"kind": "gpu"}], "placement": place.to_dict()}
+    srv = {"state": "running", "pid": 1, "restarts": 0, "fit": {"plan": plan, "text": "t"}}
+    tab.apply_status(complete({"server": srv})["server"])
+    assert tab.placement.text() == (
+        "Layers: placed by llama.cpp (llama-fit-params): -ngl 5; MoE experts of 1 layer(s) "
+        "in host RAM. Warmslot's own estimate was -ngl 3."
+    )
+    plan["placement"] = Placement("--fit at launch", target_mib=1024).to_dict()
+    tab.apply_status(complete({"server": srv})["server"])
+    assert "--fit as it loads" in tab.placement.text()
+    assert "1024 MiB" in tab.placement.text()
