@@ -167,6 +167,7 @@ class BackendSet:
             name=b.name,
             api_key=lambda: server.api_key,
             quarantine=lambda: server.quarantine,
+            served=lambda: server.model_name,
         )
         return Backend(b.name, upstream, server=server, policy=self._manager(server, upstream))
 

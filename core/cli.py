@@ -230,14 +230,18 @@ def format_status(st: Status) -> str:
         lines += backend_lines(backends)
     for label, t in (("all time", st["totals"]), ("last hour", st["last_hour"])):
         if t is not None:
-            rate = t["cold_rate"]["ms_per_token"]
+            priced = [m for m in t.get("by_model", []) if m["cold_rate"]["ms_per_token"]]
+            rates = ", ".join(
+                f"{m['model'] or 'earlier requests'} {m['cold_rate']['ms_per_token']:.1f}"
+                for m in priced
+            )
             lines.append(
                 f"{label:>9}: {t['requests']} requests, {t['cached_tokens']} cached / "
                 f"{t['prompt_tokens']} new prompt tokens, hit {_pct(t['hit_ratio'])}, "
                 f"~{t['seconds_saved']:.1f} s of prefill saved"
                 + (
-                    f" (at the cold rate, {rate:.1f} ms/token)"
-                    if rate
+                    f" (each model at its cold rate, ms/token: {rates})"
+                    if priced
                     else " (no cold prefill measured yet)"
                 )
             )

@@ -254,6 +254,10 @@ class Core:
                 "`warmslot status` on this machine needs proxy.api_key for this run",
             )
         self.counters.seed(lifetime(self.telemetry))  # once; then counted in memory
+        # Each model's cold prefill rate continues from its history, so the headers'
+        # estimate and the dashboard's "saved" agree from the first request on.
+        for model, rate in self.telemetry.cold_prefill_rates().items():
+            self.prefill_rates.seed(model, rate["tokens"], rate["ms"])
         self.subscribe(self.counters.record, COUNTED)
         s = self.settings
         self.supervisor = Supervisor(
@@ -264,7 +268,10 @@ class Core:
         )
         sup = self.supervisor
         self.upstream = Upstream(
-            lambda: sup.base_url, api_key=lambda: sup.api_key, quarantine=lambda: sup.quarantine
+            lambda: sup.base_url,
+            api_key=lambda: sup.api_key,
+            quarantine=lambda: sup.quarantine,
+            served=lambda: sup.model_name,
         )
         self.sweeps = Sweeps(self.clock, self.emit)
         self.pressure = PressureMonitor(

@@ -94,6 +94,7 @@ class RequestCompleted(Event):
     kind: str = "agent"
     error: str = ""
     user: str = ""  # the name of the caller's API key ("" when none is configured)
+    model: str = ""  # the model that served it, by file name (`Upstream.served_model`)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class CacheEventKind(StrEnum):
     RESTORE_REJECTED = "restore_rejected"  # a restored state failed checks and was deleted
     RESTORE_UNPAID = "restore_unpaid"  # the request after a restore reused less than it held
     CONTEXT_LIMIT = "context_limit"  # a request hit its slot's context (refused or cut short)
+    SLOT_STALLED = "slot_stalled"  # a request's slot made no progress: cancelled, slot freed
     EVICTED = "evicted"  # a saved state was deleted (retention rule, disk cap or the user)
     UNDELETABLE = "undeletable"  # a file that had to go could not be deleted: quarantined
     PINNED = "pinned"  # the user pinned a saved state

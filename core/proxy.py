@@ -952,7 +952,7 @@ class Proxy:
     def _add_cache_headers(self, req: ProxyRequest, reuse: Reuse | None) -> None:
         """The X-Warmslot-* cache headers from the server's reuse numbers (core.proxy_headers);
         a bypassed request keeps its ``X-Warmslot-Cache: bypass``."""
-        rate = self.prefill_rates.ms_per_token(req.model)
+        rate = self.prefill_rates.ms_per_token(self._served(req))
         if reuse is not None and req.split is not None:
             reuse = reuse.with_split(req.split.prompt_n, req.split.prompt_ms)
         restored = req.response_headers.get("X-Warmslot-Restored", "0")
@@ -991,7 +991,7 @@ class Proxy:
         if t is not None:
             c.prompt_tokens += t.prompt_n
             c.cached_tokens += t.cache_n
-            self.prefill_rates.feed(req.model, t.cache_n, t.prompt_n, t.prompt_ms)
+            self.prefill_rates.feed(self._served(req), t.cache_n, t.prompt_n, t.prompt_ms)
         self._emit(
             RequestCompleted(
                 request_id=req.request_id,
@@ -1011,8 +1011,15 @@ class Proxy:
                 kind=req.kind,
                 error=error,
                 user=req.user,
+                model=self._served(req),
             )
         )
+
+    def _served(self, req: ProxyRequest) -> str:
+        """The model that served `req`, by file name (its profile's name when Warmslot
+        does not run that server): what its numbers are kept under, so two models'
+        requests are never priced at each other's prefill rate."""
+        return (req.upstream or self._upstream).served_model() or req.model
 
     async def drain(self, timeout: float = 5.0) -> None:
         """Wait for the requests being handled (at most `timeout` s), then for their

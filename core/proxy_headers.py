@@ -121,6 +121,11 @@ class PrefillRate:
         self.tokens = 0
         self.ms = 0.0
 
+    def seed(self, tokens: int, ms: float) -> None:
+        """Count cold prefills measured before (the history's: `Queries.cold_prefill_rates`)."""
+        self.tokens += tokens
+        self.ms += ms
+
     def feed(self, cached: int, prefilled: int, prompt_ms: float | None) -> None:
         """Count a finished request's prefill when it was a cold one."""
         if prompt_ms and prefilled >= COLD_MIN_TOKENS and cached * 10 <= prefilled:
@@ -142,6 +147,10 @@ class PrefillRates:
     def feed(self, model: str, cached: int, prefilled: int, prompt_ms: float | None) -> None:
         """Count one finished request of `model` (see `PrefillRate.feed`)."""
         self._by_model.setdefault(model, PrefillRate()).feed(cached, prefilled, prompt_ms)
+
+    def seed(self, model: str, tokens: int, ms: float) -> None:
+        """Start `model`'s rate from cold prefills measured before (the history's)."""
+        self._by_model.setdefault(model, PrefillRate()).seed(tokens, ms)
 
     def ms_per_token(self, model: str) -> float | None:
         """`model`'s measured cold prefill rate; None until one was measured."""

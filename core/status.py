@@ -163,6 +163,15 @@ class ColdRate(TypedDict):
     tokens: int
 
 
+class ModelSaving(TypedDict):
+    """One model's share of `Totals.seconds_saved`, priced at its own cold rate."""
+
+    model: str  # the model's file name ("" for requests recorded before models were)
+    cached_tokens: int
+    cold_rate: ColdRate
+    seconds_saved: float
+
+
 class Totals(TypedDict):
     """Request totals over a window (all time or the last hour)."""
 
@@ -172,9 +181,10 @@ class Totals(TypedDict):
     prompt_ms: float
     errors: int
     hit_ratio: float | None
-    cold_rate: ColdRate
-    seconds_saved: float
+    cold_rate: ColdRate  # over every model's requests (what one rate would say)
+    seconds_saved: float  # the sum of `by_model`: each model at its own rate
     dropped_rows: int
+    by_model: NotRequired[list[ModelSaving]]
 
 
 class ClientRow(TypedDict):
@@ -237,6 +247,7 @@ class RequestRow(TypedDict):
     total_ms: float | None
     error: str | None
     user: NotRequired[str]  # the API key's name (docs/security.md); "" without keys
+    model: NotRequired[str]  # the model that served it, by file name ("" before recorded)
 
 
 # ------------------------------------------------------------------ backends

@@ -46,8 +46,17 @@ class Card(QtWidgets.QFrame):
 
 
 def saved_basis(totals: Totals) -> str:
-    """How "prefill time saved" was priced, in words for the tile."""
-    rate = totals["cold_rate"]
+    """How "prefill time saved" was priced, in words for the tile: each model at its own
+    cold prefill rate (the headers' rule, core.telemetry.queries)."""
+    priced = [m for m in totals.get("by_model", []) if m["cold_rate"]["ms_per_token"]]
+    if len(priced) > 1:
+        each = [
+            f"{m['model'].removesuffix('.gguf') or 'earlier requests'} "
+            f"{m['cold_rate']['ms_per_token'] or 0:.1f} ms/token"
+            for m in priced[:3]
+        ]
+        return "cached tokens × each model's cold prefill rate: " + ", ".join(each)
+    rate = priced[0]["cold_rate"] if len(priced) == 1 else totals["cold_rate"]
     ms = rate["ms_per_token"]
     if not ms:
         return "no cold prefill measured yet"

@@ -147,6 +147,11 @@ def deps_from(
         index = core.cache_index
         return index.db if index is not None else None
 
+    up = upstream if upstream is not None else core.upstream
+
+    def prefill_rate() -> float | None:  # keyed as the proxy keys it (`Proxy._served`)
+        return core.prefill_rates.ms_per_token((up.served_model() if up else "") or model)
+
     return CacheDeps(
         settings=settings,
         server=handle,
@@ -159,7 +164,7 @@ def deps_from(
         pressure=pressure,
         sweeps=core.sweeps,
         model=model,
-        prefill_rate=lambda: core.prefill_rates.ms_per_token(model),
+        prefill_rate=prefill_rate,
     )
 
 

@@ -75,12 +75,14 @@ class PrefixLearner:
         remember: Callable[[pfx.PrefixInfo], None],
         identity: Callable[[], ServerIdentity | None],
         by_fp: Callable[[], dict[str, pfx.PrefixInfo]],
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._emit = emit  # a cache event (the manager's `emit`)
         self._publish = publish  # any event as it is
         self._remember = remember  # keep a new prefix's definition across restarts
         self._identity = identity  # the running server's (None while it is not known)
         self._by_fp = by_fp  # every known prefix by fingerprint (the manager's)
+        self._clock = clock  # wall-clock seconds: first sightings feed TTLs and retention
         self.prefixes: dict[str, pfx.PrefixInfo] = {}  # shape key → prefix
         self.learn: dict[str, list[tuple[str, list[int]]]] = {}  # tools key → first turns
         self._no_prefix: set[tuple[str, str]] = set()  # (shape, session) without a prefix
@@ -188,7 +190,7 @@ class PrefixLearner:
             source=source,
             client=req.client,
             fingerprint=fingerprint(identity, tokens),
-            first_seen=time.time(),
+            first_seen=self._clock(),
             meta={"rendered_tokens": len(full), "head_n": len(head)},
         )
         self.prefixes[key] = info

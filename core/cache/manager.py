@@ -145,7 +145,12 @@ class CacheManager:
         self.context_limits = ContextLimits()  # requests that hit their slot's context
         # Finds each request's stable prefix (rendering, boundaries, template check).
         self.learner = PrefixLearner(
-            self.emit, self.publish, self.remember, lambda: self.identity, lambda: self.by_fp
+            self.emit,
+            self.publish,
+            self.remember,
+            lambda: self.identity,
+            lambda: self.by_fp,
+            clock=self.clock.time,
         )
         self._store: StateStore | None = None
         self._definitions: DefinitionStore | None = None
@@ -154,6 +159,8 @@ class CacheManager:
         self._locks: dict[int, asyncio.Lock] = {}
         self.probe_gate = ProbeGate()  # one probe at a time, each knowing if it ran alone
         self._persisting: set[str] = set()
+        # Definitions of prefixes learned, not written yet (`remember`, `_write_definitions`).
+        self._unwritten: dict[str, pfx.PrefixInfo] = {}
         self._jobs: set[asyncio.Task[Any]] = set()
         self._run_id = ""
         self._ready_task: asyncio.Task[None] | None = None
@@ -289,17 +296,25 @@ class CacheManager:
         return self._definitions
 
     def remember(self, info: pfx.PrefixInfo) -> None:
-        """Keep a newly known prefix's definition across restarts (never fails a request)."""
+        """Keep a newly known prefix's definition across restarts (never fails a request).
+        Written after the request that taught it has its response (`completed`), or at
+        shutdown: never a synchronous write on a request's path."""
+        self._unwritten[info.fingerprint] = info
+
+    def _write_definitions(self) -> None:
+        """Write the definitions `remember` noted, and the uses noted (in batches)."""
         book, ident = self.definitions, self.identity
+        todo, self._unwritten = self._unwritten, {}
         if book is None or ident is None:
             return
-        try:
-            d = warmup.definition_of(info, ident)
-            book.save(d, info.fingerprint)
-        except (ValueError, sqlite3.Error):
-            log.exception("could not store the definition of prefix %s", info.fingerprint[:16])
-            return
-        info.meta["definition"] = d.id
+        for info in todo.values():
+            try:
+                d = warmup.definition_of(info, ident)
+                book.save(d, info.fingerprint)
+            except (ValueError, sqlite3.Error):
+                log.exception("could not store the definition of prefix %s", info.fingerprint[:16])
+                continue
+            info.meta["definition"] = d.id
 
     def _touch(self, info: pfx.PrefixInfo) -> None:
         """Note a use of a prefix (written in batches, see core.cache.definitions)."""
@@ -400,8 +415,7 @@ class CacheManager:
         async with self.lock(slot):  # wait for Warmslot's own work on this slot
             pass
         if info is not None:
-            info.last_used = time.time()
-            self._touch(info)
+            info.last_used = self.clock.time()  # noted in the index in `completed`
             await self._save_displaced(slot, session)
             # A saved conversation this request continues beats its stable prefix.
             if not await self.conversations.restore_for(req, info, slot, session):
@@ -526,7 +540,7 @@ class CacheManager:
             cause = f"the request differs from the restored tokens from token {timings.cache_n}"
         text = f"{what}: {tokens} tokens, but the next request reused {timings.cache_n} — {cause}"
         self.restore_shortfalls.appendleft(
-            {"ts": time.time(), "request_id": req.request_id, "text": text}
+            {"ts": self.clock.time(), "request_id": req.request_id, "text": text}
         )
         assert req.plan is not None
         self.emit(
@@ -589,6 +603,10 @@ class CacheManager:
         await self.context_limits.observe(req, timings, self.client, self.identity, self.emit)
         if plan is None:
             return
+        # The index learns of the request after its response: a new definition, a use.
+        self._write_definitions()
+        if plan.prefix is not None:
+            self._touch(plan.prefix)
         slot = plan.slot
         st = self.slots.slots[slot]
         fp = plan.prefix_fp
@@ -683,7 +701,7 @@ class CacheManager:
         self, req: ProxyRequest, reason: str, where: DivergenceWhere | None, t: Timings
     ) -> None:
         entry: Divergence = {
-            "ts": time.time(),
+            "ts": self.clock.time(),
             "request_id": req.request_id,
             "client": req.client,
             "session": req.plan.session if req.plan is not None else None,
@@ -1072,6 +1090,7 @@ class CacheManager:
                 log.info("conversations at shutdown: %s", self.conversations.describe(out))
             except Exception:
                 log.exception("saving conversations at shutdown failed")
+        self._write_definitions()  # learned by requests whose completion was not heard
         if self._definitions is not None and self.has_db:
             with contextlib.suppress(sqlite3.Error):
                 self._definitions.flush()  # the uses noted since the last write

@@ -116,6 +116,7 @@ class ModelPool:
                     name=prof.name,
                     api_key=_api_key_of(e),
                     quarantine=_quarantine_of(e),
+                    served=_served_of(e),
                 )
             self.entries[prof.name] = e
         # The proxy's router: by the `model` field, side calls to the side profile.
@@ -477,6 +478,13 @@ def _quarantine_of(e: Entry) -> Callable[[], CrashQuarantine | None]:
         return e.server.quarantine if e.server is not None else None
 
     return quarantine
+
+
+def _served_of(e: Entry) -> Callable[[], str]:
+    def served() -> str:
+        return e.server.model_name if e.server is not None else ""
+
+    return served
 
 
 def _api_key_of(e: Entry) -> Callable[[], str | None]:

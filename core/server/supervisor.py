@@ -248,6 +248,14 @@ class Supervisor:
         """The running launch's API key (None while no server runs). Secret: never log it."""
         return self._api_key
 
+    @property
+    def model_name(self) -> str:
+        """The file name of the model this server runs (or last ran); "" before it was
+        resolved. What accounting keys a model's numbers by: a switch to another model
+        under the same profile starts another model's rates."""
+        r = self.resolved
+        return r.model.path.name if r is not None else ""
+
     def recent_restarts(self) -> int:
         """The crash restarts in a row that still make llama-server unsteady: all of them
         until it has been ready for ``server.degraded_clear_s`` since the last, then 0

@@ -47,10 +47,12 @@ class Upstream:
         name: str = "",
         api_key: Callable[[], str | None] | None = None,
         quarantine: Callable[[], CrashQuarantine | None] | None = None,
+        served: Callable[[], str] | None = None,
     ) -> None:
         self._base_url = base_url
         self._api_key = api_key  # the running server's key, read on every request
         self._quarantine = quarantine
+        self._served = served
         self._n_vocab: tuple[str, int | None] | None = None  # (base URL, its vocabulary size)
         self.name = name  # the model profile's name; "" for the primary server
         self._session: aiohttp.ClientSession | None = None
@@ -98,6 +100,11 @@ class Upstream:
             req.headers["Authorization"] = f"Bearer {key}"
             req.headers.popall("X-Api-Key", None)
         return await handler(req)
+
+    def served_model(self) -> str:
+        """The model this server runs, by file name ("" when Warmslot does not run it, or
+        before it started): what a request's accounting and prefill rate are kept under."""
+        return self._served() if self._served is not None else ""
 
     def quarantine(self) -> CrashQuarantine | None:
         """The supervising server's record of request bodies in flight and of those that

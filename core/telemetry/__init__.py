@@ -13,14 +13,13 @@ queries, `QUERIES`). Callers import from ``core.telemetry``.
 
 from __future__ import annotations
 
-from core.telemetry.queries import BUCKETS, COLD_MIN_TOKENS, QUERIES, Queries
+from core.telemetry.queries import BUCKETS, QUERIES, Queries
 from core.telemetry.schema import migrations
 from core.telemetry.store import BATCH, MAX_PENDING, Telemetry, safe_text
 
 __all__ = [
     "BATCH",
     "BUCKETS",
-    "COLD_MIN_TOKENS",
     "MAX_PENDING",
     "QUERIES",
     "Queries",

@@ -7,9 +7,11 @@ import json
 import logging
 import sqlite3
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
-from core.status import ClientRow, ColdRate, RequestRow, SessionRow, Totals, UserRow
+# The cold-prefill rule is the proxy's (one estimator: core.proxy_headers.PrefillRate).
+from core.proxy_headers import COLD_MIN_TOKENS
+from core.status import ClientRow, ColdRate, ModelSaving, RequestRow, SessionRow, Totals, UserRow
 from core.telemetry_rows import (
     EventRow,
     ExplanationRow,
@@ -22,6 +24,13 @@ from core.telemetry_rows import (
 
 log = logging.getLogger("warmslot.telemetry")
 
+
+class ColdSums(TypedDict):
+    """One model's cold prefills: tokens read and the milliseconds they took."""
+
+    tokens: int
+    ms: float
+
 BUCKETS = {"minute": 60, "hour": 3600, "day": 86400}
 # The queries that may be run by name (`Telemetry.query`, `Core.query`, the GUI): the
 # read-only methods of `Queries` (which `Telemetry` is). Kept here, beside them, so a
@@ -33,6 +42,7 @@ QUERIES = frozenset(
         "per_client",
         "sessions",
         "cold_prefill_rate",
+        "cold_prefill_rates",
         "recent_requests",
         "recent_events",
         "server_runs",
@@ -45,8 +55,6 @@ QUERIES = frozenset(
     }
 )
 
-# A prefill this long, with no reuse, measures the cold rate (batched, as a re-read is).
-COLD_MIN_TOKENS = 256
 
 _warned: set[str] = set()  # the columns whose unreadable values were logged (once each)
 # A row counts in a time window only when its time is a number: a row with text there (no
@@ -167,32 +175,72 @@ class Queries:
         )[0]
         total = row["prompt_tokens"] + row["cached_tokens"]
         row["hit_ratio"] = row["cached_tokens"] / total if total else None
-        # Seconds saved: cached tokens priced at the cold prefill rate — what reading them
-        # again would have cost. Small follow-up prefills run several times slower per
-        # token than a long cold one (51 vs 19 ms/token measured: issue 18), so pricing
-        # at the average rate overstated the saving 2–3×.
+        # Seconds saved: each model's cached tokens priced at that model's cold prefill
+        # rate — what reading them again would have cost (the rule of the response
+        # headers' X-Warmslot-Est-Saved-Ms, core.proxy_headers.PrefillRate). Small
+        # follow-up prefills run several times slower per token than a long cold one
+        # (51 vs 19 ms/token measured), so pricing at the average rate overstated the
+        # saving 2–3×; one rate for two models priced a fast one at a slow one's rate.
         rate = self.cold_prefill_rate(since)
         if rate["ms_per_token"] is None and since > 0:
             rate = self.cold_prefill_rate()  # none in this window: the longest history
         row["cold_rate"] = rate
-        ms = rate["ms_per_token"]
-        row["seconds_saved"] = row["cached_tokens"] * ms / 1000.0 if ms else 0.0
+        by_model: list[ModelSaving] = []
+        for m in self._rows(
+            f"""SELECT CAST(COALESCE(model, '') AS TEXT) AS model,
+                       COALESCE(SUM(cache_n), 0) AS cached
+                FROM requests WHERE {TS} >= ? GROUP BY 1 ORDER BY 2 DESC""",
+            [since],
+        ):
+            own = self.cold_prefill_rate(since, model=m["model"])
+            if own["ms_per_token"] is None and since > 0:
+                own = self.cold_prefill_rate(model=m["model"])
+            ms = own["ms_per_token"]
+            by_model.append(
+                {
+                    "model": m["model"],
+                    "cached_tokens": int(m["cached"]),
+                    "cold_rate": own,
+                    "seconds_saved": m["cached"] * ms / 1000.0 if ms else 0.0,
+                }
+            )
+        row["by_model"] = by_model
+        row["seconds_saved"] = sum(m["seconds_saved"] for m in by_model)
         row["errors"] = row["errors"] or 0
         row["dropped_rows"] = self.dropped  # rows telemetry could not write (since start)
         return cast(Totals, row)  # the SELECT names every key
 
-    def cold_prefill_rate(self, since: float | None = None) -> ColdRate:
-        """Milliseconds per token of cold prefills: requests of at least COLD_MIN_TOKENS
-        new tokens that reused under a tenth of that. None when there was none."""
+    def cold_prefill_rate(
+        self, since: float | None = None, *, model: str | None = None
+    ) -> ColdRate:
+        """Milliseconds per token of cold prefills (of one `model`'s requests, by file name;
+        of all when None): requests of at least COLD_MIN_TOKENS new tokens that reused
+        under a tenth of that. None when there was none."""
+        by = "" if model is None else "AND CAST(COALESCE(model, '') AS TEXT) = ?"
         row = self._rows(
             f"""SELECT COUNT(*) AS requests, COALESCE(SUM(prompt_n), 0) AS tokens,
                       COALESCE(SUM(prompt_ms), 0) AS ms
                FROM requests WHERE {TS} >= ? AND prompt_n >= ? AND prompt_ms > 0
-                    AND COALESCE(cache_n, 0) * 10 <= prompt_n""",
-            [0.0 if since is None else since, COLD_MIN_TOKENS],
+                    AND COALESCE(cache_n, 0) * 10 <= prompt_n {by}""",
+            [0.0 if since is None else since, COLD_MIN_TOKENS, *([] if model is None else [model])],
         )[0]
         per = row["ms"] / row["tokens"] if row["tokens"] else None
         return {"ms_per_token": per, "requests": row["requests"], "tokens": row["tokens"]}
+
+    def cold_prefill_rates(self) -> dict[str, ColdSums]:
+        """Every model's cold prefills in the history (by file name): what the proxy's
+        estimator starts from (`core.proxy_headers.PrefillRates.seed`)."""
+        rows = self._rows(
+            f"""SELECT CAST(COALESCE(model, '') AS TEXT) AS model,
+                      COALESCE(SUM(prompt_n), 0) AS tokens, COALESCE(SUM(prompt_ms), 0) AS ms
+               FROM requests WHERE {TS} >= 0 AND prompt_n >= ? AND prompt_ms > 0
+                    AND COALESCE(cache_n, 0) * 10 <= prompt_n GROUP BY 1""",
+            [COLD_MIN_TOKENS],
+        )
+        out: dict[str, ColdSums] = {}
+        for r in rows:
+            out[r["model"]] = {"tokens": int(r["tokens"]), "ms": float(r["ms"])}
+        return out
 
     def per_client(self, since: float | None = None) -> list[ClientRow]:
         since = 0.0 if since is None else since

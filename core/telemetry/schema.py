@@ -170,3 +170,10 @@ def m005_totals(db: sqlite_utils.Database) -> None:
     """What pruned rows added up to (core.telemetry.totals), so lifetime counters outlive
     the rows: one value per counter name and label (a user's name, or "")."""
     db_table(db, "totals").create({"name": str, "label": str, "value": float}, pk=("name", "label"))
+
+
+@migrations()
+def m006_request_models(db: sqlite_utils.Database) -> None:
+    """Which model served each request (its file name), so that each model's saving is
+    priced at its own prefill rate (core.telemetry.queries.Queries.totals)."""
+    db_table(db, "requests").add_column("model", str, not_null_default="")

@@ -5,6 +5,7 @@ for another prefix."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -327,3 +328,35 @@ async def test_a_huge_body_is_not_rendered_to_learn_its_prefix(tmp_path: Path) -
     assert await prepared_fp(mgr, small)  # an ordinary body is learned as before
     assert rendered
     await mgr.close()
+
+
+async def test_first_sightings_and_uses_are_on_the_cores_clock(tmp_path: Path) -> None:
+    """What TTLs and retention compare comes from the core's clock, never the wall clock:
+    a prefix learned and used under a FakeClock carries the fake times, in memory and in
+    its stored definition, and ages as that clock moves. The definition is written after
+    the request's response, not on its path."""
+    core, mgr = make_manager(tmp_path)
+    mgr.fake = RenderingLlama(core.paths.slot_dir / "x", n_slots=2)
+    mgr.disk = DiskTier(False, "sliding-window model on a stock server")
+    start = core.clock.time()
+    assert abs(start - time.time()) > 86400  # the fake clock is nowhere near the wall clock
+    first = request("s1")
+    first.plan = await mgr.prepare(first)  # as the proxy does
+    assert first.plan is not None
+    fp = first.plan.prefix_fp
+    info = mgr.by_fp[fp]
+    assert info.first_seen == info.last_used == start
+    book = mgr.definitions
+    assert book is not None
+    assert book.table.count == 0  # nothing is written on the request's path
+    await mgr.completed(first, None, 499)  # the index hears of it after the response
+    assert book.table.count == 1
+    await core.clock.advance(600)
+    second = request("s1")
+    second.plan = await mgr.prepare(second)
+    assert second.plan is not None and second.plan.prefix_fp == fp
+    await mgr.completed(second, None, 499)
+    assert info.last_used == start + 600 and info.first_seen == start
+    book.flush()
+    row = book.table.get(info.meta["definition"])
+    assert (row["first_seen"], row["last_used"]) == (start, start + 600)

@@ -135,6 +135,35 @@ def test_seconds_saved_priced_at_the_cold_prefill_rate(known_rows: Telemetry) ->
     assert late["seconds_saved"] == pytest.approx(50 * 19.0 / 1000)
 
 
+def test_each_model_is_priced_at_its_own_cold_rate_and_the_headers_agree(
+    tel: Telemetry,
+) -> None:
+    """Two models' rows: Gemma's cold prefills ran at 22.3 ms/token, the tiny model's at
+    3.9; each one's cached tokens are priced at its own rate (one rate for both priced
+    the tiny model's hits 5.8× too high). The proxy's estimator, seeded from the same
+    history, gives the headers the same per-model rates."""
+    from core.proxy_headers import PrefillRates
+
+    gemma, tiny = "gemma-3-270m-q4_k_m.gguf", "tiny.gguf"
+    tel.record(req(T + 1, model=gemma, prompt_n=1000, cache_n=0, prompt_ms=22_300.0))
+    tel.record(req(T + 2, model=gemma, prompt_n=50, cache_n=4000, prompt_ms=900.0))
+    tel.record(req(T + 3, model=tiny, prompt_n=2000, cache_n=0, prompt_ms=7_800.0))
+    tel.record(req(T + 4, model=tiny, prompt_n=40, cache_n=10_000, prompt_ms=400.0))
+    t = tel.totals()
+    by = {m["model"]: m for m in t["by_model"]}
+    assert by[gemma]["cold_rate"]["ms_per_token"] == pytest.approx(22.3)
+    assert by[tiny]["cold_rate"]["ms_per_token"] == pytest.approx(3.9)
+    assert by[gemma]["seconds_saved"] == pytest.approx(4000 * 22.3 / 1000)
+    assert by[tiny]["seconds_saved"] == pytest.approx(10_000 * 3.9 / 1000)
+    assert t["seconds_saved"] == pytest.approx(4000 * 0.0223 + 10_000 * 0.0039)
+    rates = PrefillRates()
+    for model, sums in tel.cold_prefill_rates().items():
+        rates.seed(model, sums["tokens"], sums["ms"])
+    assert rates.ms_per_token(gemma) == pytest.approx(22.3)
+    assert rates.ms_per_token(tiny) == pytest.approx(3.9)
+    assert rates.ms_per_token("other.gguf") is None  # never measured: no estimate
+
+
 def test_totals_of_an_empty_database(tel: Telemetry) -> None:
     t = tel.totals()
     assert (t["requests"], t["prompt_tokens"], t["cached_tokens"], t["errors"]) == (0, 0, 0, 0)
