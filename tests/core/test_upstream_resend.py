@@ -137,8 +137,8 @@ async def _proxy(upstream: Upstream) -> Proxy:
         n_slots=lambda: 1,
         emit=lambda e: None,
         api_key=lambda: "",
-        max_body_mb=1,
-        upstream_timeout_s=60,
+        max_body_mb=lambda: 1,
+        upstream_timeout_s=lambda: 60.0,
         status=lambda: asyncio.sleep(0, {}),
     )
     await proxy.start("127.0.0.1", 0)
