@@ -116,6 +116,7 @@ _DEVICE_LINE = re.compile(
 )
 _MIB = 1 << 20
 DEVICE_LIST_TIMEOUT_S = 60.0
+_DEVICELESS: set[tuple[str, int, int]] = set()  # binaries (path, size, mtime) that list none
 
 
 def parse_device_list(text: str) -> list[GpuInfo]:
@@ -148,8 +149,17 @@ def read_llama_devices(
     """The devices `binary` would offload to, with their free memory (blocking).
 
     ``[]`` for a CPU-only build, or when the binary does not answer: planning then
-    treats the machine as having no GPU, which is what such a server would use.
+    treats the machine as having no GPU, which is what such a server would use. A binary
+    that listed none is not asked again (the same file never grows a backend): the pressure
+    monitor asks every minute, and a CPU build is the common case.
     """
+    try:
+        st = binary.stat()
+        key = (str(binary), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return []
+    if key in _DEVICELESS:
+        return []
     try:
         proc = subprocess.run(
             [str(binary), "--list-devices"],
@@ -164,7 +174,10 @@ def read_llama_devices(
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("%s --list-devices failed (%s): planning without GPUs", binary, e)
         return []
-    return parse_device_list(proc.stdout)
+    found = parse_device_list(proc.stdout)
+    if not found and proc.returncode == 0:
+        _DEVICELESS.add(key)
+    return found
 
 
 def gpus_for(

@@ -173,3 +173,15 @@ def test_a_pinned_layer_count_is_kept(tmp_path: Path) -> None:
     assert placed.placement is None and not (tmp_path / "bin" / "argv.txt").exists()
     argv = plan_argv(placed)
     assert argv[argv.index("-ngl") + 1] == "2"
+
+
+def test_a_binary_without_devices_is_asked_once(tmp_path: Path) -> None:
+    """The pressure monitor asks every minute; a CPU build is not started each time."""
+    from core.server.devices import read_llama_devices
+
+    calls = tmp_path / "calls"
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'Available devices:'\necho '  (none)'\n")
+    binary.chmod(0o755)
+    assert read_llama_devices(binary) == [] and read_llama_devices(binary) == []
+    assert calls.read_text().count("x") == 1

@@ -69,10 +69,17 @@ def vulkan_binary() -> Path | None:
 
 
 @pytest.fixture(scope="module")
-def vulkan() -> tuple[Path, list[GpuInfo]]:
+def vulkan() -> Iterator[tuple[Path, list[GpuInfo]]]:
     """The Vulkan llama-server and its devices, or a skip that says what is missing."""
     if os.environ.get("WARMSLOT_SLOW_TESTS") != "1":
         pytest.skip("slow: the Vulkan backend on lavapipe; set WARMSLOT_SLOW_TESTS=1")
+    with pytest.MonkeyPatch.context() as mp:
+        # lavapipe is a CPU-type device: llama.cpp's Vulkan backend skips those unless named.
+        mp.setenv("GGML_VK_VISIBLE_DEVICES", os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"))
+        yield _vulkan_or_skip()
+
+
+def _vulkan_or_skip() -> tuple[Path, list[GpuInfo]]:
     binary = vulkan_binary()
     if binary is None:
         pytest.skip(
