@@ -8,6 +8,15 @@
 - `running_core`: one Core with a ready llama-server for the whole session, for
   tests that only read or send ordinary requests.
 
+Markers (registered in pyproject.toml; ``--strict-markers`` fails an unknown one):
+
+- ``integration``: the test needs a real llama-server. Added here to every test that uses
+  `server_binary`, `make_core` or `running_core`; a test that starts one another way (a
+  tray process, a Core of its own) says so itself. The session's server is chosen (or
+  built) only when a collected test carries it, so ``pytest -m "not integration"`` runs
+  the fast suite without any server.
+- ``slow("why")``: skipped, with that reason, unless ``WARMSLOT_SLOW_TESTS=1``.
+
 At the end of the session no llama-server (or fake server) started by this
 process may still run; any that do are killed and the session fails.
 """
@@ -15,8 +24,11 @@ process may still run; any that do are killed and the session fails.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +37,12 @@ import pytest
 
 from core.config import Settings
 from core.engine import Core
+from core.errors import BuildError
 from core.events import BuildProgress
 from core.paths import Paths
 from core.server import discover
 from core.server.tinymodel import make_tiny_model
-from tests.helpers import TEST_BINARY_ENV, server_descendants
+from tests.helpers import SLOW_ENV, TEST_BINARY_ENV, server_descendants, slow_tests
 
 MakeCore = Callable[..., Core]
 
@@ -64,10 +77,91 @@ def test_home() -> Paths:
 test_home.__test__ = False  # type: ignore[attr-defined]
 
 
-_REAL_SERVER_DIRS = ("integration", "app", "installers")
-# Models are files (tiny_model, gemma_model need no server): only these start one.
+REAL_SERVER = "integration"  # the marker of a test that needs a real llama-server
+# The fixtures that hand out the session's llama-server (models are files: tiny_model and
+# gemma_model need none). A test using one carries REAL_SERVER without saying so.
 _REAL_SERVER_FIXTURES = {"server_binary", "make_core", "running_core"}
+# What the test session builds when no llama-server works here.
+TEST_BUILD_PURPOSE = "test session"
 _chosen: list[Path] = []
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests that use the session's server; skip ``slow`` ones unless opted in."""
+    slow_on = slow_tests()
+    for item in items:
+        uses = _REAL_SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if uses and item.get_closest_marker(REAL_SERVER) is None:
+            item.add_marker(REAL_SERVER)
+        slow = item.get_closest_marker("slow")
+        if slow is not None and not slow_on:
+            why = str(slow.args[0]) if slow.args else "opt-in"
+            item.add_marker(pytest.mark.skip(reason=f"slow ({why}); set {SLOW_ENV}=1 to run it"))
+
+
+def needs_real_server(item: pytest.Item) -> bool:
+    """Whether `item` will run against a real llama-server (marked, and not skipped as slow)."""
+    if item.get_closest_marker(REAL_SERVER) is None:
+        return False
+    return slow_tests() or item.get_closest_marker("slow") is None
+
+
+def user_build(home: Paths, user: Paths, build_id: Callable[[], str] | None = None) -> Path | None:
+    """The binary of a build in the user's Warmslot cache (`user`, read only) with the very
+    build id the test session would build into `home`, or None.
+
+    `warmslot serve` on a fresh machine builds llama-server into the user's cache; the test
+    session would build the same inputs again into its own. The id is computed as the build
+    computes it (`build_id`, default: the test session's build plan); the pinned sdist the
+    user's build downloaded is copied into `home` first, so that needs no network.
+    """
+    if user.cache_dir.resolve() == home.cache_dir.resolve():
+        return None
+    if build_id is None:
+        adopt_user_source(user, home)
+        build_id = partial(_plan_id, home)
+    try:
+        wanted = build_id()
+    except (BuildError, OSError) as e:  # offline without the sdist: the build says so itself
+        print(f"\ncannot compute the test build's id ({e}); not looking at {user.builds_dir}")
+        return None
+    from core.build import BuildRecord
+
+    rec = BuildRecord.load(user.builds_dir / wanted)
+    return rec.binary if rec is not None else None
+
+
+def _plan_id(home: Paths) -> str:
+    from core.build import BuildRequest
+    from core.build.plan import make_plan
+
+    return make_plan(BuildRequest(purpose=TEST_BUILD_PURPOSE), home, lambda _line: None).build_id
+
+
+def adopt_user_source(user: Paths, home: Paths) -> None:
+    """Copy the pinned llama.cpp sdist (and its record) from the user's source cache into
+    `home`'s, when `home` lacks it and the user's copy matches its recorded sha256. Reads
+    the user's folder only."""
+    from core.build.source import DEFAULT_SOURCE, sources_dir
+    from core.build.source_tree import sha256_file
+
+    name, version = DEFAULT_SOURCE.removeprefix("pypi:").split("==")
+    rel = Path("pypi") / name
+    meta_name = f"{version}.json"
+    src, dst = sources_dir(user.cache_dir) / rel, sources_dir(home.cache_dir) / rel
+    if (dst / meta_name).is_file():
+        return
+    try:
+        meta = json.loads((src / meta_name).read_text("utf-8"))
+        archive = src / str(meta["filename"])
+        if sha256_file(archive) != meta["sha256"]:
+            return
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(archive, dst / archive.name)
+    shutil.copyfile(src / meta_name, dst / meta_name)  # last: it says the archive is there
 
 
 def ensure_server_binary() -> Path:
@@ -75,9 +169,11 @@ def ensure_server_binary() -> Path:
 
     The first candidate that passes its smoke start on this CPU (PATH, the registry
     package, the test build cache). When none does — the prebuilt package is built for
-    CPUs with AVX-512 and AMX — Warmslot's own build runs once for this CPU into the test
-    cache (outside the clone, keyed by its inputs, so later runs reuse it). A build
-    cache hit puts that binary first on PATH for every Core and subprocess.
+    CPUs with AVX-512 and AMX — a build in the user's own Warmslot cache with the build
+    id the test session would build is used as it is (`user_build`); else Warmslot's own
+    build runs once for this CPU into the test cache (outside the clone, keyed by its
+    inputs, so later runs reuse it). A binary from a build cache is put first on PATH for
+    every Core and subprocess.
     """
     if _chosen:
         return _chosen[0]
@@ -85,6 +181,12 @@ def ensure_server_binary() -> Path:
 
     home = test_home()
     found = discover.discover(home).found
+    on_path = found is not None and found.source == "build-cache"
+    if found is None and (reused := user_build(home, Paths.default())) is not None:
+        candidate = discover.probe(reused, "build-cache")
+        if discover.smoke_check(home, candidate).ok:
+            print(f"\nusing the llama-server already built for this machine: {reused}")
+            found, on_path = candidate, True
     if found is None:
         print("\nno llama-server works on this CPU: building one (cached for later runs)")
         shown = [-10.0]
@@ -94,10 +196,11 @@ def ensure_server_binary() -> Path:
                 shown[0] = ev.percent
                 print(f"  {ev.describe()}", flush=True)
 
-        build_sync(BuildRequest(purpose="test session"), home, on_progress=progress)
+        build_sync(BuildRequest(purpose=TEST_BUILD_PURPOSE), home, on_progress=progress)
         found = discover.discover(home).found
         assert found is not None, "the llama-server built for this CPU fails its smoke start"
-    if found.source == "build-cache":  # the package and PATH are found without help
+        on_path = found.source == "build-cache"
+    if on_path:  # the package and PATH are found without help
         os.environ["PATH"] = f"{found.path.parent}{os.pathsep}{os.environ.get('PATH', '')}"
     os.environ[TEST_BINARY_ENV] = str(found.path)
     _chosen.append(found.path)
@@ -105,14 +208,12 @@ def ensure_server_binary() -> Path:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Choose (or build) the server before the first test when any test needs one: a
-    build takes minutes, longer than any test's timeout, so it runs outside them."""
-    for item in session.items:
-        names = set(getattr(item, "fixturenames", ()))
-        parts = Path(str(item.path)).parts
-        if names & _REAL_SERVER_FIXTURES or any(d in parts for d in _REAL_SERVER_DIRS):
-            ensure_server_binary()
-            return
+    """Choose (or build) the server before the first test when a test that runs needs one:
+    a build takes minutes, longer than any test's timeout, so it runs outside them."""
+    if session.config.option.collectonly:
+        return
+    if any(needs_real_server(item) for item in session.items):
+        ensure_server_binary()
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -11,11 +12,12 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import psutil
 
 from core.cache.manager import CacheManager
@@ -77,6 +79,26 @@ def wait_until(
             text = message() if callable(message) else message
             raise AssertionError(f"condition not met within {timeout} s: {text or predicate!r}")
         tick.wait(interval)
+
+
+async def wait_until_async(
+    predicate: Callable[[], T],
+    timeout: float,
+    *,
+    interval: float = 0.005,
+    message: str | Callable[[], str] = "",
+) -> T:
+    """`wait_until` for a test on the event loop: polls `predicate` between turns of the
+    loop (the tasks it waits for run meanwhile) until it is truthy; returns that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            text = message() if callable(message) else message
+            raise AssertionError(f"condition not met within {timeout} s: {text or predicate!r}")
+        await asyncio.sleep(interval)
 
 
 def pid_gone(pid: int) -> bool:
@@ -181,6 +203,42 @@ def chat_body(text: str, *, max_tokens: int = 4, **extra: Any) -> dict[str, Any]
     }
 
 
+CHAT_PATH = "/v1/chat/completions"
+
+
+def post_chat(
+    to: Core | int | str,
+    body: Mapping[str, Any],
+    *,
+    path: str = CHAT_PATH,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 600,
+) -> httpx.Response:
+    """POST `body` as JSON to `path` (default: chat completions) and read the whole answer.
+
+    `to` is a Core (its proxy), a proxy port on 127.0.0.1, or a base URL (a bare
+    llama-server). Any status comes back as the response (4xx/5xx are not raised):
+    ``r.status_code``, ``r.headers`` (any case), ``r.json()``, ``r.text`` (a streamed
+    answer's events, read to the end). The body is sent as ``json.dumps`` writes it.
+    """
+    if isinstance(to, Core):
+        assert to.proxy is not None, "the core's proxy is not running"
+        to = to.proxy.port
+    base = f"http://127.0.0.1:{to}" if isinstance(to, int) else to.rstrip("/")
+    return httpx.post(
+        base + path,
+        content=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+        timeout=timeout,
+    )
+
+
+def session_headers(session: str) -> dict[str, str]:
+    """`session` in both headers opencode sends it in (``x-session-id``,
+    ``x-session-affinity``; core.router.SESSION_HEADERS)."""
+    return {"x-session-id": session, "x-session-affinity": session}
+
+
 def metric_values(text: str, names: Iterable[str]) -> dict[str, float]:
     """Values of Prometheus metrics by exact name (the first sample of each)."""
     wanted = set(names)
@@ -195,6 +253,13 @@ def metric_values(text: str, names: Iterable[str]) -> dict[str, float]:
 
 
 TEST_BINARY_ENV = "WARMSLOT_TEST_SERVER"  # set by conftest's `server_binary`
+SLOW_ENV = "WARMSLOT_SLOW_TESTS"
+
+
+def slow_tests() -> bool:
+    """Whether the slow opt-in is on (``WARMSLOT_SLOW_TESTS=1``): tests marked ``slow`` run
+    (tests/conftest.py skips them otherwise), and a few tests do more rounds."""
+    return os.environ.get(SLOW_ENV) == "1"
 
 
 def session_binary_source() -> str:

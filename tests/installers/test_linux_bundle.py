@@ -40,12 +40,9 @@ SOURCES = ("core", "app", "resources", "patches", "installers/pyinstaller", "ins
 BUILD_TIMEOUT_S = 1800
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.slow("builds the PyInstaller bundle"),
+    pytest.mark.integration,  # `warmslot serve` runs the bundled llama-server
     pytest.mark.timeout(BUILD_TIMEOUT_S + 300),
-    pytest.mark.skipif(
-        os.environ.get("WARMSLOT_SLOW_TESTS") != "1",
-        reason="slow: builds the PyInstaller bundle; set WARMSLOT_SLOW_TESTS=1",
-    ),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the Linux bundle"),
 ]
 

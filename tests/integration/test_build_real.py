@@ -32,7 +32,11 @@ from core.build.source import PINNED_SDIST_SHA256
 from core.events import BuildProgress
 from core.paths import Paths
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(3600)]
+pytestmark = [
+    pytest.mark.slow("builds llama.cpp from source, ~8 min on 2 cores"),
+    pytest.mark.integration,
+    pytest.mark.timeout(3600),
+]
 
 
 @dataclass
@@ -46,10 +50,6 @@ class Built:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    if os.environ.get("WARMSLOT_SLOW_TESTS") != "1":
-        pytest.skip(
-            "slow: builds llama.cpp from source (~8 min on 2 cores); set WARMSLOT_SLOW_TESTS=1"
-        )
     keep = os.environ.get("WARMSLOT_BUILD_TEST_HOME")
     home = Path(keep) if keep else tmp_path_factory.mktemp("real-build")
     events: list[BuildProgress] = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -137,14 +136,14 @@ def _assert_restored(core: Core, data: dict[str, Any], headers: dict[str, str]) 
     return share
 
 
-@pytest.fixture(params=["tiny", "gemma"])
+@pytest.fixture(
+    params=["tiny", pytest.param("gemma", marks=pytest.mark.slow("Gemma 3 270M, patched server"))]
+)
 def case(request: pytest.FixtureRequest, tiny32k: Path) -> tuple[Path, Any, int]:
     """(model, settings, words per tool output): the tiny dense model, or Gemma 3 270M
     (sliding-window attention) on the patched server — slow, opt-in."""
     if request.param == "tiny":
         return tiny32k, _settings(tiny32k), 450
-    if os.environ.get("WARMSLOT_SLOW_TESTS") != "1":
-        pytest.skip("slow: Gemma 3 270M on the patched server; set WARMSLOT_SLOW_TESTS=1")
     gemma: Path = request.getfixturevalue("gemma_model")
     template = str(resources_dir() / DEMO_TEMPLATE)
     return gemma, _settings(gemma, server__chat_template_file=template), 1400

@@ -41,7 +41,14 @@ from core.server import discover
 from tests.conftest import test_cache
 from tests.helpers import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(3600)]
+pytestmark = [
+    pytest.mark.slow(
+        "runs Gemma 3 270M on a patched and a stock llama-server (builds them unless "
+        "WARMSLOT_PATCHED_SERVER / WARMSLOT_STOCK_SERVER are set)"
+    ),
+    pytest.mark.integration,
+    pytest.mark.timeout(3600),
+]
 
 N_PREDICT = 16
 LEN_A = 2000  # the saved prompt
@@ -83,11 +90,6 @@ def _build(patches: bool) -> Path:
 
 @pytest.fixture(scope="module")
 def binaries() -> Binaries:
-    if os.environ.get("WARMSLOT_SLOW_TESTS") != "1":
-        pytest.skip(
-            "slow: runs Gemma 3 270M on a patched and a stock llama-server (builds them unless "
-            "WARMSLOT_PATCHED_SERVER / WARMSLOT_STOCK_SERVER are set); set WARMSLOT_SLOW_TESTS=1"
-        )
     patched = os.environ.get("WARMSLOT_PATCHED_SERVER")
     stock = os.environ.get("WARMSLOT_STOCK_SERVER")
     return Binaries(

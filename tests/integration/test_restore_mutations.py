@@ -19,7 +19,6 @@ model's file. The Gemma 3 270M case (sliding-window, patched server) is slow and
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import struct
@@ -627,10 +626,11 @@ def test_dense_one_or_two_flipped_bytes_are_rejected_or_change_nothing(dense_rig
 # ----------------------------------------------------------------------------- Gemma 3
 
 
+GEMMA_SLOW = "Gemma 3 270M on the patched server"
+
+
 @pytest.fixture(scope="module")
 def gemma_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    if os.environ.get("WARMSLOT_SLOW_TESTS") != "1":
-        pytest.skip("slow: Gemma 3 270M on the patched server; set WARMSLOT_SLOW_TESTS=1")
     from tests.conftest import ensure_server_binary
 
     ensure_server_binary()
@@ -646,7 +646,7 @@ def gemma_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     )
 
 
-@pytest.mark.slow
+@pytest.mark.slow(GEMMA_SLOW)
 def test_gemma_correct_restores_verify(gemma_rig: Rig) -> None:
     results, worst, ms = _good_restores(gemma_rig, GOOD_RESTORES)
     print(
@@ -656,7 +656,7 @@ def test_gemma_correct_restores_verify(gemma_rig: Rig) -> None:
     assert results == [None] * GOOD_RESTORES, results
 
 
-@pytest.mark.slow
+@pytest.mark.slow(GEMMA_SLOW)
 @pytest.mark.timeout(2400)  # a scrub (a cold prefill) after each rejection, on a loaded CPU
 def test_gemma_index_consistent_mutations_are_rejected(gemma_rig: Rig) -> None:
     # No second Gemma 3 270M with other weights: "other-model" is the dense case's.
