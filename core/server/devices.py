@@ -115,7 +115,8 @@ _DEVICE_LINE = re.compile(
     r"\((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$"
 )
 _MIB = 1 << 20
-DEVICE_LIST_TIMEOUT_S = 60.0
+# CUDA or Vulkan start within seconds; a hung binary must not stall a launch for long.
+DEVICE_LIST_TIMEOUT_S = 20.0
 _DEVICELESS: set[tuple[str, int, int]] = set()  # binaries (path, size, mtime) that list none
 
 

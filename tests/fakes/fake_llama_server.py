@@ -164,6 +164,9 @@ def main() -> None:
         print(VERSION)
         print("built with fake-cc for x86_64")
         return
+    if "--list-devices" in args:  # as a CPU build answers (core.server.devices)
+        print("Available devices:\n  (none)")
+        return
     mode = fake.get("mode", "serve")
     no_repack = "--no-repack" in args
     if "launch-log" in fake:
