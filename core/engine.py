@@ -277,7 +277,7 @@ class Core:
         self.pressure = PressureMonitor(
             lambda: self.settings.pressure,
             Sampler(
-                (self.paths.slot_dir, self.paths.state_dir),  # slot files first (issue 19)
+                self._watched_dirs,  # slot files first (issue 19)
                 self._server_pids,
                 devices=self._llama_devices,
                 clock=self.clock.monotonic,
@@ -317,6 +317,7 @@ class Core:
         self.proxy.explain = self._explain
         self.proxy.strip_billing_header = lambda: self.settings.proxy.strip_billing_header
         self.proxy.repair_tool_arguments = lambda: self.settings.proxy.repair_tool_arguments
+        self.proxy.stall_timeout_s = lambda: self.settings.proxy.stall_timeout_s
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
             self.proxy.policy = self.policy
@@ -372,6 +373,16 @@ class Core:
         """GPUs NVML cannot see (Vulkan, ROCm, Metal): the running server binary's list."""
         r = self.supervisor.resolved if self.supervisor is not None else None
         return [] if r is None else read_llama_devices(r.binary.path, r.binary.launch_env())
+
+    def _watched_dirs(self) -> list[Path]:
+        """Where a full disk breaks Warmslot: each running server's ``--slot-save-path``
+        (a folder per server identity, made at its launch), the slot folder they lie
+        under, and the state folder (the databases)."""
+        servers = [self.supervisor]
+        if self.pool is not None:
+            servers += [e.server for e in self.pool.entries.values() if not e.profile.primary]
+        own = [r.slot_dir for s in servers if s and (r := s.resolved) and r.slot_dir is not None]
+        return [*own, self.paths.slot_dir, self.paths.state_dir]
 
     def _server_pids(self) -> list[int]:
         """Every running llama-server's pid (their RSS joins each pressure sample)."""

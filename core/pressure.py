@@ -145,8 +145,10 @@ class Sampler:
     """Reads a `Reading`; every source is injectable for tests.
 
     `watch` is the directory whose filesystem's free space counts, or several (the slot
-    directory first, then the state directory): each distinct filesystem is read and the
-    one with the least free share is reported.
+    directory first, then the state directory), or a callable that names them at each
+    sample (the engine's: the ``--slot-save-path`` of every running server, which moves
+    with each server identity): each distinct filesystem is read and the one with the
+    least free share is reported.
 
     `server_pid` gives the llama-server pid, or several (every server Warmslot
     runs: their RSS is summed), or None while none runs.
@@ -160,7 +162,7 @@ class Sampler:
 
     def __init__(
         self,
-        watch: Path | Sequence[Path],
+        watch: Path | Sequence[Path] | Callable[[], Sequence[Path]],
         server_pid: Callable[[], int | Iterable[int] | None],
         *,
         ps: Any = psutil,
@@ -170,7 +172,7 @@ class Sampler:
         disk_usage: Callable[[Path], Any] = shutil.disk_usage,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        self.watch: tuple[Path, ...] = (watch,) if isinstance(watch, Path) else tuple(watch)
+        self._watch = watch
         self.server_pid = server_pid
         self.ps = ps
         self.nvml = nvml
@@ -181,6 +183,14 @@ class Sampler:
         self.devices = devices
         self._llama_read_at: float | None = None
         self._llama_last: tuple[GpuInfo, ...] = ()
+
+    @property
+    def watch(self) -> tuple[Path, ...]:
+        """The directories watched now."""
+        w = self._watch
+        if isinstance(w, Path):
+            return (w,)
+        return tuple(w() if callable(w) else w)
 
     def _existing_dirs(self) -> list[Path]:
         """Each watched directory (or its nearest existing parent), one per filesystem."""

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,6 +54,8 @@ from core.proxy_errors import (
     error_response,
     history_error,
     invalid_response,
+    stalled_response,
+    stream_error_event,
     unavailable_response,
 )
 from core.proxy_headers import (
@@ -77,6 +80,7 @@ from core.router import Refused, Router, metadata_session, session_key
 from core.server.client import Timings, send
 from core.server.quarantine import body_digest
 from core.server.upstream import Upstream
+from core.server.watchdog import BATCH_MARGIN, N_BATCH, SlotWatchdog, Stall, Watch
 from core.status import (
     Explanation,
     ModelList,
@@ -177,6 +181,19 @@ class _Outcome:
     error: str = ""
 
 
+@dataclass
+class _Exchange:
+    """What outlives a cancelled exchange: its watch (core.server.watchdog) and, once the
+    headers of its stream went out, that stream (a stall is told in it)."""
+
+    watch: Watch | None
+    stream: web.StreamResponse | None = None
+
+    def moved(self) -> None:
+        if self.watch is not None:
+            self.watch.moved()
+
+
 def _gone() -> _Outcome:
     return _Outcome(web.Response(status=499), 499, error="client disconnected")
 
@@ -249,6 +266,12 @@ class Proxy:
         # Close history tool calls whose arguments are not JSON (setting
         # proxy.repair_tool_arguments; core.tool_arguments).
         self.repair_tool_arguments: Callable[[], bool] = lambda: True
+        # Seconds a request's slot may make no progress before it is cancelled (setting
+        # proxy.stall_timeout_s; 0: never); one watchdog per server (core.server.watchdog).
+        self.stall_timeout_s: Callable[[], float] = lambda: 0.0
+        self._watchdogs: weakref.WeakKeyDictionary[Upstream, SlotWatchdog] = (
+            weakref.WeakKeyDictionary()
+        )
         self.counters = ProxyCounters()
         # Per model profile ("" for the primary): the cold prefill rate seen so far, which
         # prices the cached tokens in X-Warmslot-Est-Saved-Ms (and, read by the cache,
@@ -757,12 +780,15 @@ class Proxy:
             quarantine = upstream.quarantine()
             token = quarantine.begin(req.body_digest) if quarantine is not None else None
             broke = True
+            ex = _Exchange(self._watch(req, upstream))
             try:
-                out = await self._exchange_unless_gone(request, req, upstream, base, t0)
+                out = await self._exchange_unless_gone(request, req, upstream, base, t0, ex)
                 broke = out.status == 502  # no answer: the server may have died of it
             finally:
                 if quarantine is not None and token is not None:
                     quarantine.end(token, failed=broke)
+                if ex.watch is not None:
+                    self._watchdog(upstream).end(ex.watch)
         total_ms = (time.perf_counter() - t0) * 1000
         parsed = Timings.parse(out.timings)
         if parsed is not None:
@@ -775,7 +801,13 @@ class Proxy:
         return out.response
 
     async def _exchange_unless_gone(
-        self, request: web.Request, req: ProxyRequest, upstream: Upstream, base: str, t0: float
+        self,
+        request: web.Request,
+        req: ProxyRequest,
+        upstream: Upstream,
+        base: str,
+        t0: float,
+        ex: _Exchange,
     ) -> _Outcome:
         """Forward the request, and give up on it as soon as the client hangs up.
 
@@ -783,26 +815,93 @@ class Proxy:
         for a non-streamed request nothing at all until the end; only closing the
         connection makes it drop the task and free the slot. So the client's socket
         is watched the whole time, and cancelling the exchange closes the upstream
-        request whatever stage it is in (before its headers too: issue 19).
+        request whatever stage it is in (before its headers too: issue 19). The same
+        closing cancels a request whose slot the watchdog found stalled.
         """
-        exchange = asyncio.ensure_future(self._exchange(request, req, upstream, base, t0))
-        watcher = asyncio.ensure_future(_client_gone(request))
+        exchange = asyncio.ensure_future(self._exchange(request, req, upstream, base, t0, ex))
+        watchers: list[asyncio.Future[Any]] = [asyncio.ensure_future(_client_gone(request))]
+        if ex.watch is not None:
+            watchers.append(asyncio.ensure_future(ex.watch.fired()))
         try:
-            await asyncio.wait((exchange, watcher), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((exchange, *watchers), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             exchange.cancel()  # the proxy is shutting down: the upstream request goes too
             raise
         finally:
-            watcher.cancel()
+            for w in watchers:
+                w.cancel()
         if exchange.done():
             return exchange.result()
         exchange.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await exchange
+        if ex.watch is not None and ex.watch.stall is not None:
+            return await self._stalled(req, ex, ex.watch.stall)
         return _gone()
 
+    def _watchdog(self, upstream: Upstream) -> SlotWatchdog:
+        """The slot watchdog of `upstream`'s server (made on first use)."""
+        dog = self._watchdogs.get(upstream)
+        if dog is None:
+
+            def floor_s() -> float:  # two prompt batches at the model's measured rate
+                # Keyed as `_served` keys what `_account` feeds.
+                rate = self.prefill_rates.ms_per_token(upstream.served_model() or upstream.name)
+                return BATCH_MARGIN * N_BATCH * rate / 1000 if rate else 0.0
+
+            dog = SlotWatchdog(upstream.client, self.stall_timeout_s, floor_s=floor_s)
+            self._watchdogs[upstream] = dog
+        return dog
+
+    def _watch(self, req: ProxyRequest, upstream: Upstream) -> Watch | None:
+        """Put a generation request under its server's slot watchdog (None: not a
+        generation). Watched also while the setting is 0: it is read at every tick, so a
+        change applies to the requests under way."""
+        if not JSON_ROUTES.get(req.path, ("", False))[1]:
+            return None
+        slot = req.body.get("id_slot") if isinstance(req.body, dict) else None
+        pinned = (
+            slot if isinstance(slot, int) and not isinstance(slot, bool) and slot >= 0 else None
+        )
+        return self._watchdog(upstream).watch(pinned)
+
+    async def _stalled(self, req: ProxyRequest, ex: _Exchange, stall: Stall) -> _Outcome:
+        """Answer a request the watchdog cancelled: an error event ending its stream when
+        the stream's headers went out, else a 504; both name the slot. Recorded as a
+        ``slot_stalled`` event."""
+        error = stall.text()
+        message = f"Warmslot: {error}"
+        self._emit(
+            CacheEvent(
+                kind=CacheEventKind.SLOT_STALLED,
+                reason=error,
+                slot=stall.slot,
+                details={
+                    "request_id": req.request_id,
+                    "endpoint": req.endpoint,
+                    "stalled_s": round(stall.seconds, 1),
+                    "limit_s": stall.limit_s,
+                    "seen": stall.seen,
+                    "streamed": ex.stream is not None,
+                },
+            )
+        )
+        stream = ex.stream
+        if stream is None:
+            return _Outcome(stalled_response(req.endpoint, message), 504, error=error)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await stream.write(stream_error_event(req.endpoint, message, 504))
+            await stream.write_eof()
+        return _Outcome(stream, 504, error=error)
+
     async def _exchange(
-        self, request: web.Request, req: ProxyRequest, upstream: Upstream, base: str, t0: float
+        self,
+        request: web.Request,
+        req: ProxyRequest,
+        upstream: Upstream,
+        base: str,
+        t0: float,
+        ex: _Exchange,
     ) -> _Outcome:
         """POST the request to llama-server and answer the client (streamed or whole)."""
         out_headers = {"Content-Type": "application/json"}
@@ -816,7 +915,7 @@ class Proxy:
             ) as up:
                 try:
                     if up.content_type == "text/event-stream" and up.status == 200:
-                        return await self._stream(request, req, up, t0)
+                        return await self._stream(request, req, up, t0, ex)
                     data = await up.read()
                 except asyncio.CancelledError:
                     up.close()  # never hand a half-read connection back to the pool
@@ -881,7 +980,12 @@ class Proxy:
         )
 
     async def _stream(
-        self, request: web.Request, req: ProxyRequest, up: aiohttp.ClientResponse, t0: float
+        self,
+        request: web.Request,
+        req: ProxyRequest,
+        up: aiohttp.ClientResponse,
+        t0: float,
+        ex: _Exchange,
     ) -> _Outcome:
         """Pass an SSE response through chunk by chunk as it arrives, noting `timings`.
 
@@ -897,6 +1001,7 @@ class Proxy:
         error = ""
         try:
             async for chunk in up.content.iter_any():
+                ex.moved()
                 if ttfb is None:
                     ttfb = (time.perf_counter() - t0) * 1000
                 out = scanner.feed(chunk)
@@ -907,6 +1012,7 @@ class Proxy:
                             continue
                         out, held = b"".join(held), []
                         await self._open_stream(request, req, response, scanner.opening)
+                        ex.stream = response
                     if out:
                         await response.write(out)
                 except (ConnectionError, RuntimeError) as e:
@@ -917,10 +1023,9 @@ class Proxy:
             status = 502
             error = f"llama-server stopped mid-stream: {e!r}"
             log.warning("%s (request %s)", error, req.request_id)
-            event = {
-                "error": {"message": f"Warmslot: {error}", "type": "server_error", "code": 502}
-            }
-            held.append(scanner.flush() + f"data: {json.dumps(event)}\n\n".encode())
+            held.append(
+                scanner.flush() + stream_error_event(req.endpoint, f"Warmslot: {error}", 502)
+            )
         held.append(scanner.flush())
         if not response.prepared:  # the stream ended (or broke) before its first numbers
             reuse = scanner.opening or reuse_from({"timings": scanner.timings})

@@ -4,6 +4,7 @@ caused, said as such (`history_error`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, MutableMapping
 
 from aiohttp import web
@@ -99,3 +100,26 @@ def history_error(
         "(docs/clients.md#errors-from-the-history).",
         param=bad[0].where if bad else None,
     )
+
+
+def stalled_response(endpoint: str, message: str) -> web.Response:
+    """504: the request was cancelled because its llama-server slot made no progress
+    (core.server.watchdog), before any of its answer went out; in its API's shape."""
+    if endpoint in ("messages", "messages-count"):
+        body = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return web.json_response(body, status=504)
+    return error_response(504, message, type_="server_error")
+
+
+def stream_error_event(endpoint: str, message: str, status: int) -> bytes:
+    """The event that ends a stream with an error, as llama-server ends its own: for
+    /v1/messages an ``event: error`` in Anthropic's shape, else ``data: {"error": …}``.
+    It starts with a line end, so that it never joins an event left unfinished."""
+    if endpoint == "messages":
+        payload: dict[str, object] = {
+            "type": "error",
+            "error": {"type": "api_error", "message": message},
+        }
+        return f"\nevent: error\ndata: {json.dumps(payload)}\n\n".encode()
+    payload = {"error": {"message": message, "type": "server_error", "code": status}}
+    return f"\ndata: {json.dumps(payload)}\n\n".encode()

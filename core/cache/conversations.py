@@ -12,6 +12,11 @@ the probe that follows takes most of a save's time) — at these moments:
 - at a graceful shutdown, longest-unsaved and most recent first, within
   `SHUTDOWN_SAVE_S` and the disk cap.
 
+Every save keeps the disk cap (``cache.disk_cap_mb``): before it is written the retention
+rules make room for it (`Retention.make_room`, its size estimated from the server's saved
+states), and once written its real size is checked again; one that does not fit is not
+kept (docs/cache.md#disk-cap).
+
 Saves run under the slot's lock, between requests: a request for that slot waits for the
 save — ~50 ms on an idle server, seconds on a loaded CPU (2.7–9.4 s measured for the
 save a displacing request waited for, docs/cache.md#conversations) — never for a
@@ -319,10 +324,15 @@ class Conversations:
             if not self.retention.save_backoff.allows(key):
                 return "conversation not saved: its last save failed, the next try waits"
             cap = self.retention.cap_bytes
-            estimate = self._bytes_per_token() * st.tokens_hint
+            estimate = self.retention.estimate_bytes(st.tokens_hint)
             if cap and estimate > cap * MAX_CAP_SHARE:
                 return too_large(estimate, cap)
             name = f"ws-{secrets.token_hex(16)}.bin"  # named before its tokens are known
+            # Room under the disk cap before anything is written (core.cache.retention).
+            full = self.retention.make_room(estimate, f"the {st.tokens_hint}-token conversation")
+            if full is not None:
+                self.retention.save_failed(key, full, filename=name, slot=slot)
+                return full
             try:
                 rec = await self._save_in(slot, why, name)
             except (UpstreamError, OSError, ValueError) as e:
@@ -363,6 +373,10 @@ class Conversations:
             tokens = read_tokens(path)
             if len(tokens) != n_saved:
                 problem = f"the file lists {len(tokens)} tokens, the server saved {n_saved}"
+        if problem is None:  # its real size, with the other saves under way, under the cap
+            what = f"the {n_saved}-token conversation"
+            size = path.stat().st_size + self.retention.record_bytes(len(tokens))
+            problem = self.retention.make_room(size, what, written=name)
         if problem is not None:
             raise ValueError(problem)
         t1 = time.perf_counter()
@@ -510,10 +524,6 @@ class Conversations:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            estimate = self._bytes_per_token() * st.tokens_hint
-            if m.store.total_bytes() + estimate > self.retention.cap_bytes:
-                log.warning("conversation of slot %d not saved: over the disk cap", st.id)
-                continue
             try:
                 async with asyncio.timeout(remaining):
                     said = await self.save(st.id, "shutdown")
@@ -550,11 +560,6 @@ class Conversations:
         if isinstance(left, list) and left:
             parts.append("not saved (time or disk cap): slots " + ", ".join(map(str, left)))
         return " — ".join(parts) or "no conversation beyond its stable prefix to save"
-
-    def _bytes_per_token(self) -> float:
-        """From the last saves (0 before any: the first save is not held back)."""
-        sizes = [(s["bytes"], s["tokens"]) for s in self.last_saves if s["tokens"]]
-        return sum(b for b, _ in sizes) / sum(t for _, t in sizes) if sizes else 0.0
 
     # ------------------------------------------------------------ restore
     def covering(self, info: pfx.PrefixInfo) -> StateRecord | None:

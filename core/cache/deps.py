@@ -17,7 +17,7 @@ its private members.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import sqlite_utils
 
     from core.cache.index import CacheIndex
+    from core.cache.retention import HasRetention
     from core.paths import Paths
     from core.server.supervisor import Resolved
 
@@ -51,6 +52,10 @@ Subscriber = Callable[[Event], None]
 
 def _unmeasured() -> float | None:
     return None
+
+
+def _alone() -> Sequence[HasRetention]:
+    return ()
 
 
 @dataclass
@@ -96,6 +101,9 @@ class CacheDeps:
     # This model's measured cold prefill rate in ms per token (the proxy's
     # `PrefillRates`, the one estimator); None until measured.
     prefill_rate: Callable[[], float | None] = _unmeasured
+    # Every model's cache manager (this one's among them): their saved states share the
+    # index and the disk cap (core.cache.retention).
+    peers: Callable[[], Sequence[HasRetention]] = _alone
 
 
 class EngineParts(Protocol):
@@ -123,6 +131,7 @@ class EngineParts(Protocol):
     def subscribe(
         self, callback: Subscriber, types: tuple[type[Event], ...] | None = None
     ) -> Callable[[], None]: ...
+    def cache_managers(self) -> Sequence[HasRetention]: ...
 
 
 def deps_from(
@@ -163,6 +172,7 @@ def deps_from(
         slot_dir=core.paths.slot_dir,
         pressure=pressure,
         sweeps=core.sweeps,
+        peers=core.cache_managers,
         model=model,
         prefill_rate=prefill_rate,
     )

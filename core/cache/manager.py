@@ -174,7 +174,7 @@ class CacheManager:
         # the engine's, and gates what this manager may do.
         self.pressure: PressureMonitor = deps.pressure
         self.sweeps: Sweeps | None = deps.sweeps  # the engine's scheduler (for status)
-        self.retention = Retention(self, slot_dir=deps.slot_dir)
+        self.retention = Retention(self, slot_dir=deps.slot_dir, peers=deps.peers)
         self.keepalive = KeepAlive(self)
         # Whole conversations saved and restored (core.cache.conversations).
         self.conversations = Conversations(self, self.retention, self._spawn)

@@ -19,6 +19,9 @@ conversation. The prefix's state goes to disk from there:
 
 A save that would have to wait — the slot is busy again, or no longer holds the prefix —
 is left to the next response; no client waits for one and nothing is prefilled for it.
+Every save keeps the disk cap (core.cache.retention, `Retention.make_room`): room is made
+before it is written, or it is not made (and not built instead); once written, a file
+that does not fit after all is deleted.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from core.cache import prefix as pfx
@@ -109,6 +113,8 @@ class PrefixSaver:
                 return
             if live is not None and await self.save(info, live):
                 return  # saved, covered by the conversation's state, or left for later
+            if not self._room(info):
+                return  # not built for a save that would not fit under the disk cap
             slot = m.scratch_slot()
             deadline = time.monotonic() + BUILD_WAIT_S
             while slot is None and time.monotonic() < deadline:
@@ -144,10 +150,29 @@ class PrefixSaver:
         saved = await client.slot_action(slot, "save", name)
         path = m.store.dir_for(m.launch_id) / name
         problem = save_problem(saved, info.n_tokens, path)
+        if problem is None:
+            problem = self._fits(info, path)
         if problem is not None:
             self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
             return
         await self._record(info, slot, name, saved, how="built in a scratch slot")
+
+    def _room(self, info: pfx.PrefixInfo) -> bool:
+        """Before a save: room under the disk cap for its estimated size (what must go
+        for it, by the retention rules, goes now); False, recorded, when it cannot fit."""
+        estimate = self.retention.estimate_bytes(info.n_tokens)
+        full = self.retention.make_room(estimate, f"the {info.n_tokens}-token prefix")
+        if full is not None:
+            name = state_filename(info.fingerprint)
+            self.retention.save_failed(info.fingerprint, full, filename=name)
+        return full is None
+
+    def _fits(self, info: pfx.PrefixInfo, path: Path) -> str | None:
+        """Once written: its real size, with the other saves under way, under the cap
+        (None), or why not (the caller deletes the file: `save_failed`)."""
+        what = f"the {info.n_tokens}-token prefix"
+        size = path.stat().st_size + self.retention.record_bytes(info.n_tokens)
+        return self.retention.make_room(size, what, written=path.name)
 
     async def _record(
         self, info: pfx.PrefixInfo, slot: int, name: str, saved: dict[str, Any], *, how: str
@@ -229,6 +254,8 @@ class PrefixSaver:
             if st.inflight or st.prefix_fp != info.fingerprint or st.tokens_hint < info.n_tokens:
                 self.counts["deferred"] += 1
                 return True  # it moved on: the next response with this prefix tries again
+            if not self._room(info):
+                return True  # over the disk cap: recorded, backed off, never built instead
             self.retention.journal.begin(m.launch_id, name)  # a save that never ends is swept
             t0 = time.perf_counter()
             try:
@@ -270,6 +297,7 @@ class PrefixSaver:
                         )
                         self.counts["deferred"] += 1
                         return True
+                    problem = self._fits(info, path)
             if problem is not None:
                 self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
                 return True

@@ -41,6 +41,15 @@ go but could not be deleted is quarantined — its index row is dropped, so it i
 never offered to a server again — and recorded once as an ``undeletable`` event;
 requests keep being served.
 
+**The cap holds at every save**, not only at the sweeps (`make_room`): before a save
+is written, the same rules delete what must go for it to fit — its size estimated from
+the running server's saved states (bytes per token) — and a save that cannot fit
+because everything left is pinned, held by a slot or among the most recent is not
+made; once written, its real size is checked again (with every save under way) and a
+file that does not fit is deleted at once (``save_failed``, backed off like any failed
+save). So the saved states never stay above the cap, shutdown saves included
+(docs/cache.md#disk-cap). The size counted is the state file's and its record's.
+
 Files without a row or journal entry are never touched, whatever their name.
 Every deletion is a ``CacheEvent`` of kind ``evicted`` with the file, bytes,
 age and reason.
@@ -100,6 +109,11 @@ UNFINISHED_GRACE_S = 600.0  # a journaled save older than this that never got a 
 SAVE_BACKOFF_FIRST_S = 30.0  # after a failed save, the prefix is not saved again for this long,
 SAVE_BACKOFF_MAX_S = 1800.0  # doubling per further failure up to this
 SIZE_SLACK = 0
+# A state's record (its row as JSON beside it: the token list and the probe's answer) is
+# written once the state is indexed; until then it counts as this much (measured: 6.3
+# bytes per token and under 1 KiB besides).
+RECORD_BYTES_PER_TOKEN = 8
+RECORD_BYTES_BASE = 4096
 
 
 def ttl_seconds(settings: CacheSettings, ttl_class: str) -> float:
@@ -269,8 +283,18 @@ class HasRetention(Protocol):
 class Retention:
     """The disk retention sweep and the idle-session sweep of one cache manager."""
 
-    def __init__(self, mgr: CacheHost, *, slot_dir: Path, free_disk_cap: int | None = None) -> None:
+    def __init__(
+        self,
+        mgr: CacheHost,
+        *,
+        slot_dir: Path,
+        free_disk_cap: int | None = None,
+        peers: Callable[[], Sequence[HasRetention]] = lambda: (),
+    ) -> None:
         self.mgr = mgr
+        # Every model's cache manager (this one's too, or not): their states share the
+        # index and the cap (`make_room` protects what they hold, as the sweep does).
+        self._peers = peers
         self.clock = mgr.clock
         self._default_cap = (
             free_disk_cap if free_disk_cap is not None else default_cap_bytes(slot_dir)
@@ -316,6 +340,13 @@ class Retention:
         self.mgr.publish(
             CacheEvent(kind=kind, reason=reason, details=details, ts=self.clock.time(), **kw)
         )
+
+    def _record_size(self, rec: StateRecord) -> int:
+        """Bytes of the state's record beside its file (0 when there is none)."""
+        try:
+            return self.mgr.store.path(rec).with_name(card_name(rec.filename)).stat().st_size
+        except (OSError, ValueError):
+            return 0
 
     def _file_size(self, rec: StateRecord) -> int | None:
         try:
@@ -432,21 +463,8 @@ class Retention:
         directory root are shared, so what any of them holds or recently used is
         protected, and only files of no model's server count as foreign.
         """
-        store = self.mgr.store
         now = self.clock.time()
-        everyone = [self, *(p.retention for p in peers)]
-        identities = {i for r in everyone if (i := r.current_identity()) is not None}
-        plan = plan_disk_sweep(
-            store.all(),
-            now=now,
-            ttl=self.ttl,
-            keep_recent=self.settings.keep_recent,
-            cap_bytes=self.cap_bytes,
-            current_identities=identities,
-            in_use=set().union(*(r.in_use() for r in everyone)),
-            file_size=self._file_size,
-            per_session=self.settings.conversations_per_session,
-        )
+        plan = self._plan(peers, now=now)
         self.last_plan = plan
         freed = 0
         for ev in plan.evictions:
@@ -472,6 +490,72 @@ class Retention:
                 "rules": sorted({e.rule for e in plan.evictions}),
             },
         )
+
+    def _plan(self, peers: Sequence[HasRetention], *, now: float, room: int = 0) -> Plan:
+        """The retention rules over every saved state (`room`: bytes that must fit too)."""
+        everyone = [self, *(p.retention for p in peers if p.retention is not self)]
+        identities = {i for r in everyone if (i := r.current_identity()) is not None}
+        return plan_disk_sweep(
+            self.mgr.store.all(),
+            now=now,
+            ttl=self.ttl,
+            keep_recent=self.settings.keep_recent,
+            cap_bytes=self.cap_bytes,
+            current_identities=identities,
+            in_use=set().union(*(r.in_use() for r in everyone)),
+            file_size=self._file_size,
+            record_size=self._record_size,
+            per_session=self.settings.conversations_per_session,
+            room=room,
+        )
+
+    # ------------------------------------------------------------------ the cap at saves
+    def estimate_bytes(self, n_tokens: int) -> int:
+        """About what a saved state of `n_tokens` tokens takes on the running server's
+        disk with its record: its saved states' bytes per token (before its first one
+        only the record: the state's real size is checked once it is written)."""
+        recs = [r for r in self.mgr.store.all(self.mgr.launch_id) if r.n_tokens > 0]
+        tokens = sum(r.n_tokens for r in recs)
+        state = int(sum(r.bytes for r in recs) * n_tokens / tokens) if tokens else 0
+        return state + self.record_bytes(n_tokens)
+
+    @staticmethod
+    def record_bytes(n_tokens: int) -> int:
+        """What the record of a state of `n_tokens` tokens will take (at most)."""
+        return RECORD_BYTES_BASE + RECORD_BYTES_PER_TOKEN * n_tokens
+
+    def _under_way(self, exclude: str = "") -> int:
+        """Bytes of the saves under way (journaled, not indexed yet) on disk now."""
+        store = self.mgr.store
+        total = 0
+        for row in self.journal.pending():
+            name = str(row["filename"])
+            if name == exclude or not safe_name(name) or store.get(name) is not None:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                path = store.dir_for(str(row["identity"])) / name
+                if path.is_file():
+                    total += path.stat().st_size
+        return total
+
+    def make_room(self, nbytes: int, what: str, *, written: str = "") -> str | None:
+        """Make the disk cap hold with a save of `nbytes` more: delete what the retention
+        rules say must go for the saved states, the other saves under way and it to fit
+        under the cap. Call before the save (with its estimate) and once its file
+        `written` is on disk (with its size). None when it fits; else why not, in words —
+        and then nothing was deleted."""
+        need = nbytes + self._under_way(exclude=written)
+        plan = self._plan(self._peers(), now=self.clock.time(), room=need)
+        if plan.total_after + need > plan.cap_bytes:
+            return (
+                f"not saved: {what} ({nbytes / MIB:.1f} MiB) would put saved "
+                f"states over the disk cap of {plan.cap_bytes / MIB:.1f} MiB "
+                f"(cache.disk_cap_mb): the {plan.total_after / MIB:.1f} MiB left are pinned, "
+                "held by a slot or among the most recent"
+            )
+        for ev in plan.evictions:
+            self._evict(ev.rec, ev.rule, ev.reason, ev.age_s)
+        return None
 
     def evict_now(self, rec: StateRecord, rule: str, reason: str) -> int:
         """Delete one indexed file now (e.g. a superseded conversation state) and record

@@ -16,6 +16,9 @@ The rules, in order (core.cache.retention applies the plan and records each evic
    after other identities' states only a user above their share loses states (their
    oldest first, until they are back at it): one user's saves never evict the states of
    a user within their share. With one user, or none, that is plain oldest first.
+
+A state counts with its record beside it. At a save (`room`: the bytes about to be
+written, core.cache.retention.Retention.make_room) the total must leave room for them.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def plan_disk_sweep(
     in_use: set[str],
     file_size: Callable[[StateRecord], int | None],
     per_session: int = 0,
+    record_size: Callable[[StateRecord], int] = lambda _: 0,
+    room: int = 0,
 ) -> Plan:
     """Decide what the retention sweep deletes (pure: no I/O but `file_size`).
 
@@ -81,6 +86,8 @@ def plan_disk_sweep(
     (or that are being saved) right now; `file_size` returns a record's file size,
     or None when the file is gone. `per_session` (> 0) is how many saved conversation
     states each session keeps, the newest; pinned states are kept beyond it.
+    `record_size` gives the bytes of a state's record beside its file (counted with it);
+    `room` is what a save is about to add: the cap rule leaves room for it.
     """
     plan = Plan(cap_bytes=cap_bytes)
     alive: list[tuple[StateRecord, int]] = []
@@ -92,7 +99,8 @@ def plan_disk_sweep(
                 Eviction(rec, "missing", "the file is gone; dropping its index row", age)
             )
             continue
-        plan.total_before += size
+        footprint = size + record_size(rec)
+        plan.total_before += footprint
         if size != rec.bytes and not rec.pinned:
             plan.evictions.append(
                 Eviction(
@@ -103,7 +111,7 @@ def plan_disk_sweep(
                 )
             )
             continue
-        alive.append((rec, size))
+        alive.append((rec, footprint))
 
     def foreign(rec: StateRecord) -> bool:
         return bool(current_identities) and rec.identity not in current_identities
@@ -156,7 +164,9 @@ def plan_disk_sweep(
             remaining.append((rec, size))
 
     total = sum(size for _, size in remaining)
-    if total > cap_bytes:
+    target = cap_bytes - room
+    saving = f" + {room / MIB:.1f} MiB being saved" if room else ""
+    if total > target:
         candidates = sorted(
             ((r, s) for r, s in remaining if r.filename not in protected),
             key=lambda rs: (not foreign(rs[0]), rs[0].last_used),
@@ -168,7 +178,7 @@ def plan_disk_sweep(
                 used[r.owner] = used.get(r.owner, 0) + size
         share = cap_bytes / len(used) if len(used) >= 2 else None
         for rec, size in candidates:
-            if total <= cap_bytes:
+            if total <= target:
                 break
             why = "oldest first"
             if foreign(rec):
@@ -186,8 +196,8 @@ def plan_disk_sweep(
                 Eviction(
                     rec,
                     "cap",
-                    f"saved states use {total / MIB:.1f} MiB > cap {cap_bytes / MIB:.1f} MiB; "
-                    + why,
+                    f"saved states use {total / MIB:.1f} MiB{saving} > cap "
+                    f"{cap_bytes / MIB:.1f} MiB; {why}",
                     now - rec.last_used,
                 )
             )

@@ -263,6 +263,16 @@ class ProxySettings:
             applies=Applies.LIVE,
         ),
     )
+    stall_timeout_s: float = field(
+        default=120.0,
+        metadata=meta(
+            "Cancel a request whose llama-server slot reads no prompt token and generates "
+            "no token for this many seconds, and free the slot (at least two prompt batches "
+            "at the model's measured speed; docs/cache.md#stalled-slots); 0 = never.",
+            in_range(0, 86400),
+            applies=Applies.LIVE,
+        ),
+    )
     strip_billing_header: bool = field(
         default=True,
         metadata=meta(

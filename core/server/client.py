@@ -265,6 +265,23 @@ class SlotInfo:
     is_processing: bool
     n_prompt_tokens: int  # tokens currently cached in the slot
     id_task: int = -1  # the slot's current or last task (-1: none yet); a new task changes it
+    # The running task's counters (0 again once it ended): prompt tokens read so far and
+    # tokens generated; the prompt's moves once per batch
+    # (docs/llama-server-facts.md#slots-endpoint).
+    n_prompt_tokens_processed: int = 0
+    n_decoded: int = 0
+
+    @property
+    def progress(self) -> tuple[int, int, int, int]:
+        """What changes while the slot's task gets anywhere (core.server.watchdog)."""
+        return (self.id_task, self.n_prompt_tokens, self.n_prompt_tokens_processed, self.n_decoded)
+
+
+def _decoded(slot: dict[str, Any]) -> int:
+    """``next_token[0].n_decoded`` of a `/slots` entry (0 when it is not there)."""
+    nxt = slot.get("next_token")
+    first = nxt[0] if isinstance(nxt, list) and nxt and isinstance(nxt[0], dict) else {}
+    return int(first.get("n_decoded", 0))
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -335,6 +352,8 @@ class LlamaClient:
                 is_processing=bool(s.get("is_processing")),
                 n_prompt_tokens=int(s.get("n_prompt_tokens", 0)),
                 id_task=int(s.get("id_task", -1)),
+                n_prompt_tokens_processed=int(s.get("n_prompt_tokens_processed", 0)),
+                n_decoded=_decoded(s),
             )
             for s in data
         ]

@@ -70,6 +70,9 @@ class FakeCore:
     def subscribe(self, callback: Any, types: Any = None) -> Any:
         return lambda: None
 
+    def cache_managers(self) -> list[Any]:
+        return []
+
     def emit(self, event: Event) -> None:
         self.events.append(event)
         if self.telemetry is not None:

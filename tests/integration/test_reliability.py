@@ -17,6 +17,12 @@ say what and how it was measured):
   vocabulary, a grammar with a NUL.
 - **stuck server** (in process, with short watchdog times): a llama-server that stops
   making progress is killed and restarted.
+- **stalled slot** (in process): a request whose slot makes no progress is cancelled
+  with an error that names the slot, and the request queued behind it on that slot is
+  served (in a soak the next one waited 299.9 s).
+- **disk cap** (in process): the saved states were up to 2.8× the cap between retention
+  sweeps and after the shutdown's saves; now no save leaves them over it, and the
+  pressure sampler reads the disk of the server's own ``--slot-save-path``.
 - **file modes**: after all of it, nothing under Warmslot's folders is readable by another
   user, slot files that llama-server wrote included.
 
@@ -26,6 +32,7 @@ while a restart is under way (a client's retry on 502/503).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +40,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,12 +51,13 @@ import httpx
 import pytest
 
 from core import config
-from core.events import ServerExited
+from core.cache.manager import policy_factory
+from core.events import CacheEvent, CacheEventKind, Event, ServerExited, ServerLaunched
 from core.paths import Paths
 from core.server import supervisor as supervisor_mod
 from core.server.logparse import MAX_LINE_BYTES, cut_marker
 from tests.conftest import MakeCore
-from tests.helpers import EventLog, chat_body, free_port, pid_gone, wait_until
+from tests.helpers import WORDS, EventLog, cache_idle, chat_body, free_port, pid_gone, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -369,6 +378,208 @@ def test_a_server_that_makes_no_progress_is_restarted(
         timeout=SERVED_S,
     )
     assert r.status_code == 200 and time.monotonic() - t0 < SERVED_S
+
+
+# ------------------------------------------------------------ stalled slot
+STALL_S = 4.0  # proxy.stall_timeout_s here (the watchdog may raise it: two prompt batches)
+
+
+def test_a_stalled_slot_is_cancelled_and_the_request_behind_it_served(
+    make_core: MakeCore,
+) -> None:
+    """llama-server held still (SIGSTOP) stands for a slot that stopped moving, which
+    cannot be made on demand. A streamed turn stalls mid-answer with the session's next
+    turn queued behind it on its slot: the stalled one ends with an error event that
+    names the slot, the server drops it (its connection closed) and the queued turn is
+    answered within `SERVED_S` once the server goes on. Then a turn held before any byte
+    of its answer gets a 504, and normal requests are served again."""
+    core = make_core(policy_factory=policy_factory, proxy__stall_timeout_s=STALL_S)
+    events = EventLog()
+    core.subscribe(events.append)
+    core.start(wait_ready=True, timeout=180)
+    assert core.proxy is not None and core.supervisor is not None
+    pid = core.supervisor.pid
+    assert pid is not None
+    url = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
+    session = {"x-session-id": "stalled-slot"}
+    system = {"role": "system", "content": "You are terse. " + "rule " * 200}
+
+    def turn(text: str, **extra: Any) -> dict[str, Any]:
+        msgs = [system, {"role": "user", "content": text}]
+        return {"messages": msgs, "max_tokens": 4, "temperature": 0, **extra}
+
+    first = httpx.post(url, json=turn("warm up"), headers=session, timeout=120)
+    assert first.status_code == 200, first.text
+    slot = first.headers["X-Warmslot-Slot"]
+    behind: list[tuple[httpx.Response, float]] = []
+
+    def queued() -> None:
+        r = httpx.post(url, json=turn("and then?"), headers=session, timeout=120)
+        behind.append((r, time.monotonic()))
+
+    waiter = threading.Thread(target=queued)
+    stopped = False
+    try:
+        long = turn("tell me everything", max_tokens=3000, ignore_eos=True, stream=True)
+        with httpx.stream("POST", url, json=long, headers=session, timeout=120) as resp:
+            assert resp.status_code == 200 and resp.headers["X-Warmslot-Slot"] == slot
+            chunks = resp.iter_bytes()
+            got = next(chunks)  # generating: its first event is here
+            os.kill(pid, signal.SIGSTOP)
+            stopped = True
+            waiter.start()  # pinned to the same slot (its session's), behind the stalled one
+            got += b"".join(chunks)  # until the proxy ends the stream
+        fired = time.monotonic()
+        os.kill(pid, signal.SIGCONT)
+        stopped = False
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+    lines = [ln for ln in got.decode().splitlines() if ln.startswith("data: {")]
+    error = json.loads(lines[-1][6:])["error"]
+    assert f"slot {slot} made no progress" in error["message"], error
+    assert error["code"] == 504 and "proxy.stall_timeout_s" in error["message"]
+    waiter.join(120)
+    ((answered, at),) = behind
+    assert answered.status_code == 200, answered.text
+    assert answered.headers["X-Warmslot-Slot"] == slot
+    assert at - fired < SERVED_S, f"the request behind the stalled one took {at - fired:.1f} s"
+    stalls = [e for e in events.of(CacheEvent) if e.kind is CacheEventKind.SLOT_STALLED]
+    assert [e.slot for e in stalls] == [int(slot)], stalls
+    assert stalls[0].details["streamed"] is True
+    assert stalls[0].details["stalled_s"] >= STALL_S
+    print(f"stall: {stalls[0].details}; the turn behind it answered {at - fired:.2f} s later")
+    assert core.supervisor.pid == pid  # the server was never restarted for it
+
+    # Held before any byte of the answer: a 504 in the API's shape, then served again.
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        held = httpx.post(url, json=turn("one more"), headers=session, timeout=120)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert held.status_code == 504, held.text
+    assert f"slot {slot} made no progress" in held.json()["error"]["message"]
+    t0 = time.monotonic()
+    again = httpx.post(url, json=turn("still there?"), headers=session, timeout=SERVED_S)
+    assert again.status_code == 200 and time.monotonic() - t0 < SERVED_S
+
+
+# ------------------------------------------------------------ disk cap
+CAP_MIB = 2  # cache.disk_cap_mb here: 3-5 of the tiny model's states of 700-1,200 tokens
+
+
+def _on_disk(root: Path) -> int:
+    """What the slot folder holds (state files, their records, saves under way), as `du
+    --apparent-size` counts it."""
+    total = 0
+    for p in root.rglob("*"):
+        with contextlib.suppress(OSError):  # deleted while counted
+            if p.is_file():
+                total += p.stat().st_size
+    return total
+
+
+def test_saves_never_leave_the_disk_over_its_cap(make_core: MakeCore) -> None:
+    """Six agent sessions, each with its own long system prompt (its stable prefix, saved
+    from its live slot) and conversations saved as they grow, under a 2 MiB cap with the
+    retention sweep a day away: the folder is measured at every save (in the save
+    event's callback, on the core's thread) and never holds more than the cap; then
+    the sessions' last turns are left unsaved and the shutdown saves them, still within
+    it. On the code before this (measured here): the folder reached 2.8× the cap."""
+    cap = CAP_MIB * 1024 * 1024
+    core = make_core(
+        policy_factory=policy_factory,
+        server__slots=3,
+        server__ctx_per_slot=4096,
+        cache__disk_cap_mb=CAP_MIB,
+        cache__keep_recent=1,
+        cache__retention_interval_s=86400,
+        cache__conversation_save_tokens=256,
+    )
+    paths = core.paths
+    measured: list[tuple[str, int]] = []
+
+    def on_save(event: Event) -> None:
+        if isinstance(event, CacheEvent) and event.kind is CacheEventKind.SAVE:
+            measured.append((event.reason, _on_disk(paths.slot_dir)))
+
+    events = EventLog()
+    core.subscribe(events.append)
+    core.subscribe(on_save, (CacheEvent,))
+    core.start(wait_ready=True, timeout=180)
+    assert core.proxy is not None
+    url = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
+
+    def words(seed: int, n: int) -> str:
+        return " ".join(WORDS[(seed * 7 + i * 5 + i // 3) % len(WORDS)] for i in range(n))
+
+    history = {
+        s: [{"role": "system", "content": f"Agent {s} rules.\n" + words(s, 150)}] for s in range(6)
+    }
+
+    def turn(s: int, n: int) -> None:
+        history[s].append({"role": "user", "content": words(s + 10 * n, 80)})
+        body = {"messages": history[s], "max_tokens": 4, "temperature": 0}
+        # A client each (its own User-Agent): each learns its own stable prefix.
+        headers = {"x-session-id": f"cap-{s}", "User-Agent": f"agent-{s}/1.0"}
+        r = httpx.post(url, json=body, headers=headers, timeout=300)
+        assert r.status_code == 200, r.text
+        history[s].append(
+            {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
+        )
+        wait_until(lambda: cache_idle(core), 180, message="the saves after a turn")
+        measured.append((f"after turn {n} of session {s}", _on_disk(paths.slot_dir)))
+
+    for n in range(2):
+        for s in range(6):
+            turn(s, n)
+    saves = [m for m in measured if not m[0].startswith("after")]
+    made_room = [
+        e
+        for e in events.of(CacheEvent)
+        if e.kind is CacheEventKind.EVICTED and e.details.get("rule") == "cap"
+    ]
+    print(
+        f"{len(saves)} saves, {len(made_room)} evicted to make room; largest folder:",
+        max(b for _, b in measured),
+        "bytes of",
+        cap,
+    )
+    assert len(saves) >= 8 and made_room  # many saves, and room was made for them
+    over = [(why, b) for why, b in measured if b > cap]
+    assert not over, over
+    # The last turns grow each conversation without a save: the shutdown saves them.
+    update = core.update_settings({"cache.conversation_save_tokens": 0}, persist=False).result(30)
+    assert update.applied
+    for s in (4, 5):
+        turn(s, 2)
+    before = len(measured)
+    core.stop()
+    at_stop = [m for m in measured[before:] if "shutdown" in m[0]]
+    assert at_stop, measured[before:]  # the shutdown did save
+    final = _on_disk(paths.slot_dir)
+    assert final <= cap and all(b <= cap for _, b in measured), (final, measured[before:])
+
+
+def test_pressure_reads_the_disk_of_the_servers_slot_save_path(make_core: MakeCore) -> None:
+    """The pressure sampler watched ``state/slots``; llama-server writes into its own
+    folder below it (one per server identity), which may be another disk."""
+    core = make_core(policy_factory=policy_factory)  # the cache's sweeps sample pressure
+    events = EventLog()
+    core.subscribe(events.append, (ServerLaunched,))
+    core.start(wait_ready=True, timeout=180)
+    (launched,) = events.of(ServerLaunched)
+    argv = list(launched.argv)
+    slot_save_path = argv[argv.index("--slot-save-path") + 1]
+    assert Path(slot_save_path) != core.paths.slot_dir
+    monitor = core.pressure
+    assert monitor is not None
+
+    def read() -> str | None:
+        return core.call(lambda: monitor.snapshot()["disk_path"]).result(10)
+
+    # The first sample is taken at the start; the next within pressure.sample_interval_s.
+    wait_until(lambda: read() == slot_save_path, 60, message=lambda: f"{read()} read")
 
 
 # ------------------------------------------------------------ file modes (last)

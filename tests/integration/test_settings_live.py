@@ -212,6 +212,33 @@ def test_the_upstream_timeout_applies_to_the_next_request(live: Core) -> None:
     assert answered and answered[0].status_code == 200
 
 
+@probes("proxy.stall_timeout_s")
+def test_the_stall_timeout_applies_to_the_request_under_way(live: Core) -> None:
+    """llama-server held still (SIGSTOP): no slot moves. With the watchdog off (0) a
+    request waits; set to 3 s while it waits, that very request is cancelled with a 504
+    that names its slot (docs/cache.md#stalled-slots)."""
+    core = live
+    assert core.supervisor is not None and core.supervisor.pid is not None
+    pid = core.supervisor.pid
+    assert chat(core).status_code == 200
+    flip(core, proxy__stall_timeout_s=0)
+    answered: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: answered.append(chat(core, timeout=120)))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        waiter.start()
+        waiter.join(9)  # three times the limit to come: off, nothing cancels it
+        assert not answered
+        flip(core, proxy__stall_timeout_s=3)
+        waiter.join(60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        flip(core, proxy__stall_timeout_s=120)
+    assert answered and answered[0].status_code == 504, answered
+    assert "made no progress" in answered[0].json()["error"]["message"]
+    assert chat(core).status_code == 200
+
+
 # ------------------------------------------------------------------ the cache
 @probes("cache.enabled", "cache.aux_slot")
 def test_cache_switches_apply_to_the_next_request(live: Core) -> None:
