@@ -42,7 +42,6 @@ QUERIES = frozenset(
         "per_client",
         "sessions",
         "cold_prefill_rate",
-        "cold_prefill_rates",
         "recent_requests",
         "recent_events",
         "server_runs",

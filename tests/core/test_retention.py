@@ -356,7 +356,8 @@ async def test_status_shows_ttl_class_and_time_to_expiry(tmp_path: Path) -> None
     assert st["ttl"] == {"short": 300, "long": 3600, "extended": 86400}
     assert st["disk"]["used_bytes"] == 2 * MB
     text = st["text"]
-    assert "pinned, reference, never expires" in text and "expires in 22.8 h" in text
+    assert "pinned, probe answer recorded at save, not restored since, never expires" in text
+    assert "expires in 22.8 h" in text
     assert "long TTL, expires in 50 min" in text
 
 
