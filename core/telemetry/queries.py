@@ -42,6 +42,7 @@ QUERIES = frozenset(
         "per_client",
         "sessions",
         "cold_prefill_rate",
+        "cold_prefill_rates",
         "recent_requests",
         "recent_events",
         "server_runs",

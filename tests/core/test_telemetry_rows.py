@@ -12,6 +12,7 @@ from core.cache.explain import from_row
 from core.events import RequestExplained, SweepRun
 from core.status import ClientRow, ColdRate, Explanation, RequestRow, SessionRow, Totals, UserRow
 from core.telemetry import QUERIES, Telemetry
+from core.telemetry.queries import ColdSums
 from core.telemetry_rows import (
     EventRow,
     ExplanationRow,
@@ -42,6 +43,7 @@ EXPECTED: dict[str, tuple[dict[str, Any], Any]] = {
     "ttfb": ({}, (TtfbMedians,)),
     "explanations": ({}, ExplanationRow),
     "explanation": ({}, (ExplanationRow,)),
+    "cold_prefill_rates": ({}, (dict[str, ColdSums],)),
 }
 
 
