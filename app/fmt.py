@@ -1,53 +1,26 @@
-"""Formatting numbers for people: percentages, sizes, durations, times."""
+"""Formatting for the tray: core's numbers for people (`core.fmt`, shared with the CLI),
+clock times, and the unit a chart axis shows its values in."""
 
 from __future__ import annotations
 
 import datetime as dt
 import time
+from dataclasses import dataclass
 
+from core.fmt import count, duration, pct, size
 
-def pct(ratio: float | None, digits: int = 1) -> str:
-    return "—" if ratio is None else f"{ratio * 100:.{digits}f} %"
-
-
-def size(n: float | None) -> str:
-    if n is None:
-        return "—"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError
-
-
-def count(n: float | None) -> str:
-    if n is None:
-        return "—"
-    v = float(n)
-    for div, suffix in ((1e9, " G"), (1e6, " M"), (1e3, " k")):
-        if abs(v) >= div:
-            return f"{v / div:.1f}{suffix}"
-    return f"{v:.0f}"
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    s = float(seconds)
-    neg = s < 0
-    s = abs(s)
-    if s < 1:
-        out = f"{s * 1000:.0f} ms"
-    elif s < 90:
-        out = f"{s:.1f} s"
-    elif s < 90 * 60:
-        out = f"{s / 60:.0f} min"
-    elif s < 48 * 3600:
-        out = f"{s / 3600:.1f} h"
-    else:
-        out = f"{s / 86400:.1f} d"
-    return f"-{out}" if neg else out
+__all__ = [
+    "Scale",
+    "ago",
+    "clock",
+    "count",
+    "duration",
+    "pct",
+    "size",
+    "size_scale",
+    "start_of_day",
+    "time_scale",
+]
 
 
 def clock(ts: float | None, *, with_date: bool = False) -> str:
@@ -67,3 +40,40 @@ def ago(ts: float | None, now: float | None = None) -> str:
 def start_of_day(now: float) -> float:
     d = dt.datetime.fromtimestamp(now)
     return d.replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How an axis shows values: divided by `divisor`, titled `unit`, `decimals` places."""
+
+    divisor: float
+    unit: str
+    decimals: int
+
+    @property
+    def label_format(self) -> str:
+        return f"%.{self.decimals}f"
+
+    def __call__(self, value: float) -> float:
+        return value / self.divisor
+
+
+def _decimals(top: float) -> int:
+    # Ticks at a fifth of the range: below 10 they need a decimal to differ.
+    return 1 if top < 10 else 0
+
+
+def time_scale(top_ms: float) -> Scale:
+    """The unit for durations in milliseconds whose largest is `top_ms`: ms up to 2 s,
+    s up to 2 min, min beyond (an axis of 0–4000 "ms" reads better as 0–4 s)."""
+    for divisor, unit in ((60_000.0, "min"), (1000.0, "s")):
+        if top_ms >= 2 * divisor:
+            return Scale(divisor, unit, _decimals(top_ms / divisor))
+    return Scale(1.0, "ms", _decimals(top_ms))
+
+
+def size_scale(top_bytes: float) -> Scale:
+    """MiB up to 2 GiB, GiB beyond (llama-server's RSS of 22,000 MiB reads as 21.5 GiB)."""
+    if top_bytes >= 2 * 2**30:
+        return Scale(float(2**30), "GiB", _decimals(top_bytes / 2**30))
+    return Scale(float(2**20), "MiB", _decimals(top_bytes / 2**20))

@@ -179,12 +179,15 @@ class App(QObject):
                 tasks=self.tasks,
                 bridge=self.bridge,
                 controller=self.controller,
+                paths=self.paths,
             )
             self.dashboard = Dashboard(ctx, self.gui_settings)
             self.dashboard.settingsRequested.connect(self.open_settings)
+            self.dashboard.quitRequested.connect(self.handlers[QUIT])  # Ctrl+Q
             self.dashboard.page("overview").modelRequested.connect(self.open_model_chooser)
             if self.tray is None:  # the window is the app: closing it quits
                 self.dashboard.closed.connect(self.quit)
+                self.dashboard.esc_closes = False  # Ctrl+W and Ctrl+Q still do
         self.dashboard.bring_to_front()
         return self.dashboard
 

@@ -16,12 +16,12 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from app import fmt
 from app.backend import Backend
 from app.controller import error_text
 from app.dialogs import RestartOffer
 from app.qt import Qt, QtGui, QtWidgets, Signal
 from app.tasks import Tasks
-from core.cli_models import format_size
 from core.config import Applies, Settings, SettingsUpdate
 from core.models.catalog import (
     Catalog,
@@ -42,7 +42,7 @@ def _cells(e: ModelEntry) -> list[str]:
     return [
         ("● " if e.current else "") + e.name,
         e.source_label,
-        format_size(e.size),
+        fmt.size(e.size) if e.size > 0 else "",
         e.architecture,
         f"{e.n_ctx_train:,}" if e.n_ctx_train else "",
         kind,
@@ -54,7 +54,7 @@ def details(e: ModelEntry) -> str:
     """Everything about one row, for its tooltip and the line under the list."""
     lines = [e.path]
     if e.parts > 1:
-        lines.append(f"split model: {e.parts} parts, {format_size(e.size)} in all")
+        lines.append(f"split model: {e.parts} parts, {fmt.size(e.size)} in all")
     if e.aliases:
         lines.append("also named: " + ", ".join(e.aliases))
     if e.error:

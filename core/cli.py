@@ -22,6 +22,7 @@ import urllib.request
 from typing import Any
 
 from core import config as config_mod
+from core import fmt
 from core.cache.crowding import crowding
 from core.errors import ConfigError, WarmslotError
 from core.local_api import STOPPING_WAIT_S, local_request, running_instance, wait_for_exit
@@ -355,7 +356,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         )
     try:
         m = model.resolve(paths, settings.server.model)
-        print(f"model:       ✔ {m.path} ({m.source}, {m.size / 1e6:.0f} MB)")
+        print(f"model:       ✔ {m.path} ({m.source}, {fmt.size(m.size)})")
         from core.cli_fit import doctor_lines as fit_lines
 
         for line in fit_lines(settings, m.path, paths):  # slots and context, and why

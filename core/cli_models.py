@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from core import config as config_mod
+from core import fmt
 from core.clients import (
     base_url,
     client_model_name,
@@ -33,17 +34,7 @@ from core.models.catalog import Catalog, ModelEntry, for_settings, profile_note
 from core.paths import Paths
 from core.server.gguf_facts import read_facts
 
-__all__ = ["cmd_clients", "cmd_models", "cmd_use", "format_size", "format_table", "register"]
-
-
-def format_size(n: int) -> str:
-    """Bytes as KiB, MiB or GiB, one decimal; "" for nothing (a missing file)."""
-    if n <= 0:
-        return ""
-    for unit, shift in (("GiB", 30), ("MiB", 20)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n / 1024:.1f} KiB"
+__all__ = ["cmd_clients", "cmd_models", "cmd_use", "format_table", "register"]
 
 
 def _fits_cell(e: ModelEntry) -> str:
@@ -68,8 +59,9 @@ def format_table(cat: Catalog) -> str:
         mark = "*" if e.current else " "
         swa = "" if e.kind in ("", "dense") else e.kind
         ctx = f"{e.n_ctx_train:,}" if e.n_ctx_train else ""
+        size = fmt.size(e.size) if e.size > 0 else ""  # nothing for a file that is missing
         lines.append(
-            f"{i:>3}  {mark}{name:<45} {e.source_label:<18} {format_size(e.size):>9}  "
+            f"{i:>3}  {mark}{name:<45} {e.source_label:<18} {size:>9}  "
             f"{e.architecture[:10]:<10} {ctx:>7}  {swa:<15} {_fits_cell(e)}"
         )
         if e.error:

@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
 """Render every dashboard tab (and the settings dialog and tray icons) to PNG.
 
-    .venv/bin/python scripts/screenshots.py [--out docs/screenshots]
+    .venv/bin/python scripts/screenshots.py [--out docs/screenshots] [--screen 1280x800]
+        [--theme light|dark] [--grab window|screen]
     .venv/bin/python scripts/screenshots.py --live MODEL.gguf [--out docs/screenshots/live]
 
-Runs offscreen (``QT_QPA_PLATFORM=offscreen``) unless a display is set (e.g.
-under ``xvfb-run``). The data is a month of realistic synthetic telemetry
-(`tests/fixtures/demo_data.py`) in a temporary SQLite database, read through the same telemetry
-queries the live dashboard uses. With ``--live``, a real core instead: llama-server with
-MODEL, an opencode-shaped trace (two agent sessions with title calls) through the real
-proxy, and the dashboard on the running core, as the tray shows it.
+`--screen` is the size of the screen the dashboard opens on: the window sizes itself
+to it as it does on a desktop (`Dashboard.fit_to_screen`). Runs offscreen
+(``QT_QPA_PLATFORM=offscreen``, a screen of that size) unless a display is set — under
+Xvfb with a window manager and a panel the window meets a real available geometry, and
+``--grab screen`` shoots the whole screen, panel and frame included. ``--theme dark``
+gives the application a dark palette (`app.charts.dark_palette`, what a dark desktop
+theme does) and writes ``<tab>-dark.png``. The data is a month of realistic synthetic
+telemetry (`tests/fixtures/demo_data.py`) in a temporary SQLite database, read through
+the same telemetry queries the live dashboard uses. With ``--live``, a real core
+instead: llama-server with MODEL, an opencode-shaped trace (two agent sessions with
+title calls) through the real proxy, and the dashboard on the running core.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -23,11 +30,22 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+def offscreen_screen(width: int, height: int) -> None:
+    """Without a display: the offscreen platform, with one screen of this size (its
+    config file; the platform is made with the QApplication, after this)."""
+    if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        return
+    cfg = Path(tempfile.gettempdir()) / f"warmslot-screen-{width}x{height}.json"
+    screen = {"name": "screen", "x": 0, "y": 0, "width": width, "height": height}
+    cfg.write_text(json.dumps({"screens": [{**screen, "logicalDpi": 96, "dpr": 1}]}))
+    os.environ.setdefault("QT_QPA_PLATFORM", f"offscreen:configfile={cfg}")
+
 
 from app.backend import TelemetryBackend  # noqa: E402
 from app.bridge import Bridge  # noqa: E402
+from app.charts import dark_palette  # noqa: E402
 from app.dashboard import Dashboard, Tab, ViewContext  # noqa: E402
 from app.icons import state_icon  # noqa: E402
 from app.menu import menu_entries, populate  # noqa: E402
@@ -59,6 +77,15 @@ slot      release: id  0 | task 0 | stop processing: n_past = 12890, truncated =
 srv  log_server_r: request: POST /v1/chat/completions 127.0.0.1 200
 slot update_slots: id  1 | task 14 | n_past = 640, cache miss after divergence at token 640
 srv  log_server_r: request: POST /slots/1?action=save 127.0.0.1 200"""
+
+
+# A saved agent conversation, pinned: what the Cache tab's Conversations table lists.
+CONVERSATION = {
+    "file": "ws-conv-7d41c2e09a5f3b18.bin", "fingerprint": "3f9c0a1d2b4e5f60", "tokens": 4210,
+    "bytes": int(105.7 * 2**20), "ttl_class": "long", "pinned": True, "last_used": 0.0,
+    "verified": "ok", "current": True, "kind": "conversation", "session": "ses_8f2a",
+    "client": "opencode", "created": 0.0,
+}  # fmt: skip
 
 
 def wait_refreshed(tab: Tab, timeout_ms: int = 30000) -> None:
@@ -113,25 +140,62 @@ def tray_menu(path: Path, state: AppState) -> None:
     frame.grab().save(str(path))
 
 
-def shoot_tabs(dash: Dashboard, out: Path) -> None:
-    """Every tab of `dash`, refreshed, to ``out/<tab>.png``."""
+def settle(ms: int = 400) -> None:
+    """Let the window manager frame and place the window (and Qt follow it)."""
+    loop = QtCore.QEventLoop()
+    QtCore.QTimer.singleShot(ms, loop.quit)
+    loop.exec()
+    QtWidgets.QApplication.processEvents()
+
+
+def show_fitted(dash: Dashboard) -> None:
+    """Show the dashboard as the tray opens it: sized to the screen it is on."""
+    dash.show()
+    settle()
+    frame, avail = dash.frameGeometry(), dash.available()
+    fits = "fits" if dash.fits_screen() else "DOES NOT FIT"
+    print(
+        f"screen available {avail.width()}×{avail.height()}+{avail.x()}+{avail.y()}; window "
+        f"{dash.width()}×{dash.height()}, frame {frame.width()}×{frame.height()}"
+        f"+{frame.x()}+{frame.y()}: {fits}"
+    )
+
+
+def grab(dash: Dashboard, how: str) -> QtGui.QPixmap:
+    if how == "screen":
+        return dash.screen().grabWindow(0)
+    return dash.grab()
+
+
+def save(pix: QtGui.QPixmap, path: Path) -> None:
+    # Highest PNG compression: the same pixels, about a fifth smaller than the default.
+    pix.save(str(path), "PNG", 0)
+    print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+
+
+def shoot_tabs(dash: Dashboard, out: Path, suffix: str = "", how: str = "window") -> None:
+    """Every tab of `dash`, refreshed, to ``out/<tab><suffix>.png``."""
     for i in range(dash.tabs.count()):
         dash.tabs.setCurrentIndex(i)
         page = dash.current_page()
+        if page.title == "Reuse":
+            page.bucket.setCurrentIndex(1)  # type: ignore[attr-defined]  # hour buckets
+        if page.title == "Memory":
+            page.period.setCurrentIndex(3)  # type: ignore[attr-defined]  # 24 h: bands
         if page.title == "Cache":
             wait_refreshed(page)
             if page.saved.rowCount():  # type: ignore[attr-defined]
                 page.saved.selectRow(0)  # type: ignore[attr-defined]
-        if page.title == "Requests":
+        if page.title in ("Requests", "Events"):
             wait_refreshed(page)
-            page.table.selectRow(0)  # type: ignore[attr-defined]
+            if page.table.rowCount() > 1:  # type: ignore[attr-defined]
+                page.table.selectRow(1)  # type: ignore[attr-defined]
         wait_refreshed(page)
-        path = out / f"{page.title.lower()}.png"
-        dash.grab().save(str(path))
-        print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+        settle(150)
+        save(grab(dash, how), out / f"{page.title.lower()}{suffix}.png")
 
 
-def live(model: Path, out: Path, width: int, height: int) -> int:
+def live(model: Path, out: Path) -> int:
     """Screenshots of the dashboard on a real core after real traffic."""
     import httpx
 
@@ -141,7 +205,7 @@ def live(model: Path, out: Path, width: int, height: int) -> int:
     from core.engine import Core
     from core.paths import Paths
 
-    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["warmslot-screenshots"])
+    _app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["warmslot-screenshots"])
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings()
         settings.proxy.port = 0
@@ -160,9 +224,7 @@ def live(model: Path, out: Path, width: int, height: int) -> int:
             bridge = Bridge(core)
             ctx = ViewContext(backend=CoreBackend(core), tasks=tasks, bridge=bridge)
             dash = Dashboard(ctx)
-            dash.resize(width, height)
-            dash.show()
-            app.processEvents()
+            show_fitted(dash)
             shoot_tabs(dash, out)
             dash.close()
             bridge.detach()
@@ -181,18 +243,28 @@ def _policy_factory() -> object:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--size", default="1280x860")
+    ap.add_argument("--screen", default="1280x800", help="the screen's size (offscreen)")
+    ap.add_argument("--theme", choices=("light", "dark"), default="light")
+    ap.add_argument("--grab", choices=("window", "screen"), default="window")
+    ap.add_argument("--tabs-only", action="store_true", help="no settings dialog or icons")
     ap.add_argument("--live", type=Path, help="a GGUF model: shoot a real core instead")
     args = ap.parse_args()
-    width, height = (int(v) for v in args.size.split("x"))
+    width, height = (int(v) for v in args.screen.split("x"))
+    offscreen_screen(width, height)
     if args.live is not None:
         out = args.out or REPO / "docs" / "screenshots" / "live"
         out.mkdir(parents=True, exist_ok=True)
-        return live(args.live, out, width, height)
+        return live(args.live, out)
     args.out = args.out or REPO / "docs" / "screenshots"
     args.out.mkdir(parents=True, exist_ok=True)
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["warmslot-screenshots"])
+    suffix = ""
+    if args.theme == "dark":
+        suffix = "-dark"
+        app.styleHints().setColorScheme(Qt.ColorScheme.Dark)  # where the platform follows
+        app.setStyle("Fusion")
+        app.setPalette(dark_palette())  # offscreen and Xvfb have no dark theme of their own
     now = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "telemetry.sqlite3"
@@ -201,6 +273,8 @@ def main() -> int:
         tel.close()
         print(f"synthetic telemetry: {n} requests")
         snapshot = demo.status(now)
+        conversation = {**CONVERSATION, "last_used": now - 300, "created": now - 2400}
+        snapshot["cache"]["saved"].append(conversation)  # type: ignore[arg-type]
         backend = TelemetryBackend(
             db,
             snapshot=snapshot,
@@ -223,22 +297,13 @@ def main() -> int:
         )
         ctx = ViewContext(backend=backend, tasks=tasks, bridge=bridge, clock=lambda: now)
         dash = Dashboard(ctx)
-        dash.resize(width, height)
-        dash.show()
-        for i in range(dash.tabs.count()):
-            dash.tabs.setCurrentIndex(i)
-            page = dash.current_page()
-            if page.title == "Reuse":
-                page.bucket.setCurrentIndex(1)  # type: ignore[attr-defined]  # hour buckets
-            if page.title == "Memory":
-                page.period.setCurrentIndex(3)  # type: ignore[attr-defined]  # 24 h: bands
-            if page.title == "Cache":
-                wait_refreshed(page)
-                page.saved.selectRow(0)  # type: ignore[attr-defined]
-            wait_refreshed(page)
-            out = args.out / f"{page.title.lower()}.png"
-            dash.grab().save(str(out))
-            print(f"wrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
+        show_fitted(dash)
+        shoot_tabs(dash, args.out, suffix, args.grab)
+        if args.tabs_only:
+            dash.close()
+            backend.close()
+            tasks.shutdown()
+            return 0
 
         dlg = SettingsDialog(backend, tasks, parent=dash)
         dlg.resize(760, 680)
@@ -248,16 +313,16 @@ def main() -> int:
         dlg.tabs.setCurrentIndex(0)
         for _ in range(5):  # let the layouts settle around the new error line
             app.processEvents()
-        dlg.grab().save(str(args.out / "settings.png"))
-        print(f"wrote {args.out / 'settings.png'}")
+        save(dlg.grab(), args.out / f"settings{suffix}.png")
         dlg.close()
 
-        icons_strip(args.out / "tray-icons.png")
-        st = derive_state(
-            {**snapshot, "last_hour": {"hit_ratio": 0.91, "requests": 212}}, pressure="nominal"
-        )
-        tray_menu(args.out / "tray-menu.png", st)
-        print(f"wrote {args.out / 'tray-icons.png'} and tray-menu.png")
+        if not suffix:  # the tray's icons and menu are drawn on white either way
+            icons_strip(args.out / "tray-icons.png")
+            st = derive_state(
+                {**snapshot, "last_hour": {"hit_ratio": 0.91, "requests": 212}}, pressure="nominal"
+            )
+            tray_menu(args.out / "tray-menu.png", st)
+            print(f"wrote {args.out / 'tray-icons.png'} and tray-menu.png")
         dash.close()
         backend.close()
         tasks.shutdown()

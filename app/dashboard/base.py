@@ -16,14 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from app.backend import Backend
 from app.bridge import Bridge
+from app.charts import box_style, muted, tone
 from app.controller import error_text
-from app.qt import QtWidgets, Signal
+from app.qt import QtCore, QtWidgets, Signal
 from app.tasks import Tasks, gather
+from core.paths import Paths
 
 if TYPE_CHECKING:
     from app.controller import Controller
 
 Request = tuple[str, dict[str, Any]]
+LONG_CELL = 60  # characters: a cell longer than this gets its text as a tooltip
 
 
 @dataclass
@@ -35,6 +38,7 @@ class ViewContext:
     bridge: Bridge | None = None
     controller: Controller | None = None
     clock: Callable[[], float] = field(default=time.time)
+    paths: Paths | None = None  # the core's folders: what a start would launch (Overview)
 
 
 class Tab(QtWidgets.QWidget):
@@ -55,14 +59,34 @@ class Tab(QtWidgets.QWidget):
         self.banner = QtWidgets.QLabel()
         self.banner.setObjectName("banner")
         self.banner.setWordWrap(True)
-        self.banner.setStyleSheet(
-            "background: #fff4e6; color: #873800; border: 1px solid #ffc078;"
-            " border-radius: 3px; padding: 4px 8px;"
-        )
         self.banner.hide()
         self.outer = QtWidgets.QVBoxLayout(self)
         self.outer.setContentsMargins(8, 8, 8, 8)
         self.outer.addWidget(self.banner)
+        self.follow_palette()
+
+    def follow_palette(self) -> None:
+        """Secondary labels (property ``role``: ``muted`` or ``warning``) and the banner
+        take their colors from the palette."""
+        p = self.palette()
+        self.setStyleSheet(
+            f'QLabel[role="muted"] {{ color: {muted(p).name()}; }}\n'
+            f'QLabel[role="warning"] {{ color: {tone("warning", p).name()}; }}\n'
+            + box_style("warning", "QLabel#banner", p, "padding: 4px 8px;")
+        )
+
+    def changeEvent(self, event: QtCore.QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() == QtCore.QEvent.Type.ApplicationPaletteChange:
+            self.follow_palette()
+
+    def heightForWidth(self, width: int) -> int:
+        """The tab's minimum height. A word-wrapped label (the banner, a summary) gives
+        the tab a height-for-width, and the scroll area it sits in would then make it as
+        tall as every table's and chart's *preferred* height: a scroll bar on a screen
+        where the tab fits. The layout still gives a wrapped label its lines."""
+        del width
+        return self.minimumSizeHint().height()
 
     # ------------------------------------------------------------ to implement
     def requests(self) -> dict[str, Request]:
@@ -151,22 +175,81 @@ def fill(
     """Replace a table's rows; `keys` are stored on the first cell (Qt.UserRole)."""
     from app.qt import Qt
 
+    # Columns that fit their contents are measured once, after the rows are in: measured
+    # on every replaced item of a table with a current row, 200 rows of 13 columns took
+    # 80 s here (0.1 s this way), and the Requests tab refreshes every 5 s.
+    header = t.horizontalHeader()
+    modes = [header.sectionResizeMode(c) for c in range(t.columnCount())]
+    header.setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.Interactive)
     t.setUpdatesEnabled(False)
-    t.setRowCount(len(rows))
-    for r, row in enumerate(rows):
-        for c, value in enumerate(row):
-            item = QtWidgets.QTableWidgetItem("" if value is None else str(value))
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            if c == 0 and keys is not None:
-                item.setData(Qt.ItemDataRole.UserRole, keys[r])
-            t.setItem(r, c, item)
-    t.setUpdatesEnabled(True)
+    try:
+        t.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            for c, value in enumerate(row):
+                text = "" if value is None else str(value)
+                item = QtWidgets.QTableWidgetItem(text)
+                if len(text) > LONG_CELL:  # elided in its column: the whole text on hover
+                    item.setToolTip(text)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    item.setTextAlignment(
+                        Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter
+                    )
+                if c == 0 and keys is not None:
+                    item.setData(Qt.ItemDataRole.UserRole, keys[r])
+                t.setItem(r, c, item)
+    finally:
+        for c, mode in enumerate(modes):
+            header.setSectionResizeMode(c, mode)
+        t.setUpdatesEnabled(True)
+
+
+def selected_key(t: QtWidgets.QTableWidget) -> Any:
+    """The key (see `fill`) of the selected row, or None."""
+    from app.qt import Qt
+
+    rows = t.selectionModel().selectedRows()
+    item = t.item(rows[0].row(), 0) if rows else None
+    return item.data(Qt.ItemDataRole.UserRole) if item is not None else None
+
+
+def select_key(t: QtWidgets.QTableWidget, key: Any) -> bool:
+    """Select the row whose key is `key` (its row may have moved: new rows came in above
+    it); no selection when it is gone. False when nothing is selected after."""
+    from app.qt import Qt
+
+    if key is not None:
+        for r in range(t.rowCount()):
+            item = t.item(r, 0)
+            if item is not None and item.data(Qt.ItemDataRole.UserRole) == key:
+                flags = QtCore.QItemSelectionModel.SelectionFlag
+                t.selectionModel().setCurrentIndex(
+                    t.model().index(r, 0), flags.ClearAndSelect | flags.Rows
+                )  # selectRow would add the row to the old selection
+                return True
+    if t.selectionModel().hasSelection():
+        t.clearSelection()
+    return False
+
+
+def fill_keeping_selection(
+    t: QtWidgets.QTableWidget, rows: list[list[Any]], keys: list[Any]
+) -> None:
+    """`fill`, and the row that was selected stays selected by its key, not its index:
+    rows that arrive on top (the newest first) do not move the highlight to another row."""
+    keep = selected_key(t)
+    t.blockSignals(True)  # one selection change at most, after the rows are in
+    try:
+        fill(t, rows, keys=keys)
+        select_key(t, keep)
+    finally:
+        t.blockSignals(False)
+    if keep is not None:
+        t.itemSelectionChanged.emit()
 
 
 def cell_texts(t: QtWidgets.QTableWidget) -> list[list[str]]:
     """Every cell's text (tests and scripts)."""
     return [
-        [(t.item(r, c).text() if t.item(r, c) else "") for c in range(t.columnCount())]
+        [(item.text() if (item := t.item(r, c)) else "") for c in range(t.columnCount())]
         for r in range(t.rowCount())
     ]

@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from app import fmt
+from app.charts import tone
 from app.controller import error_text
-from app.dashboard.base import Request, Tab, ViewContext, fill, table
+from app.dashboard.base import Request, Tab, ViewContext, fill, fill_keeping_selection, table
+from app.dialogs import confirm
 from app.qt import Qt, QtWidgets
 from core.status import SavedRow, SlotRow, Status, cache_error, cache_of
 
@@ -50,6 +52,32 @@ def expiry_text(state: SlotRow | SavedRow, settings: Any, now: float) -> str:
     return "due now" if left <= 0 else f"in {fmt.duration(left)}"
 
 
+# An unpinned state this large is asked about too: it took minutes of prefill to build.
+CONFIRM_BYTES = 1 << 30
+
+
+def evict_question(state: SavedRow) -> str | None:
+    """What to ask before evicting `state`, or None when it needs no question (an
+    unpinned state under `CONFIRM_BYTES`)."""
+    if not state["pinned"] and state["bytes"] < CONFIRM_BYTES:
+        return None
+    what = (
+        f"the conversation of {state['client'] or '—'} session {state['session'] or '—'}"
+        if is_conversation(state)
+        else f"the saved prefix {state['fingerprint']}"
+    )
+    pinned = (
+        "It is pinned: it never expires and is kept under memory pressure."
+        if state["pinned"]
+        else "It is not pinned."
+    )
+    return (
+        f"Evict {what}?\n\n{state['tokens']:,} tokens, {fmt.size(state['bytes'])} on disk "
+        f"({state['file']}). {pinned}\n\nIts file is deleted now; the next request that "
+        "needs it prefills those tokens again."
+    )
+
+
 class CacheTab(Tab):
     title = "Cache"
 
@@ -77,7 +105,7 @@ class CacheTab(Tab):
         self.evict_button.setObjectName("evict")
         self.rewarm_button.setObjectName("rewarm")
         self.pin_button.clicked.connect(self._toggle_pin)
-        self.evict_button.clicked.connect(lambda: self._run("evict", self.selected_file()))
+        self.evict_button.clicked.connect(lambda: self.evict(self._selected_state()))
         self.rewarm_button.clicked.connect(self._rewarm_saved)
         for b in (self.pin_button, self.evict_button, self.rewarm_button):
             head.addWidget(b)
@@ -109,7 +137,7 @@ class CacheTab(Tab):
         self.conversation_evict_button.setObjectName("conversation_evict")
         self.conversation_pin_button.clicked.connect(self._toggle_conversation_pin)
         self.conversation_evict_button.clicked.connect(
-            lambda: self._run("evict", self.selected_conversation())
+            lambda: self.evict(self._selected_conversation_state())
         )
         head3.addWidget(self.conversation_pin_button)
         head3.addWidget(self.conversation_evict_button)
@@ -149,10 +177,11 @@ class CacheTab(Tab):
         self.prefixes.itemSelectionChanged.connect(self._update_prefix_button)
         self.outer.addWidget(self.prefixes, 1)
         self.action_label = QtWidgets.QLabel("")
-        self.action_label.setStyleSheet("color: #555;")
+        self.action_label.setProperty("role", "muted")
         self.outer.addWidget(self.action_label)
         self._saved_rows: list[SavedRow] = []
         self._conversation_rows: list[SavedRow] = []
+        self.confirm_box: QtWidgets.QMessageBox | None = None
         self._update_buttons()
         self._update_prefix_button()
         self._update_conversation_buttons()
@@ -193,7 +222,8 @@ class CacheTab(Tab):
             f"{'on' if disk['usable'] else 'off'}: {disk['reason'] or '—'} · "
             f"{len(cache['saved'])} saved states, {fmt.size(used)}"
             + (
-                f"<br><span style='color:#873800'>Paused: {'; '.join(paused)}</span>"
+                f"<br><span style='color:{tone('warning', self.palette()).name()}'>"
+                f"Paused: {'; '.join(paused)}</span>"
                 if paused
                 else ""
             )
@@ -217,10 +247,9 @@ class CacheTab(Tab):
                 for s in cache["slots"]
             ],
         )
-        keep = self.selected_file()
         states = cache["saved"]
         self._saved_rows = [s for s in states if not is_conversation(s)]
-        fill(
+        fill_keeping_selection(
             self.saved,
             [
                 [
@@ -239,13 +268,8 @@ class CacheTab(Tab):
             ],
             keys=[s["file"] for s in self._saved_rows],
         )
-        if keep:
-            for r, s in enumerate(self._saved_rows):
-                if s["file"] == keep:
-                    self.saved.selectRow(r)
-        keep_prefix = self.selected_prefix()
         held = {s["prefix"]: s["id"] for s in cache["slots"] if s["prefix"]}
-        fill(
+        fill_keeping_selection(
             self.prefixes,
             [
                 [
@@ -258,20 +282,16 @@ class CacheTab(Tab):
                 ]
                 for p in cache["prefixes"]
             ],
+            keys=[p["fingerprint"] for p in cache["prefixes"]],
         )
-        if keep_prefix:
-            for r, p in enumerate(cache["prefixes"]):
-                if p["fingerprint"] == keep_prefix:
-                    self.prefixes.selectRow(r)
         self._fill_conversations([s for s in states if is_conversation(s)], settings, now)
         self._update_buttons()
         self._update_prefix_button()
         self._update_conversation_buttons()
 
     def _fill_conversations(self, rows: list[SavedRow], settings: Any, now: float) -> None:
-        keep = self.selected_conversation()
         self._conversation_rows = rows
-        fill(
+        fill_keeping_selection(
             self.conversations,
             [
                 [
@@ -290,10 +310,6 @@ class CacheTab(Tab):
             ],
             keys=[s["file"] for s in rows],
         )
-        if keep:
-            for r, s in enumerate(rows):
-                if s["file"] == keep:
-                    self.conversations.selectRow(r)
 
     # ------------------------------------------------------------ actions
     def selected_file(self) -> str | None:
@@ -395,6 +411,26 @@ class CacheTab(Tab):
         else:
             b.setEnabled(True)
             b.setToolTip("Re-warm it in its slot, or restore/prewarm it into a free slot")
+
+    def evict(self, state: SavedRow | None) -> None:
+        """Evict a saved state; a pinned or large one only after the user says so."""
+        if state is None:
+            return
+        question = evict_question(state)
+        if question is None:
+            self._run("evict", state["file"])
+            return
+        self.confirm_box = confirm(
+            "Evict saved state?",
+            question,
+            "Evict",
+            lambda: self._run("evict", state["file"]),
+            self,
+        )
+        self.confirm_box.finished.connect(self._confirm_closed)
+
+    def _confirm_closed(self) -> None:
+        self.confirm_box = None
 
     def _run(self, cmd: str, *args: Any) -> None:
         if not args or args[0] is None:

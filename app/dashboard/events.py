@@ -7,8 +7,16 @@ import json
 from typing import Any
 
 from app import fmt
-from app.dashboard.base import Request, Tab, ViewContext, fill, table
-from app.qt import QtGui, QtWidgets
+from app.charts import tone
+from app.dashboard.base import (
+    Request,
+    Tab,
+    ViewContext,
+    fill_keeping_selection,
+    selected_key,
+    table,
+)
+from app.qt import QtWidgets
 from core.events import CacheEventKind
 from core.telemetry_rows import EventRow
 
@@ -139,7 +147,7 @@ class EventsTab(Tab):
             for r in self.rows
             if not needle or needle in (r["reason"] or "").lower() or needle in r["kind"]
         ]
-        fill(
+        fill_keeping_selection(
             self.table,
             [
                 [
@@ -154,20 +162,26 @@ class EventsTab(Tab):
                 ]
                 for r in self.shown
             ],
+            keys=[r["id"] for r in self.shown],
         )
-        bad = QtGui.QColor("#c92a2a")
+        bad = tone("error", self.palette())
         for i, r in enumerate(self.shown):
-            if r["kind"] in BAD:
-                self.table.item(i, 2).setForeground(bad)
+            cell = self.table.item(i, 2)
+            if r["kind"] in BAD and cell is not None:
+                cell.setForeground(bad)
         more = " (newest first; narrow the filters to see older)" if len(self.rows) >= LIMIT else ""
         self.count_label.setText(f"{len(self.shown)} of {len(self.rows)} events{more}")
 
+    def selected_event(self) -> EventRow | None:
+        """The selected event (kept by its id across refreshes)."""
+        key = selected_key(self.table)
+        return next((r for r in self.shown if r["id"] == key), None)
+
     def _show_details(self) -> None:
-        rows = self.table.selectionModel().selectedRows()
-        if not rows or rows[0].row() >= len(self.shown):
+        r = self.selected_event()
+        if r is None:
             self.details.clear()
             return
-        r = self.shown[rows[0].row()]
         self.details.setPlainText(
             f"{r['category']}/{r['kind']}: {r['reason'] or ''}\n"
             + json.dumps(r["details"], indent=1, default=str)

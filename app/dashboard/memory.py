@@ -62,9 +62,9 @@ def gpu_used_pct(row: dict[str, Any]) -> dict[int, float]:
 
 
 def rss_points(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """llama-server's RSS in MiB per sample; 0 where no server ran, so the line drops to
-    the axis across a stop instead of joining the runs on either side."""
-    return [(r["ts"], (r.get("server_rss") or 0) / 2**20) for r in rows]
+    """llama-server's RSS in bytes per sample; 0 where no server ran, so the line drops
+    to the axis across a stop instead of joining the runs on either side."""
+    return [(r["ts"], float(r.get("server_rss") or 0)) for r in rows]
 
 
 def level_runs(rows: list[dict[str, Any]], until: float) -> list[tuple[float, float, str]]:
@@ -105,6 +105,7 @@ class MemoryTab(Tab):
         self.percent.add_line("RAM available", "blue")
         self.percent.add_line("swap used", "orange")
         self.rss = TimeChart("llama-server resident memory (RSS)", "MiB")
+        self.rss_scale = fmt.size_scale(0)  # MiB, or GiB once the server is that large
         self.rss.add_line("RSS", "violet")
         self.rss.chart.legend().setVisible(False)
         self.outer.addWidget(self.percent, 3)
@@ -165,7 +166,10 @@ class MemoryTab(Tab):
             self.percent.set_line(f"VRAM used GPU {idx}", gpu_series.get(idx, []))
         rss = rss_points(pts)
         if any(y for _, y in rss):
-            self.rss.set_line("RSS", rss)
+            sc = self.rss_scale = fmt.size_scale(max(y for _, y in rss))
+            self.rss.axis_y.setTitleText(sc.unit)
+            self.rss.axis_y.setLabelFormat(sc.label_format)
+            self.rss.set_line("RSS", [(x, sc(y)) for x, y in rss])
             self.rss.fit_y(minimum_top=1.0)
         else:
             self.rss.show_message("llama-server did not run in this window.")

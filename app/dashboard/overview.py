@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from app import fmt
-from app.charts import TimeChart
+from app.charts import TimeChart, muted
 from app.dashboard.base import Request, Tab, ViewContext
 from app.dashboard.buckets import BucketCache
+from app.dashboard.preview import LaunchPreview, preview, slots_text
 from app.dashboard.reuse import window
 from app.dialogs import text_box
 from app.icons import state_icon
-from app.qt import Qt, QtWidgets, Signal
+from app.qt import Qt, QtCore, QtGui, QtWidgets, Signal
 from app.state import AppState, TrayState, derive_state
 from core.status import Status, Totals, cache_of
 
@@ -22,9 +24,6 @@ class Card(QtWidgets.QFrame):
     def __init__(self, caption: str, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
         self.setFrameShape(QtWidgets.QFrame.Shape.StyledPanel)
-        self.setStyleSheet(
-            "Card { background: palette(base); border: 1px solid #dee2e6; border-radius: 6px; }"
-        )
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(12, 8, 12, 8)
         self.value = QtWidgets.QLabel("—")
@@ -33,12 +32,28 @@ class Card(QtWidgets.QFrame):
         f.setBold(True)
         self.value.setFont(f)
         self.caption = QtWidgets.QLabel(caption)
-        self.caption.setStyleSheet("color: #666;")
         self.sub = QtWidgets.QLabel("")
-        self.sub.setStyleSheet("color: #888;")
         lay.addWidget(self.value)
         lay.addWidget(self.caption)
         lay.addWidget(self.sub)
+        self.follow_palette()
+
+    def follow_palette(self) -> None:
+        """Captions in the palette's secondary text color (readable on light and dark)."""
+        p = self.palette()
+        border = QtGui.QColor(p.color(QtGui.QPalette.ColorRole.Mid))
+        self.setStyleSheet(
+            f"Card {{ background: palette(base); border: 1px solid {border.name()};"
+            " border-radius: 6px; }"
+        )
+        caption = muted(p, "base").name()
+        self.caption.setStyleSheet(f"color: {caption};")
+        self.sub.setStyleSheet(f"color: {caption};")
+
+    def changeEvent(self, event: QtCore.QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() == QtCore.QEvent.Type.ApplicationPaletteChange:
+            self.follow_palette()
 
     def set(self, value: str, sub: str = "") -> None:
         self.value.setText(value)
@@ -67,6 +82,11 @@ def saved_basis(totals: Totals) -> str:
     )
 
 
+# Server states in which the Overview tells what the next start launches.
+NOT_RUNNING = ("stopped", "failed")
+PREVIEW_S = 30.0  # free memory changes what the fit plan picks: look again this often
+
+
 class OverviewTab(Tab):
     title = "Overview"
     modelRequested = Signal()  # "Choose model…": the app opens the model chooser
@@ -76,6 +96,11 @@ class OverviewTab(Tab):
         self.app_state: AppState | None = None
         self.buckets = BucketCache()
         self.day_window = (0.0, 0.0)
+        self.launch_preview: LaunchPreview | None = None
+        self._preview_key = ""
+        self._preview_at = -PREVIEW_S
+        self._preview_busy = False
+        self._stopped_status: Status | None = None
         # State row: icon, words, buttons.
         top = QtWidgets.QHBoxLayout()
         self.icon = QtWidgets.QLabel()
@@ -91,7 +116,7 @@ class OverviewTab(Tab):
         self.detail_label.setSizePolicy(
             QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred
         )
-        self.detail_label.setStyleSheet("color: #555;")
+        self.detail_label.setProperty("role", "muted")
         # The label shows what fits; the whole message (errors run long) is one click away.
         self.details_button = QtWidgets.QPushButton("Details…")
         self.details_button.setObjectName("details")
@@ -162,7 +187,7 @@ class OverviewTab(Tab):
             )
             self.facts[key] = w
             name = QtWidgets.QLabel(label + ":")
-            name.setStyleSheet("color: #555;")
+            name.setProperty("role", "muted")
             form.addWidget(name, i, 0, Qt.AlignmentFlag.AlignTop)
             form.addWidget(w, i, 1)
         self.outer.addWidget(box)
@@ -261,20 +286,65 @@ class OverviewTab(Tab):
             self.cards["cached_today"].set(
                 fmt.count(today["cached_tokens"]), f"{today['cached_tokens']:,} tokens"
             )
-            self.cards["saved_today"].set(
-                fmt.duration(today["seconds_saved"]), saved_basis(today)
-            )
+            self.cards["saved_today"].set(fmt.duration(today["seconds_saved"]), saved_basis(today))
             self.cards["requests_today"].set(f"{today['requests']:,}")
             self.cards["errors_today"].set(f"{today['errors']:,}")
 
+    # ------------------------------------------------------------ what a start launches
+    def _ask_preview(self) -> None:
+        """Work out what a start would launch (on a worker), unless that is known for
+        these settings and not older than `PREVIEW_S`."""
+        paths = self.ctx.paths
+        if paths is None:
+            return
+        settings = self.ctx.backend.settings
+        key = repr((settings.server, settings.models, settings.cache.aux_slot))
+        now = self.ctx.clock()
+        if self._preview_busy or (key == self._preview_key and now - self._preview_at < PREVIEW_S):
+            return
+        self._preview_busy = True
+
+        def done(p: LaunchPreview | None) -> None:
+            self._preview_busy = False
+            self.launch_preview, self._preview_key, self._preview_at = p, key, now
+            if self._stopped_status is not None:
+                self._facts(self._stopped_status)
+
+        self.ctx.tasks.run(
+            lambda: preview(settings, paths), done, lambda _e: done(None), owner=self
+        )
+
+    def _model_text(self, st: Status) -> tuple[str, str]:
+        """(text, tooltip) for the Model line: the model's file name, and its path."""
+        srv = st["server"]
+        mdl = srv["model"]
+        if srv["state"] in NOT_RUNNING:
+            p = self.launch_preview
+            if p is None:
+                name = (
+                    Path(self.ctx.backend.settings.server.model).name
+                    or "the demo model (Gemma 3 270M)"
+                )
+                return f"{name} — starts with “Start model + cache”", ""
+            size = f"{fmt.size(p.size)}, " if p.size is not None else ""
+            where = p.path or "set up from its package at the first start"
+            text = f"{p.model}  ({size}{p.source}) — starts with “Start model + cache”"
+            return (text + (f" — {p.problem}" if p.problem else "")), where
+        if mdl is None:
+            return "not resolved yet", ""
+        path = Path(mdl["path"])
+        return f"{path.name}  ({fmt.size(mdl['size'])}, {mdl['source']})", str(path)
+
     def _facts(self, st: Status) -> None:
         srv = st["server"]
-        mdl, b = srv["model"], srv["binary"]
-        self.facts["model"].setText(
-            f"{mdl['path']}  ({fmt.size(mdl['size'])}, {mdl['source']})"
-            if mdl is not None
-            else "not resolved yet"
-        )
+        b = srv["binary"]
+        stopped = srv["state"] in NOT_RUNNING
+        self._stopped_status = st if stopped else None
+        if stopped:
+            self._ask_preview()
+        text, tip = self._model_text(st)
+        self.facts["model"].setText(text)
+        self.facts["model"].setToolTip(tip)
         self.facts["build"].setText(
             f"{b['version']} · commit {b['commit'] or '?'} · {b['source']}\n{b['path']}"
             if b is not None
@@ -284,7 +354,11 @@ class OverviewTab(Tab):
         self.facts["proxy"].setText(f"{proxy}/v1" if proxy else "—")
         cache = cache_of(st)
         slots = cache["slots"] if cache is not None else []
-        if cache is not None and slots:
+        if stopped and self.launch_preview is not None:
+            self.facts["slots"].setText(f"starts with {slots_text(self.launch_preview)}")
+        elif stopped and self.ctx.paths is not None:
+            self.facts["slots"].setText("— (working out what the start launches…)")
+        elif cache is not None and slots:
             warm = sum(1 for s in slots if s["prefix"])
             aux = cache["aux_slot"]
             self.facts["slots"].setText(

@@ -11,7 +11,14 @@ import json
 from typing import Any
 
 from app import fmt
-from app.dashboard.base import Request, Tab, ViewContext, fill, table
+from app.dashboard.base import (
+    Request,
+    Tab,
+    ViewContext,
+    fill_keeping_selection,
+    selected_key,
+    table,
+)
 from app.qt import QtWidgets
 from core.cache.explain import from_row
 from core.events import CacheEventKind
@@ -64,6 +71,7 @@ class RequestsTab(Tab):
         self.details.setPlaceholderText("Select a request to see all its fields.")
         self.outer.addWidget(self.details)
         self.rows: list[RequestRow] = []
+        self.shown_request: str | None = None  # whose details are shown
         self.divergences: dict[str, EventRow] = {}
         self.explained: dict[str, Explanation] = {}
 
@@ -89,7 +97,7 @@ class RequestsTab(Tab):
         if "requests" not in results:
             return
         self.rows = results["requests"]
-        fill(
+        fill_keeping_selection(
             self.table,
             [
                 [
@@ -110,19 +118,27 @@ class RequestsTab(Tab):
                 ]
                 for r in self.rows
             ],
+            keys=[r["request_id"] for r in self.rows],
         )
 
     def _summary(self, request_id: str) -> str:
         rec = self.explained.get(request_id)
         return rec["summary"] if rec is not None else ""
 
+    def selected_request(self) -> RequestRow | None:
+        """The selected request (kept by its id while newer ones arrive above it)."""
+        key = selected_key(self.table)
+        return next((r for r in self.rows if r["request_id"] == key), None)
+
     def _show_details(self) -> None:
-        picked = self.table.selectionModel().selectedRows()
+        r = self.selected_request()
+        if r is not None and self.shown_request == r["request_id"]:
+            return  # the same request after a refresh: keep its expanded sections
         self.why.clear()
-        if not picked or picked[0].row() >= len(self.rows):
+        self.shown_request = r["request_id"] if r is not None else None
+        if r is None:
             self.details.clear()
             return
-        r = self.rows[picked[0].row()]
         text = json.dumps(r, indent=1, default=str)
         div = self.divergences.get(r["request_id"])
         if div is not None:
@@ -143,10 +159,7 @@ class RequestsTab(Tab):
 
     def _explained(self, request_id: str, rec: Explanation | None) -> None:
         """An explanation asked for on selection arrived (None: none could be made)."""
-        picked = self.table.selectionModel().selectedRows()
-        current = (
-            self.rows[picked[0].row()] if picked and picked[0].row() < len(self.rows) else None
-        )
+        current = self.selected_request()
         if current is None or current["request_id"] != request_id:
             return  # another row is selected by now
         if rec is None:

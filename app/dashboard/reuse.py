@@ -75,13 +75,17 @@ class ReuseTab(Tab):
         self.tokens.add_stacked_area("cached", "blue")
         self.tokens.add_stacked_area("new", "orange")
         self.ttfb = BarChart(
-            "Prefill and first byte (median)", "ms", color_name="violet", label_format="@value ms"
+            "Prefill and first byte (median)",
+            "ms",
+            color_name="violet",
+            value_text=lambda ms: fmt.duration(ms / 1000),
+            scale=fmt.time_scale,  # 0–4 s reads better than 0–4000 ms
         )
         self.clients = BarChart(
             "Hit rate per client",
             "% cached",
             color_name="teal",
-            label_format="@value %",
+            value_text=lambda v: f"{v:.1f} %",
             value_range=(0, 100),
         )
         grid = QtWidgets.QGridLayout()

@@ -7,6 +7,7 @@ import shlex
 from typing import Any
 
 from app import fmt
+from app.charts import tone
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import Qt, QtGui, QtWidgets
 from core.backends import backend_lines
@@ -15,7 +16,7 @@ from core.status import ExitInfo, ServerStatus, Status
 from core.telemetry_rows import ServerRunRow
 
 LOG_BLOCKS = 2000
-LEVEL_COLORS = {"error": "#c92a2a", "warn": "#e67700", "warning": "#e67700"}
+LEVEL_TONES = {"error": "error", "warn": "warn", "warning": "warn"}  # app.charts.TONES
 
 
 def placement_text(plan: dict[str, Any] | None) -> str:
@@ -235,9 +236,9 @@ class ServerTab(Tab):
         if doc.characterCount() > 1:
             cursor.insertBlock()
         style = QtGui.QTextCharFormat()
-        color = LEVEL_COLORS.get(line.level)
-        if color:
-            style.setForeground(QtGui.QColor(color))
+        level = LEVEL_TONES.get(line.level)
+        if level:
+            style.setForeground(tone(level, self.palette()))
         cursor.insertText(line.raw, style)
         if self.follow.isChecked() and at_end:
             bar.setValue(bar.maximum())
@@ -264,7 +265,7 @@ _OUTCOMES = {
 
 
 def exits_summary(exits: list[ExitInfo]) -> str:
-    """"2 exits since Warmslot started: 2 failed starts" — every exit counted by kind."""
+    """ "2 exits since Warmslot started: 2 failed starts" — every exit counted by kind."""
     if not exits:
         return "no exits since Warmslot started"
     kinds: dict[tuple[str, str], int] = {}

@@ -32,7 +32,7 @@ class SessionsTab(Tab):
         self.warning = QtWidgets.QLabel("")
         self.warning.setObjectName("crowding")
         self.warning.setWordWrap(True)
-        self.warning.setStyleSheet("color: #873800;")
+        self.warning.setProperty("role", "warning")
         self.warning.hide()
         self.outer.addWidget(self.warning)
         self.table = table(

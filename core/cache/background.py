@@ -29,6 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from core import fmt
 from core.cache.deps import CacheHost
 from core.cache.retention import human_age
 from core.cache.store import StateRecord, safe_name
@@ -281,7 +282,7 @@ def format_background(st: CacheStatus) -> str:
     if disk:
         unknown = disk["unknown_files_left_alone"]
         lines.append(
-            f"  disk: {disk['used_bytes'] / 1e6:.1f} MB of {disk['cap_bytes'] / 1e6:.0f} MB cap "
+            f"  disk: {fmt.size(disk['used_bytes'])} of {fmt.size(disk['cap_bytes'])} cap "
             f"({disk['cap_source']})"
             + (f"; {unknown} files Warmslot did not write left alone" if unknown else "")
         )

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from core import fmt
 from core.cache import prefix as pfx
 from core.cache.deps import CacheHost
 from core.cache.fingerprint import fingerprint
@@ -108,8 +109,8 @@ MAX_CAP_SHARE = 0.5
 
 def too_large(nbytes: float, cap: int) -> str:
     return (
-        f"conversation not saved: {nbytes / 1e6:.1f} MB would take more than "
-        f"{MAX_CAP_SHARE:.0%} of the {cap / 1e6:.1f} MB disk cap (cache.disk_cap_mb)"
+        f"conversation not saved: {fmt.size(nbytes)} would take more than "
+        f"{MAX_CAP_SHARE:.0%} of the {fmt.size(cap)} disk cap (cache.disk_cap_mb)"
     )
 
 
@@ -353,7 +354,7 @@ class Conversations:
                 problem = too_large(rec.bytes, cap)
                 self.retention.evict_now(rec, "too_large", problem)
                 return problem
-        return f"saved its {rec.n_tokens}-token conversation ({rec.bytes / 1e6:.1f} MB)"
+        return f"saved its {rec.n_tokens}-token conversation ({fmt.size(rec.bytes)})"
 
     async def _save_in(self, slot: int, why: str, name: str) -> StateRecord:
         m = self.mgr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from core import fmt
 from core.cache import background as bg
 from core.status import BootRewarmStatus, CacheStatus, CacheWarmth, Status, cache_of
 
@@ -74,7 +75,7 @@ def format_inventory(st: CacheStatus) -> str:
         if r["kind"] == "conversation":  # core.cache.conversations
             what = f"conversation of {r['client'] or '—'} session {r['session'] or '—'}"
         lines.append(
-            f"  {what} {r['file']}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB, "
+            f"  {what} {r['file']}: {r['tokens']} tokens, {fmt.size(r['bytes'])}, "
             f"{r['ttl_class']}{', pinned' if r['pinned'] else ''}, {verified_words(r['verified'])}"
             f"{bg.expiry_text(r)}"
         )

@@ -190,10 +190,11 @@ def test_memory_chart_equals_pressure_series(qtbot: Any, offline: Any, expected:
     )
     gpu = [(r["ts"], (r["gpus"][0][1] - r["gpus"][0][2]) / r["gpus"][0][1] * 100) for r in rows]
     assert tab.percent.points("VRAM used GPU 0") == approx_points(gpu)
+    # 20–22 GiB of RSS: drawn in GiB (fmt.size_scale), one axis unit, nice ticks.
+    assert tab.rss.axis_y.titleText() == "GiB"
     assert tab.rss.points("RSS") == approx_points(
-        [(r["ts"], r["server_rss"] / 2**20) for r in rows]  # MiB: GiB labels read "0, 0, 1"
+        [(r["ts"], r["server_rss"] / 2**30) for r in rows]
     )
-    assert tab.rss.axis_y.titleText() == "MiB"
     # Level bands: low for 6 samples, then critical for 2, nothing while nominal.
     runs = level_runs(rows, NOW)
     assert [(lvl, round((b - a) / 60)) for a, b, lvl in runs] == [("low", 6), ("critical", 2)]

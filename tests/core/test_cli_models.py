@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from core import config
-from core.cli_models import format_size
 from core.config import Settings
 from core.engine import Core
 from core.paths import Paths
@@ -108,9 +107,3 @@ def test_use_says_a_running_instance_must_restart(tree: Tree, running: Path) -> 
     assert f"A running Warmslot (pid {os.getpid()})" in proc.stdout
     assert "restart it to switch" in proc.stdout
     assert config.load(Paths.under(running).config_file).server.model == str(tree.paths["ollama"])
-
-
-def test_format_size() -> None:
-    assert [format_size(n) for n in (0, 1536, 5 << 20, 3 << 30)] == [
-        "", "1.5 KiB", "5.0 MiB", "3.0 GiB"
-    ]  # fmt: skip

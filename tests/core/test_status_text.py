@@ -94,8 +94,6 @@ def test_a_saved_states_check_is_said_in_words() -> None:
     }  # fmt: skip
     st["saved"] = [{**row, "verified": "reference"}, {**row, "file": "ws-b.bin", "verified": "ok"}]
     text = format_inventory(st)
-    assert "ws-a.bin: 100 tokens, 0.0 MB, long, probe answer recorded at save, not restored" in text
-    assert (
-        "ws-b.bin: 100 tokens, 0.0 MB, long, verified: its last restore gave the recorded" in text
-    )
+    assert "ws-a.bin: 100 tokens, 1 B, long, probe answer recorded at save, not restored" in text
+    assert "ws-b.bin: 100 tokens, 1 B, long, verified: its last restore gave the recorded" in text
     assert not text.rstrip().endswith((", reference", ", ok"))
