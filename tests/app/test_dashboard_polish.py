@@ -38,7 +38,7 @@ def test_window_fits_the_available_geometry(qtbot: Any, offline: Any) -> None:
     dash.show()
     qtbot.waitUntil(dash.fits_screen)
     assert avail.contains(dash.frameGeometry())
-    assert dash.width() == min(1200, avail.width() - 2 * 2)  # offscreen frames 2 px a side
+    assert dash.height() < 820 and dash.width() <= 1200  # shrunk, never grown
     qtbot.waitUntil(lambda: not dash.current_page().busy)
 
 
