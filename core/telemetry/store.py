@@ -1,6 +1,7 @@
-"""The telemetry writer: `Telemetry` owns the one connection, buffers rows (from
-events, `record`) and writes them in batches; a row SQLite refuses is dropped and
-counted, never stopping the rest. Old rows go by `prune`.
+"""The telemetry writer: `Telemetry` owns the database, buffers rows (from events,
+`record`) and writes them in batches on a writer thread of its own (never on the core's
+event loop); a row SQLite refuses is dropped and counted, never stopping the rest. Old
+rows go by `prune`.
 
 The file holds history only (requests, events, server runs, builds, explanations,
 pressure samples, sweeps): the cache index is a database of its own
@@ -13,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -86,8 +89,48 @@ def _clean(row: Mapping[str, object]) -> dict[str, object]:
     return out
 
 
+class _Writer:
+    """The thread that writes the history's rows, with a connection of its own: a batch
+    of rows (or a database that waits for a lock another process holds) never stalls
+    the core's event loop, where the requests are served (docs/benchmarks.md#request-budget)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self.db: sqlite_utils.Database | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="warmslot-history")
+        self._pool.submit(self._open).result()  # its errors are the caller's, at once
+
+    def _open(self) -> None:
+        self.db = sqlite_utils.Database(connect(self._path))
+
+    def submit(self, job: Callable[[sqlite_utils.Database], None]) -> Future[None]:
+        """Run `job` with the writer's database, after every job submitted before."""
+
+        def run() -> None:
+            assert self.db is not None
+            job(self.db)
+
+        return self._pool.submit(run)
+
+    def close(self) -> None:
+        def close_db() -> None:
+            if self.db is not None:
+                self.db.conn.close()
+                self.db = None
+
+        self._pool.submit(close_db).result()
+        self._pool.shutdown()
+
+
 class Telemetry(Queries):
-    """Owner of the telemetry database. Use from one thread (the core thread)."""
+    """Owner of the telemetry database. Use from one thread (the core thread).
+
+    Reads (the queries) and the rare writes of the owner's own (prune) go through the
+    core thread's connection; the rows of events are buffered (`add`, `record`) and
+    written in batches by a writer thread with its own connection (a file database;
+    one in memory is written in place). `flush` waits for what is buffered to be
+    written, so a query sees every row recorded before it; the periodic `maybe_flush`
+    and a full buffer do not wait."""
 
     def __init__(self, path: Path | str, *, clock: Any = time.time) -> None:
         self.path = path
@@ -98,11 +141,15 @@ class Telemetry(Queries):
         self.db = sqlite_utils.Database(self._conn)
         try:
             migrations.apply(self.db)
+            self._writer = _Writer(path) if isinstance(path, Path) else None
         except BaseException:
             self._conn.close()
             raise
         self._clock = clock
         # Rows to write, per table: any values (one SQLite cannot store is dropped, counted).
+        # Guarded by `_lock`: the writer thread puts back what it could not write.
+        self._lock = threading.Lock()
+        self._writing: Future[None] | None = None  # the batch the writer has now
         self._pending: dict[str, list[dict[str, object]]] = {}
         self._upserts: list[tuple[str, dict[str, object], str]] = []
         self._last_flush = clock()
@@ -123,27 +170,33 @@ class Telemetry(Queries):
 
     # --------------------------------------------------------------- writing
     def add(self, table: str, row: Mapping[str, object]) -> None:
-        """Buffer one row for `table` (written by `flush`, at the latest every BATCH rows)."""
-        self._pending.setdefault(table, []).append(_clean(row))
-        held = sum(len(v) for v in self._pending.values())
-        if held >= BATCH:
-            self.flush()
+        """Buffer one row for `table` (written by the writer, at the latest every BATCH
+        rows; this never waits for the database)."""
+        clean = _clean(row)
+        with self._lock:
+            self._pending.setdefault(table, []).append(clean)
             held = sum(len(v) for v in self._pending.values())
-        if held > MAX_PENDING:  # the database cannot be written: keep the newest rows
-            rows = self._pending[table]
-            over = min(held - MAX_PENDING, len(rows))
-            del rows[:over]
-            self._drop(over, table, "BufferFull: the database could not be written")
+        if held >= BATCH:
+            self._flush(wait=False)
+        with self._lock:
+            held = sum(len(v) for v in self._pending.values())
+            if held > MAX_PENDING:  # the database cannot be written: keep the newest rows
+                rows = self._pending[table]
+                over = min(held - MAX_PENDING, len(rows))
+                del rows[:over]
+                self._drop(over, table, "BufferFull: the database could not be written")
 
     def upsert(self, table: str, row: Mapping[str, object], pk: str) -> None:
         """Buffer an insert-or-replace of one row of `table` by its key column `pk`."""
-        self._upserts.append((table, _clean(row), pk))
-        if len(self._upserts) > MAX_PENDING:
-            del self._upserts[0]
-            self._drop(1, table, "BufferFull: the database could not be written")
+        with self._lock:
+            self._upserts.append((table, _clean(row), pk))
+            if len(self._upserts) > MAX_PENDING:
+                del self._upserts[0]
+                self._drop(1, table, "BufferFull: the database could not be written")
 
     def flush(self) -> None:
-        """Write everything buffered: in one transaction, or row by row if that fails.
+        """Write everything buffered and wait until it is written: in one transaction,
+        or row by row if that fails.
 
         One row that cannot be written (a value SQLite refuses) must never stop the
         recording of every later one: when the batch fails, each row is written alone
@@ -152,48 +205,80 @@ class Telemetry(Queries):
         itself cannot be written (locked, full, read-only: `sqlite3.OperationalError`),
         the rows stay buffered for the next flush, up to `MAX_PENDING`.
         """
-        if not self._pending and not self._upserts:
+        self._flush(wait=True)
+
+    def _flush(self, *, wait: bool) -> None:
+        # One batch in the writer at a time: what it cannot write goes back in front of
+        # what was buffered since, so the rows keep their order (and the newest are kept).
+        writing = self._writing
+        if writing is not None and not writing.done():
+            if not wait:
+                return  # buffered rows go with the next flush
+            writing.result()
+        with self._lock:
             self._last_flush = self._clock()
+            if not self._pending and not self._upserts:
+                return
+            pending, upserts = self._pending, self._upserts
+            self._pending, self._upserts = {}, []
+        job = partial(self._write, pending, upserts)
+        if self._writer is None:
+            job(self.db)
             return
+        self._writing = self._writer.submit(job)
+        if wait:
+            self._writing.result()
+
+    def _write(
+        self,
+        pending: dict[str, list[dict[str, object]]],
+        upserts: list[tuple[str, dict[str, object], str]],
+        db: sqlite_utils.Database,
+    ) -> None:
+        """Write one batch (on the writer thread, or in place for a database in memory)."""
         try:
-            with self.db.atomic():
-                for table, rows in self._pending.items():
-                    db_table(self.db, table).insert_all(rows, alter=False)
-                for table, row, pk in self._upserts:
-                    db_table(self.db, table).upsert(row, pk=pk)
+            with db.atomic():
+                for table, rows in pending.items():
+                    db_table(db, table).insert_all(rows, alter=False)
+                for table, row, pk in upserts:
+                    db_table(db, table).upsert(row, pk=pk)
         except _ROW_ERRORS as e:
             log.debug("telemetry batch failed (%r); writing row by row", e)
-            self._write_each()
+            self._write_each(pending, upserts, db)
         else:
-            self._pending.clear()
-            self._upserts.clear()
-            self._note_drops()
-        self._last_flush = self._clock()
+            with self._lock:
+                self._note_drops()
 
-    def _write_each(self) -> None:
-        """Write the buffered rows one at a time, dropping each that fails on its own."""
+    def _write_each(
+        self,
+        pending: dict[str, list[dict[str, object]]],
+        upserts: list[tuple[str, dict[str, object], str]],
+        db: sqlite_utils.Database,
+    ) -> None:
+        """Write the rows one at a time, dropping each that fails on its own."""
         writes: list[tuple[str, Callable[[], Any]]] = []
-        for table, rows in self._pending.items():
+        for table, rows in pending.items():
             for row in rows:
-                writes.append((table, partial(db_table(self.db, table).insert, row, alter=False)))
-        for table, row, pk in self._upserts:
-            writes.append((table, partial(db_table(self.db, table).upsert, row, pk=pk)))
-        pending, upserts = self._pending, self._upserts
-        self._pending, self._upserts = {}, []
+                writes.append((table, partial(db_table(db, table).insert, row, alter=False)))
+        for table, row, pk in upserts:
+            writes.append((table, partial(db_table(db, table).upsert, row, pk=pk)))
         for i, (table, write) in enumerate(writes):
             try:
-                with self.db.atomic():
+                with db.atomic():
                     write()
             except sqlite3.OperationalError as e:
                 # The database, not the row: keep this row and the rest for later.
-                if "OperationalError" not in self._logged:
-                    self._logged.add("OperationalError")
-                    log.warning("telemetry cannot write the database now (rows kept): %s", e)
-                self._keep_unwritten(pending, upserts, i)
+                with self._lock:
+                    if "OperationalError" not in self._logged:
+                        self._logged.add("OperationalError")
+                        log.warning("telemetry cannot write the database now (rows kept): %s", e)
+                    self._keep_unwritten(pending, upserts, i)
                 return
             except _ROW_ERRORS as e:
-                self._drop(1, table, f"{type(e).__name__}: {e}")
-        self._note_drops()
+                with self._lock:
+                    self._drop(1, table, f"{type(e).__name__}: {e}")
+        with self._lock:
+            self._note_drops()
 
     def _keep_unwritten(
         self,
@@ -201,19 +286,35 @@ class Telemetry(Queries):
         upserts: list[tuple[str, dict[str, object], str]],
         first: int,
     ) -> None:
-        """Buffer again every write from index `first` on (inserts, then upserts)."""
+        """Buffer again every write from index `first` on (inserts, then upserts), before
+        what was buffered since (called with `_lock` held)."""
         index = 0
+        kept: dict[str, list[dict[str, object]]] = {}
         for table, rows in pending.items():
             for row in rows:
                 if index >= first:
-                    self._pending.setdefault(table, []).append(row)
+                    kept.setdefault(table, []).append(row)
                 index += 1
-        for item in upserts:
-            if index >= first:
-                self._upserts.append(item)
-            index += 1
+        for table, rows in self._pending.items():
+            kept.setdefault(table, []).extend(rows)
+        self._pending = kept
+        again = [item for k, item in enumerate(upserts, start=index) if k >= first]
+        self._upserts = again + self._upserts
+        # Still bounded: the oldest beyond MAX_PENDING go, counted (as in `add`).
+        held = sum(len(v) for v in self._pending.values())
+        for table, rows in self._pending.items():
+            over = min(held - MAX_PENDING, len(rows))
+            if over > 0:
+                del rows[:over]
+                held -= over
+                self._drop(over, table, "BufferFull: the database could not be written")
+        if len(self._upserts) > MAX_PENDING:
+            over = len(self._upserts) - MAX_PENDING
+            del self._upserts[:over]
+            self._drop(over, "upserts", "BufferFull: the database could not be written")
 
     def _drop(self, n: int, table: str, cause: str) -> None:
+        """Count rows that could not be written (called with `_lock` held)."""
         self.dropped += n
         self._unnoted += n
         self._last_cause = cause
@@ -229,7 +330,8 @@ class Telemetry(Queries):
             )
 
     def _note_drops(self) -> None:
-        """Record in the events table that rows were dropped (written at the next flush)."""
+        """Record in the events table that rows were dropped (written at the next flush;
+        called with `_lock` held)."""
         if not self._unnoted:
             return
         n, self._unnoted = self._unnoted, 0
@@ -244,8 +346,9 @@ class Telemetry(Queries):
         )
 
     def maybe_flush(self, interval: float = 1.0) -> None:
+        """Hand what is buffered to the writer when `interval` seconds passed (no wait)."""
         if self._clock() - self._last_flush >= interval:
-            self.flush()
+            self._flush(wait=False)
 
     def record(self, event: Event) -> None:
         """Store an event in the table it belongs to (subscribe this to the bus)."""
@@ -417,4 +520,6 @@ class Telemetry(Queries):
 
     def close(self) -> None:
         self.flush()
+        if self._writer is not None:
+            self._writer.close()
         self._conn.close()

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from core import dbfile
 from core import telemetry as telemetry_mod
 from core.events import (
     CacheEvent,
@@ -20,6 +21,7 @@ from core.events import (
 )
 from core.telemetry import Telemetry
 from core.telemetry import store as telemetry_store
+from tests.helpers import wait_until
 
 T = 1_800_000_000.0  # a multiple of 3600: minute and hour buckets start here
 DAY = 86400.0
@@ -245,12 +247,12 @@ def test_writes_are_batched_and_readable_by_another_connection(
         tel.maybe_flush(1.0)
         assert count() == 0  # not yet due
         clock.now += 0.6
-        tel.maybe_flush(1.0)
-        assert count() == 1
+        tel.maybe_flush(1.0)  # handed to the writer thread, not waited for
+        wait_until(lambda: count() == 1, 30, message="the due row written by the writer")
         # A full batch is written without waiting for the clock.
         for i in range(telemetry_mod.BATCH):
             tel.record(req(clock.now + i, prompt_n=1, cache_n=1))
-        assert count() == 1 + telemetry_mod.BATCH
+        wait_until(lambda: count() == 1 + telemetry_mod.BATCH, 30, message="the full batch")
     finally:
         reader.close()
 
@@ -461,14 +463,15 @@ def test_a_database_that_cannot_be_written_keeps_a_bounded_buffer(
     MAX_PENDING; the oldest beyond it are dropped and counted; writes resume after."""
     monkeypatch.setattr(telemetry_store, "BATCH", 3)  # the writer reads them there
     monkeypatch.setattr(telemetry_store, "MAX_PENDING", 10)
+    monkeypatch.setattr(dbfile, "BUSY_TIMEOUT_S", 0)  # fail at once instead of waiting
     path = tmp_path / "t.sqlite3"
     tel = Telemetry(path, clock=clock)
-    tel.db.execute("PRAGMA busy_timeout = 0")  # fail at once instead of waiting 5 s
     other = sqlite3.connect(str(path), isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")  # another writer holds the database
     try:
         for i in range(25):
-            tel.record(req(T + i, request_id=f"r{i}"))
+            tel.record(req(T + i, request_id=f"r{i}"))  # never waits for the database
+        tel.flush()  # every write tried (and refused) by now
         assert tel.dropped == 15
     finally:
         other.execute("ROLLBACK")
@@ -479,4 +482,37 @@ def test_a_database_that_cannot_be_written_keeps_a_bounded_buffer(
     assert tel.totals()["dropped_rows"] == 15
     (event,) = tel.recent_events(category="telemetry")
     assert event["details"]["rows"] == 15 and "BufferFull" in event["reason"]
+    tel.close()
+
+
+def test_recording_never_waits_for_the_database(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core thread buffers rows and hands them to the history's writer thread: with
+    the database locked by another process (the writer waits up to a minute for it), a
+    full batch is still recorded at once, and written once the lock is gone."""
+    import threading
+
+    monkeypatch.setattr(dbfile, "BUSY_TIMEOUT_S", 60)
+    path = tmp_path / "t.sqlite3"
+    tel = Telemetry(path, clock=clock)
+    other = sqlite3.connect(str(path), isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another writer holds the database
+    done = threading.Event()
+
+    def record() -> None:
+        for i in range(telemetry_mod.BATCH + 5):
+            tel.record(req(T + i, request_id=f"r{i}"))
+        tel.maybe_flush(0.0)
+        done.set()
+
+    try:
+        threading.Thread(target=record, daemon=True).start()
+        # Far shorter than the writer's wait for the lock: the recording did not wait.
+        assert done.wait(10), "recording waited for the locked database"
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    tel.flush()
+    assert tel.totals()["requests"] == telemetry_mod.BATCH + 5 and tel.dropped == 0
     tel.close()
