@@ -207,9 +207,11 @@ class Router:
         target = next((t for t in targets if t.name == asked), None)
         if target is None:
             if self._strict() and asked:
+                known = ", ".join(repr(t.name) for t in targets)
                 return Refused(
                     404,
-                    f"Warmslot: model {asked!r} is not configured (GET /v1/models lists them)",
+                    f"Warmslot: model {asked!r} is not configured; the models here are {known} "
+                    "(GET /v1/models lists them)",
                 )
             target = next(t for t in targets if t.primary)
         client = client_name(headers.get("user-agent", ""))

@@ -63,6 +63,7 @@ class ModelFileInfo(TypedDict):
     source: str
     size: int
     identity: str
+    name: NotRequired[str]  # its short name, what llama-server answers as (`--alias`)
 
 
 class ExitInfo(TypedDict):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import ServerSettings
+from core.server.model import short_name
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ def build_argv(server: ServerSettings, inputs: LaunchInputs) -> list[str]:
         argv.append("--no-repack")
     if server.chat_template_file:
         argv += ["--jinja", "--chat-template-file", server.chat_template_file]
+    if not {"-a", "--alias"} & set(server.extra_args):
+        # What agents show as the model, instead of the file's whole path.
+        argv += ["--alias", short_name(inputs.model)]
     argv += _without_overridden(list(inputs.plan_args), argv)
     argv += list(server.extra_args)
     return argv

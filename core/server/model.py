@@ -8,6 +8,7 @@ directory.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,21 @@ class ModelFile:
     source: str  # configured | demo
     size: int
     identity: str  # sha256 of size, first and last MiB (fast, changes with the file)
+
+
+# A quantization tag at the end of a GGUF's file name (Q4_K_M, IQ4_XS, Q8_0, F16, BF16 …).
+_QUANT = re.compile(r"^(?P<base>.+?)[-._](?P<quant>i?q\d\w*|[bm]?f(?:16|32)|mxfp4)$", re.I)
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def short_name(path: Path) -> str:
+    """The model's short, stable name, as agents show it and clients may ask for it:
+    ``gemma-3-270m:q4_k_m`` for ``gemma-3-270m-q4_k_m.gguf`` (Ollama's ``model:tag``
+    form), the file's stem when it carries no quantization tag. llama-server answers
+    with it (``--alias``) in every response's ``model`` and in ``GET /v1/models``."""
+    stem = _SPLIT.sub("", path.stem)
+    m = _QUANT.match(stem)
+    return f"{m['base']}:{m['quant']}".lower() if m else stem
 
 
 def model_identity(path: Path) -> str:

@@ -60,7 +60,7 @@ from core.paths import Paths
 from core.server import logparse, process, rpc
 from core.server.argv import LaunchInputs, build_argv
 from core.server.discover import ServerBinary
-from core.server.model import ModelFile
+from core.server.model import ModelFile, short_name
 from core.server.quarantine import CrashQuarantine, Quarantined
 from core.status import ServerSnapshot
 
@@ -341,6 +341,7 @@ class Supervisor:
                 "source": r.model.source,
                 "size": r.model.size,
                 "identity": r.model.identity,
+                "name": short_name(r.model.path),
             },
             "exits": [
                 {

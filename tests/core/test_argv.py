@@ -117,3 +117,23 @@ def test_kv_relevant_ignores_port_threads_and_paths() -> None:
     assert kv_relevant(a) == kv_relevant(b)
     c = build_argv(ServerSettings(ctx_per_slot=4096), inputs())
     assert kv_relevant(a) != kv_relevant(c)
+
+
+def test_the_model_is_named_by_its_short_name_unless_the_user_names_it() -> None:
+    """llama-server answers with `--alias` in every response's `model` and in
+    /v1/models, where agents show it: a short stable name, not the file's path."""
+    from core.server.model import short_name
+
+    argv = build_argv(ServerSettings(), inputs(model=Path("/m/gemma-3-270m-q4_k_m.gguf")))
+    assert value_of(argv, "--alias") == "gemma-3-270m:q4_k_m"
+    own = build_argv(ServerSettings(extra_args=["--alias", "mine"]), inputs())
+    assert own.count("--alias") == 1 and value_of(own, "--alias") == "mine"
+    assert "--alias" not in kv_relevant(argv)  # naming it invalidates no saved state
+    names = {
+        "Qwen3-Coder-30B-A3B-Instruct-Q4_K_M.gguf": "qwen3-coder-30b-a3b-instruct:q4_k_m",
+        "llama-3.1-8b-instruct.IQ4_XS.gguf": "llama-3.1-8b-instruct:iq4_xs",
+        "gpt-oss-120b-mxfp4-00001-of-00003.gguf": "gpt-oss-120b:mxfp4",
+        "phi-4-BF16.gguf": "phi-4:bf16",
+        "tiny.gguf": "tiny",
+    }
+    assert {n: short_name(Path(n)) for n in names} == names

@@ -392,3 +392,36 @@ def test_bad_messages_body_gets_an_anthropic_error(api_core: tuple[Core, EventLo
     assert "messages[0]" in err["error"]["message"]
     status, _, data = _post(core, "/v1/responses", {"input": 7}, {})
     assert status == 400 and json.loads(data)["error"]["param"] == "input"
+
+
+def test_every_answer_names_the_model_by_its_short_name(api_core: tuple[Core, EventLog]) -> None:
+    """Agents show the model an answer names: llama-server runs with `--alias`, so every
+    API's answer and /v1/models carry the short name (the tiny test model: "tiny"),
+    never the file's path; status keeps the path for people and adds the name."""
+    core, _ = api_core
+    assert core.proxy is not None
+    base = f"http://127.0.0.1:{core.proxy.port}"
+    bodies = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        "/v1/messages": {
+            "model": "x",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+        },
+        "/v1/responses": {"model": "x", "input": "hi", "max_output_tokens": 1},
+    }
+    for path, body in bodies.items():
+        req = urllib.request.Request(
+            base + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.loads(resp.read())
+        assert answer["model"] == "tiny", (path, answer.get("model"))
+    with urllib.request.urlopen(base + "/v1/models", timeout=30) as resp:
+        listed = json.loads(resp.read())
+    assert [m["id"] for m in listed["data"]] == ["tiny"]
+    st = core.status().result(30)
+    model = st["server"]["model"]
+    assert model is not None and model["name"] == "tiny" and model["path"].endswith("tiny.gguf")
