@@ -35,7 +35,7 @@ LOG_TAIL = 2000
 class Bridge(QObject):
     """Subscribes to a core's events and re-emits them as signals (GUI thread)."""
 
-    event = Signal(object)  # every event
+    anyEvent = Signal(object)  # every event (not `event`: that is QObject's event handler)
     serverState = Signal(object)  # ServerStateChanged
     serverLaunched = Signal(object)  # ServerLaunched
     serverExited = Signal(object)  # ServerExited
@@ -96,7 +96,7 @@ class Bridge(QObject):
                 if isinstance(ev, typ):
                     signal.emit(ev)
                     break
-            self.event.emit(ev)
+            self.anyEvent.emit(ev)
         except RuntimeError:  # the Bridge was deleted while the core still ran
             pass
 

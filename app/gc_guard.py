@@ -23,8 +23,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
+from collections.abc import Callable
 
-from app.qt import QObject, QtCore, QTimer, Signal
+from app.qt import PYSIDE_VERSION, QObject, QTimer, Signal
 
 INTERVAL_MS = 500
 
@@ -73,10 +74,11 @@ def reference_leaks(calls: int = 50) -> str:
     probe = _Probe()
     probe.ping.connect(_ignore)
     counted: list[tuple[str, object, int]] = []
-    for what, obj, action in (
+    steps: list[tuple[str, object, Callable[[], object]]] = [
         ("None per call of a method that returns nothing", None, lambda: probe.setObjectName("p")),
         ("True per Signal.emit()", True, probe.ping.emit),
-    ):
+    ]
+    for what, obj, action in steps:
         before = sys.getrefcount(obj)
         for _ in range(calls):
             action()
@@ -89,7 +91,7 @@ def reference_leaks(calls: int = 50) -> str:
     if not leaks:
         return ""
     return (
-        f"PySide6 {QtCore.__version__} on Python {sys.version_info.major}."
+        f"PySide6 {PYSIDE_VERSION} on Python {sys.version_info.major}."
         f"{sys.version_info.minor} releases a reference to " + " and to ".join(leaks) + "; "
         "the tray dies once a count reaches zero (bool_dealloc). Install PySide6 6.11: "
         "pip install 'PySide6-Essentials<6.12' 'PySide6-Addons<6.12'"

@@ -23,6 +23,7 @@ from app.bridge import Bridge
 from app.client_setup import ClientSetupDialog
 from app.controller import Controller
 from app.dashboard import Dashboard, ViewContext
+from app.dashboard.overview import OverviewTab
 from app.dialogs import text_box
 from app.gc_guard import GuiThreadCollector, reference_leaks
 from app.menu import (
@@ -184,7 +185,9 @@ class App(QObject):
             self.dashboard = Dashboard(ctx, self.gui_settings)
             self.dashboard.settingsRequested.connect(self.open_settings)
             self.dashboard.quitRequested.connect(self.handlers[QUIT])  # Ctrl+Q
-            self.dashboard.page("overview").modelRequested.connect(self.open_model_chooser)
+            overview = self.dashboard.page("overview")
+            assert isinstance(overview, OverviewTab)
+            overview.modelRequested.connect(self.open_model_chooser)
             if self.tray is None:  # the window is the app: closing it quits
                 self.dashboard.closed.connect(self.quit)
                 self.dashboard.esc_closes = False  # Ctrl+W and Ctrl+Q still do

@@ -163,7 +163,7 @@ def detail_lines(text: str) -> list[str]:
 def populate(
     menu: QtWidgets.QMenu,
     entries: list[MenuEntry],
-    handlers: Mapping[str, Callable[[], None]],
+    handlers: Mapping[str, Callable[[], object]],
 ) -> dict[str, QtGui.QAction]:
     """Replace `menu`'s contents with `entries`; returns the actions by id."""
     menu.clear()

@@ -8,6 +8,7 @@ never imports this module (or Qt at all).
 
 from __future__ import annotations
 
+import PySide6
 from PySide6 import QtCharts, QtCore, QtGui, QtNetwork, QtSvg, QtWidgets
 from shiboken6 import isValid
 
@@ -17,7 +18,8 @@ Slot = QtCore.Slot
 QObject = QtCore.QObject
 QTimer = QtCore.QTimer
 
-QT_VERSION = QtCore.qVersion()
+QT_VERSION = QtCore.qVersion()  # the Qt libraries
+PYSIDE_VERSION: str = PySide6.__version__  # the binding
 
 
 def is_alive(obj: object) -> bool:
@@ -26,6 +28,7 @@ def is_alive(obj: object) -> bool:
 
 
 __all__ = [
+    "PYSIDE_VERSION",
     "QT_VERSION",
     "QObject",
     "QTimer",

@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from app.qt import QObject, Qt, Signal, is_alive
@@ -69,7 +70,7 @@ def gather(
             out.set_result(dict(results))
 
     for key, fut in futures.items():
-        fut.add_done_callback(lambda f, k=key: one_done(k, f))
+        fut.add_done_callback(partial(one_done, key))
     return out
 
 

@@ -26,7 +26,7 @@ class Tray(QObject):
     def __init__(
         self,
         controller: Controller,
-        handlers: Mapping[str, Callable[[], None]],
+        handlers: Mapping[str, Callable[[], object]],
         parent: QObject | None = None,
     ) -> None:
         super().__init__(parent)

@@ -25,7 +25,11 @@ from core.build.toolchain import tool_path
 from core.paths import Paths
 from tests.conftest import test_cache as cache_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(14400)]
+pytestmark = [
+    pytest.mark.slow("configures and compiles llama.cpp's CUDA backend"),
+    pytest.mark.integration,
+    pytest.mark.timeout(14400),
+]
 
 GPU_HOME = "gpu-home"
 # A small CUDA translation unit of ggml-cuda: proves nvcc, the headers and the architecture.
@@ -34,8 +38,6 @@ ONE_OBJECT = "ggml/src/ggml-cuda/CMakeFiles/ggml-cuda.dir/acc.cu.o"
 
 @pytest.fixture(scope="module")
 def home() -> Paths:
-    if os.environ.get("WARMSLOT_SLOW_TESTS") != "1":
-        pytest.skip("slow: configures and compiles llama.cpp's CUDA backend; WARMSLOT_SLOW_TESTS=1")
     tk = find_wheel_toolkit()
     missing = list(PACKAGES) if tk is None else missing_pieces(tk)
     if missing:

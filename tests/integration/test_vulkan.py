@@ -47,7 +47,11 @@ from tests.integration.test_restore_mutations import (
     _report,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(3600)]
+pytestmark = [
+    pytest.mark.slow("the Vulkan backend on lavapipe"),
+    pytest.mark.integration,
+    pytest.mark.timeout(3600),
+]
 
 GOOD = 20
 GPU_HOME = "gpu-home"  # under the test cache: the Vulkan (and CUDA) builds
@@ -71,8 +75,6 @@ def vulkan_binary() -> Path | None:
 @pytest.fixture(scope="module")
 def vulkan() -> Iterator[tuple[Path, list[GpuInfo]]]:
     """The Vulkan llama-server and its devices, or a skip that says what is missing."""
-    if os.environ.get("WARMSLOT_SLOW_TESTS") != "1":
-        pytest.skip("slow: the Vulkan backend on lavapipe; set WARMSLOT_SLOW_TESTS=1")
     with pytest.MonkeyPatch.context() as mp:
         # lavapipe is a CPU-type device: llama.cpp's Vulkan backend skips those unless named.
         mp.setenv("GGML_VK_VISIBLE_DEVICES", os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"))
