@@ -315,6 +315,12 @@ class Retention:
         mb = self.settings.disk_cap_mb
         return mb * MIB if mb > 0 else self._default_cap
 
+    def cap_source(self) -> str:
+        """Where the cap comes from, in words."""
+        return (
+            "cache.disk_cap_mb" if self.settings.disk_cap_mb > 0 else "10 % of free disk at start"
+        )
+
     @property
     def journal(self) -> WriteJournal:
         if self._journal is None:
@@ -547,11 +553,18 @@ class Retention:
         need = nbytes + self._under_way(exclude=written)
         plan = self._plan(self._peers(), now=self.clock.time(), room=need)
         if plan.total_after + need > plan.cap_bytes:
+            cap = f"the disk cap of {plan.cap_bytes / MIB:.1f} MiB ({self.cap_source()})"
+            if nbytes > plan.cap_bytes:
+                return f"not saved: {what} ({nbytes / MIB:.1f} MiB) is larger than {cap}"
             return (
-                f"not saved: {what} ({nbytes / MIB:.1f} MiB) would put saved "
-                f"states over the disk cap of {plan.cap_bytes / MIB:.1f} MiB "
-                f"(cache.disk_cap_mb): the {plan.total_after / MIB:.1f} MiB left are pinned, "
-                "held by a slot or among the most recent"
+                f"not saved: {what} ({nbytes / MIB:.1f} MiB) would put saved states over "
+                f"{cap}: the {plan.total_after / MIB:.1f} MiB left are pinned, held by a "
+                "slot or among the most recent"
+                + (
+                    f", and {(need - nbytes) / MIB:.1f} MiB are being saved"
+                    if need > nbytes
+                    else ""
+                )
             )
         for ev in plan.evictions:
             self._evict(ev.rec, ev.rule, ev.reason, ev.age_s)
@@ -753,9 +766,7 @@ class Retention:
         out["disk"] = {
             "used_bytes": total,
             "cap_bytes": self.cap_bytes,
-            "cap_source": "cache.disk_cap_mb"
-            if self.settings.disk_cap_mb > 0
-            else "10 % of free disk at start",
+            "cap_source": self.cap_source(),
             "unknown_files_left_alone": self.unknown_files,
             "save_backoff": self.save_backoff.status(),
             "quarantined": dict(self.quarantined),

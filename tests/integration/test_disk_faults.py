@@ -196,10 +196,16 @@ def test_a_full_disk_during_a_real_save(tmp_path: Path, tiny_model: Path) -> Non
     slots = Paths.under(home).slot_dir
     # Pressure thresholds at 0: the saves must be attempted to meet the full disk (with the
     # defaults, the pressure monitor — which now watches this filesystem — would pause them).
+    # A cap above the disk's size: the disk fills, not the cap (the default, 10 % of the
+    # 2 MB free at start, refuses every save: docs/cache.md#disk-cap).
     with (
         small_tmpfs(slots, "2m"),
         rig_at(
-            home, tiny_model, pressure__disk_low_pct=0.0, pressure__disk_critical_pct=0.0
+            home,
+            tiny_model,
+            pressure__disk_low_pct=0.0,
+            pressure__disk_critical_pct=0.0,
+            cache__disk_cap_mb=64,
         ) as rig,
     ):
         mgr = rig.mgr
@@ -211,13 +217,16 @@ def test_a_full_disk_during_a_real_save(tmp_path: Path, tiny_model: Path) -> Non
         size = rec.bytes
         assert size > 16384, size  # big enough that half a file is several pages
 
-        # The pressure monitor reads the filesystem of the slot files (the tmpfs) as well as
-        # the state directory's (the test machine's disk, with plenty of room): the fuller
-        # one counts.
+        # The pressure monitor reads the filesystem of the slot files (the tmpfs: the
+        # server's own --slot-save-path below it) as well as the state directory's (the
+        # test machine's disk, with plenty of room): the fuller one counts.
         assert mgr.pressure.sampler is not None
         filler = _fill(slots, leave=size // 2)
         reading = mgr.pressure.sampler.read()
-        assert Path(reading.disk_path) == slots and reading.disk_free < size, reading
+        sup = rig.core.supervisor
+        assert sup is not None and sup.resolved is not None
+        assert Path(reading.disk_path) == sup.resolved.slot_dir, reading
+        assert reading.disk_free < size, reading
 
         # A save that meets the full disk: one event, no partial file, a 2 s backoff.
         mgr.retention.save_backoff.first = 2.0  # 30 s in production; shortened for the test
