@@ -169,6 +169,10 @@ def vulkan_compat_args(header_version: int | None) -> list[str]:
     return [f"-DCMAKE_CXX_FLAGS=-include {VULKAN_COMPAT_HEADER}", f"-D{VULKAN_COMPAT_VAR}={digest}"]
 
 
+def _has_render_node() -> bool:
+    return any(Path("/dev/dri").glob("renderD*"))
+
+
 def detect_backend(
     *,
     which: Callable[[str], str | None] = shutil.which,
@@ -177,6 +181,7 @@ def detect_backend(
     exists: Callable[[str], bool] = os.path.exists,
     gpu_count: Callable[[], int] = nvml_gpu_count,
     wheels: WheelToolkit | bool | None = True,
+    render_node: Callable[[], bool] | None = None,
 ) -> BackendChoice:
     """Pick the GPU backend this machine can build for, else CPU.
 
@@ -209,7 +214,18 @@ def detect_backend(
         return BackendChoice("hip", f"{cuda_skipped}ROCm found ({hip})")
     glslc = which("glslc")
     if glslc and _vulkan_headers(env, exists):
-        return BackendChoice("vulkan", f"{cuda_skipped}Vulkan headers and glslc ({glslc}) found")
+        # Mesa's lavapipe makes a Vulkan device of the CPU, which llama.cpp skips: without a
+        # GPU (on Linux: a DRM render node) a Vulkan build only takes longer to compile.
+        has_gpu = render_node() if render_node else system != "Linux" or _has_render_node()
+        if has_gpu:
+            return BackendChoice(
+                "vulkan", f"{cuda_skipped}Vulkan headers and glslc ({glslc}) found"
+            )
+        return BackendChoice(
+            "cpu",
+            f"{cuda_skipped}Vulkan headers and glslc found, but no GPU (no /dev/dri/renderD*);"
+            " --backend vulkan builds one anyway",
+        )
     missing = "" if glslc or not _vulkan_headers(env, exists) else " (Vulkan headers but no glslc)"
     return BackendChoice("cpu", f"{cuda_skipped}no GPU toolchain found{missing}")
 

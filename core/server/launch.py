@@ -176,7 +176,9 @@ def place(
     )
     if found.source == "failed":
         log.warning("llama-fit-params: %s; llama-server's --fit places the layers", found.error)
-        found = dataclasses.replace(placement.at_launch(target), error=found.error)
+        found = dataclasses.replace(
+            placement.at_launch(target), error=found.error, log_lines=found.log_lines
+        )
     return dataclasses.replace(result, placement=found)
 
 

@@ -529,9 +529,25 @@ def test_detect_backend(
         exists=_exists(exists),
         gpu_count=lambda: gpus,
         wheels=None,  # not the CUDA wheels this environment may have (test_cuda_build)
+        render_node=lambda: True,  # a GPU's DRM node, which this VM lacks
     )
     assert choice.backend == expected
     assert choice.reason
+
+
+def test_vulkan_without_a_gpu_builds_for_the_cpu() -> None:
+    """Headers and glslc, but only Mesa's lavapipe (a Vulkan device on the CPU, which
+    llama.cpp skips): auto stays CPU and says why."""
+    choice = b.detect_backend(
+        which=_which({"glslc": "/usr/bin/glslc"}),
+        env={},
+        system="Linux",
+        exists=_exists({"/usr/include/vulkan/vulkan.h"}),
+        gpu_count=lambda: 0,
+        wheels=None,
+        render_node=lambda: False,
+    )
+    assert choice.backend == "cpu" and "no GPU" in choice.reason
 
 
 def test_detect_backend_explains_skipped_cuda() -> None:
