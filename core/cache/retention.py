@@ -567,16 +567,19 @@ class Retention:
                 )
             )
         for ev in plan.evictions:
-            self._evict(ev.rec, ev.rule, ev.reason, ev.age_s)
+            self._evict(ev.rec, ev.rule, ev.reason, ev.age_s, by="save")
         return None
 
     def evict_now(self, rec: StateRecord, rule: str, reason: str) -> int:
         """Delete one indexed file now (e.g. a superseded conversation state) and record
         the eviction, as a sweep would; returns bytes freed."""
-        return self._evict(rec, rule, reason, self.clock.time() - rec.last_used)
+        return self._evict(rec, rule, reason, self.clock.time() - rec.last_used, by="now")
 
-    def _evict(self, rec: StateRecord, rule: str, reason: str, age_s: float) -> int:
-        """Delete one indexed file (or only its row) and record the eviction."""
+    def _evict(
+        self, rec: StateRecord, rule: str, reason: str, age_s: float, *, by: str = "sweep"
+    ) -> int:
+        """Delete one indexed file (or only its row) and record the eviction; `by`: the
+        retention sweep, a save making room under the cap ("save"), or on the spot ("now")."""
         try:
             freed = self.mgr.store.delete(rec)
         except ValueError:  # unsafe name: drop the row, never touch a path
@@ -597,6 +600,7 @@ class Retention:
                 "age_s": round(age_s, 1),
                 "ttl_class": rec.ttl_class,
                 "kind": rec.kind,
+                "by": by,
             },
         )
         return freed

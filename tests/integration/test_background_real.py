@@ -21,6 +21,7 @@ import pytest
 
 from core.bench.trace import TraceRequest, make_trace
 from core.cache.manager import CacheManager, policy_factory
+from core.cache.store import card_name
 from core.clock import FakeClock
 from core.config import Settings
 from core.engine import Core
@@ -28,7 +29,7 @@ from core.paths import Paths
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -59,17 +60,6 @@ def _project(trace: list[TraceRequest], project: str) -> list[TraceRequest]:
             system = r.body["messages"][0]
             system["content"] = f"Project {project}. " + system["content"]
     return trace
-
-
-def _chat(core: Core, r: TraceRequest) -> tuple[dict[str, Any], dict[str, str]]:
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(r.body).encode(),
-        headers={"Content-Type": "application/json", **r.headers},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
 
 
 def _manager(core: Core) -> CacheManager:
@@ -146,8 +136,8 @@ def test_idle_session_is_saved_released_and_restored_when_it_returns(
     assert a[0].session != b[0].session
 
     # Session A: a title call (side slot), then its first agent turn.
-    _chat(core, a[0])
-    _, headers = _chat(core, a[1])
+    post_chat(core, a[0].body, headers=a[0].headers)
+    headers = post_chat(core, a[1].body, headers=a[1].headers).headers
     slot_a = int(headers["X-Warmslot-Slot"])
     fp_a, n = headers["X-Warmslot-Prefix"].split(":")
     prefix_a = int(n)
@@ -164,8 +154,8 @@ def test_idle_session_is_saved_released_and_restored_when_it_returns(
     assert a[0].session not in on_core(core, lambda: dict(mgr.slots.sessions))
 
     # Session B (another project: another prefix) gets A's slot.
-    _chat(core, b[0])
-    _, headers_b = _chat(core, b[1])
+    post_chat(core, b[0].body, headers=b[0].headers)
+    headers_b = post_chat(core, b[1].body, headers=b[1].headers).headers
     assert int(headers_b["X-Warmslot-Slot"]) == slot_a, "B reuses the released slot"
     assert not headers_b["X-Warmslot-Prefix"].startswith(fp_a)
     settle(core, clock, "B's prefix saved")
@@ -177,7 +167,8 @@ def test_idle_session_is_saved_released_and_restored_when_it_returns(
     (conv,) = [r for r in on_core(core, mgr.store.all) if r.session == a[0].session]
     assert conv.kind == "conversation" and conv.n_tokens > prefix_a
     assert "conversation" in released[0]["reason"]
-    data, headers = _chat(core, a[2])
+    r = post_chat(core, a[2].body, headers=a[2].headers)
+    data, headers = r.json(), r.headers
     assert int(headers["X-Warmslot-Slot"]) == slot_a
     assert headers["X-Warmslot-Prefix"] == f"{fp_a}:{prefix_a}"
     assert headers.get("X-Warmslot-Conversation", "").startswith("restored"), (
@@ -231,8 +222,8 @@ def test_one_hour_soak_under_a_small_disk_cap_with_a_pinned_prefix(
 
     # The pinned prefix: the first session's, saved and pinned by the user.
     pinned_trace = session("pinned", 100)
-    _chat(core, pinned_trace[0])
-    _, headers = _chat(core, pinned_trace[1])
+    post_chat(core, pinned_trace[0].body, headers=pinned_trace[0].headers)
+    headers = post_chat(core, pinned_trace[1].body, headers=pinned_trace[1].headers).headers
     fp_pinned, n = headers["X-Warmslot-Prefix"].split(":")
     n_pinned = int(n)
     settle(core, clock, "pinned prefix saved")
@@ -246,12 +237,12 @@ def test_one_hour_soak_under_a_small_disk_cap_with_a_pinned_prefix(
     peak = 0
     for i, project in enumerate(projects):
         trace = session(project, 200 + i)
-        _chat(core, trace[0])
-        _chat(core, trace[1])
+        post_chat(core, trace[0].body, headers=trace[0].headers)
+        post_chat(core, trace[1].body, headers=trace[1].headers)
         live.append(trace)
         if i % 2 == 1:
             back = live.pop(0)
-            _chat(core, back[2])
+            post_chat(core, back[2].body, headers=back[2].headers)
         settle(core, clock, f"step {i}")
         peak = max(peak, sum(_disk_files(core).values()))
         advance(core, clock, step / 2)
@@ -264,12 +255,14 @@ def test_one_hour_soak_under_a_small_disk_cap_with_a_pinned_prefix(
         advance(core, clock, 60)
         settle(core, clock, "quiet minute")
 
-    # Disk usage under the cap; every file on disk is one the index knows.
+    # Disk usage under the cap (state files and their records, as the cap counts them);
+    # every file on disk is one the index knows, or its record beside it.
     files = _disk_files(core)
     recs = on_core(core, mgr.store.all)
-    used = sum(files.values())
-    assert used <= cap, (used, cap)
-    assert {f"{r.identity}/{r.filename}" for r in recs} == set(files)
+    assert sum(files.values()) <= cap, (sum(files.values()), cap)
+    states = {f"{r.identity}/{r.filename}" for r in recs}
+    assert states | {card_name(s) for s in states} == set(files)
+    used = sum(size for name, size in files.items() if name in states)
     assert sum(r.bytes for r in recs) == used
 
     # The pinned prefix is on disk, in a slot, and the slot really holds it.
@@ -298,10 +291,9 @@ def test_one_hour_soak_under_a_small_disk_cap_with_a_pinned_prefix(
     rules = sorted({e["details"]["rule"] for e in files_evicted})
     assert "cap" in rules, rules
     runs = core.query("sweep_runs", sweep="retention", limit=100).result(10)
-    # Conversation states are also deleted on the spot (superseded, too large for the
-    # cap): those are evictions too, but not the retention sweep's.
-    at_once = {"superseded", "per_session", "too_large"}
-    swept = sum(int(e["bytes"]) for e in files_evicted if e["details"]["rule"] not in at_once)
+    # States are also deleted on the spot (a superseded conversation) and by a save that
+    # makes room under the cap: evictions too, but not the retention sweep's.
+    swept = sum(int(e["bytes"]) for e in files_evicted if e["details"].get("by") == "sweep")
     assert sum(int(r["details"].get("freed_bytes", 0)) for r in runs) == swept
     assert len(runs) == 12 and not any(r["error"] for r in runs)
     for name in ("sessions", "keepalive", "pressure"):
