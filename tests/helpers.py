@@ -213,11 +213,12 @@ def post_chat(
     path: str = CHAT_PATH,
     headers: Mapping[str, str] | None = None,
     timeout: float = 600,
+    expect: int | None = 200,
 ) -> httpx.Response:
     """POST `body` as JSON to `path` (default: chat completions) and read the whole answer.
 
     `to` is a Core (its proxy), a proxy port on 127.0.0.1, or a base URL (a bare
-    llama-server). Any status comes back as the response (4xx/5xx are not raised):
+    llama-server). The status must be `expect` (None: any status comes back):
     ``r.status_code``, ``r.headers`` (any case), ``r.json()``, ``r.text`` (a streamed
     answer's events, read to the end). The body is sent as ``json.dumps`` writes it.
     """
@@ -225,12 +226,15 @@ def post_chat(
         assert to.proxy is not None, "the core's proxy is not running"
         to = to.proxy.port
     base = f"http://127.0.0.1:{to}" if isinstance(to, int) else to.rstrip("/")
-    return httpx.post(
+    r = httpx.post(
         base + path,
         content=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **(headers or {})},
         timeout=timeout,
     )
+    if expect is not None:
+        assert r.status_code == expect, f"{path}: {r.status_code} {r.text[:2000]}"
+    return r
 
 
 def session_headers(session: str) -> dict[str, str]:

@@ -8,9 +8,7 @@ tokens, size, age and expiry, and its Pin and Evict buttons change the core's in
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from core.cache.manager import policy_factory
 from core.engine import Core
 from core.paths import Paths
 from tests.conftest import settings_for
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,15 +45,9 @@ def live_core(tmp_path: Path, tiny_model: Path, server_binary: Path) -> Iterator
 
 
 def _chat(core: Core, session: str, client: str, messages: list[dict[str, str]]) -> str:
-    assert core.proxy is not None
     body = {"model": "t", "max_tokens": 3, "temperature": 0, "messages": messages}
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "x-session-id": session, "User-Agent": client},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        data = json.loads(resp.read())
+    headers = {"x-session-id": session, "User-Agent": client}
+    data = post_chat(core, body, headers=headers, timeout=300).json()
     return str(data["choices"][0]["message"]["content"])
 
 

@@ -9,17 +9,18 @@ import os
 import sqlite3
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpx import Headers
 
 from core.cache import explain
 from core.cache.manager import CacheManager, policy_factory
 from core.engine import Core
 from core.events import Event, RequestExplained
 from core.telemetry import Telemetry
+from tests.helpers import post_chat
 
 WARMSLOT = Path(sys.executable).parent / "warmslot"
 
@@ -240,19 +241,11 @@ def test_telemetry_stores_explanations_and_migrates_an_old_database(tmp_path: Pa
 # ------------------------------------------------------------------ real server
 
 
-def _chat(core: Core, body: dict[str, Any], session: str) -> tuple[dict[str, Any], Any]:
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "User-Agent": "claude-cli/2.0.0 (external, cli)",
-            "x-session-id": session,
-        },
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read()), resp.headers
+def _chat(core: Core, body: dict[str, Any], session: str) -> tuple[dict[str, Any], Headers]:
+    """A Claude Code request of `session`: the answer's JSON and headers."""
+    headers = {"User-Agent": "claude-cli/2.0.0 (external, cli)", "x-session-id": session}
+    r = post_chat(core, body, headers=headers)
+    return r.json(), r.headers
 
 
 def claude_code_body(date: str) -> dict[str, Any]:

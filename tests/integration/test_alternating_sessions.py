@@ -18,8 +18,6 @@ it, verified, when its session comes back.
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
 from tests.helpers import WORDS as SHARED_WORDS
-from tests.helpers import cache_idle, wait_until
+from tests.helpers import cache_idle, post_chat, session_headers, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -59,21 +57,6 @@ def _defaults(model: Path, **changes: Any) -> Settings:
     return s
 
 
-def _chat(core: Core, body: dict[str, Any], session: str) -> tuple[dict[str, Any], dict[str, str]]:
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "x-session-id": session,
-            "x-session-affinity": session,
-        },
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
-
-
 def alternate(
     core: Core, sessions: list[str], turns: int, words: int = 90, system: str = SYSTEM
 ) -> list[dict[str, Any]]:
@@ -91,7 +74,8 @@ def alternate(
                 }
             )
             body = {"messages": messages[session], "max_tokens": 4, "temperature": 0, "seed": 0}
-            data, headers = _chat(core, body, session)
+            r = post_chat(core, body, headers=session_headers(session))
+            data, headers = r.json(), r.headers
             t = data["timings"]
             prompt = int(t["cache_n"]) + int(t["prompt_n"])
             rows.append(

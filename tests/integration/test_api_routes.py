@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from httpx import Headers
 
 from core import apis
 from core.cache.manager import CacheManager, policy_factory
@@ -29,7 +30,7 @@ from core.engine import Core
 from core.events import CacheEvent, RequestCompleted
 from core.server import discover
 from tests.conftest import MakeCore, test_home
-from tests.helpers import EventLog, wait_until
+from tests.helpers import EventLog, post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -65,18 +66,10 @@ def _binary_with(patched: bool) -> Path | None:
 
 def _post(
     core: Core, path: str, body: dict[str, Any], headers: dict[str, str]
-) -> tuple[int, dict[str, str], bytes]:
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
+) -> tuple[int, Headers, bytes]:
+    """Status, headers and raw body (a stream's events as sent) of any answer."""
+    r = post_chat(core, body, path=path, headers=headers, timeout=300, expect=None)
+    return r.status_code, r.headers, r.content
 
 
 def _upstream(core: Core, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from httpx import Headers
 
 from core.backends import backend_lines
 from core.cache.manager import policy_factory
@@ -35,7 +36,7 @@ from core.paths import resources_dir
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import EventLog, wait_until
+from tests.helpers import EventLog, post_chat, session_headers, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -86,27 +87,18 @@ def _sessions() -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
     return plan
 
 
-def _post(
-    core: Core, session: str, body: dict[str, Any]
-) -> tuple[int, dict[str, Any], dict[str, str]]:
-    assert core.proxy is not None
+OPENCODE = "opencode/1.18.33 ai-sdk/provider-utils/4.0.23 runtime/bun/1.3.14"
+
+
+def _post(core: Core, session: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], Headers]:
+    """An opencode turn of `session`, short and greedy: status, JSON (or the error's text),
+    headers."""
     body = {**body, "stream": False, "max_tokens": 4, "temperature": 0}
     body.pop("stream_options", None)
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "User-Agent": "opencode/1.18.33 ai-sdk/provider-utils/4.0.23 runtime/bun/1.3.14",
-            "x-session-id": session,
-            "x-session-affinity": session,
-        },
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            return resp.status, json.loads(resp.read()), dict(resp.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, {"error": e.read().decode(errors="replace")}, dict(e.headers)
+    headers = {"User-Agent": OPENCODE, **session_headers(session)}
+    r = post_chat(core, body, headers=headers, expect=None)
+    data = r.json() if r.status_code == 200 else {"error": r.text}
+    return r.status_code, data, r.headers
 
 
 def _status(core: Core) -> dict[str, Any]:

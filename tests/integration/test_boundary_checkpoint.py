@@ -24,13 +24,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from httpx import Headers
 
 from core.cache import boundary
 from core.cache.manager import policy_factory
 from core.engine import Core
 from core.events import RequestCompleted
 from tests.conftest import MakeCore
-from tests.helpers import WORDS, EventLog, cache_manager, metric_values, wait_until
+from tests.helpers import WORDS, EventLog, cache_manager, metric_values, post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -59,16 +60,10 @@ def _gemma_core(make_core: MakeCore, gemma_model: Path) -> Core:
     return core
 
 
-def _chat(port: int, messages: list[dict[str, str]], session: str) -> dict[str, str]:
+def _chat(port: int, messages: list[dict[str, str]], session: str) -> Headers:
+    """A two-token greedy turn of `session` (``x-session-affinity``): the answer's headers."""
     body = {"messages": messages, "max_tokens": 2, "temperature": 0, "seed": 0}
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "x-session-affinity": session},
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        resp.read()
-        return dict(resp.headers)
+    return post_chat(port, body, headers={"x-session-affinity": session}).headers
 
 
 @pytest.mark.timeout(600)
@@ -122,7 +117,7 @@ def test_a_client_that_hangs_up_stops_the_prefix_read(
     url = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
     messages = [{"role": "system", "content": _system(5000)}, {"role": "user", "content": "Hi"}]
 
-    async def give_up() -> None:
+    async def give_up() -> None:  # a client that hangs up mid-request: not post_chat's job
         async with aiohttp.ClientSession() as s:
             with pytest.raises(TimeoutError):
                 async with s.post(

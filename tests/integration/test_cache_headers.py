@@ -18,7 +18,7 @@ import pytest
 from core.cache.manager import CacheManager, policy_factory
 from core.engine import Core
 from core.proxy_headers import HIT_SHARE
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -51,10 +51,6 @@ def url(core: Core) -> str:
 HEADERS = {"User-Agent": "header-test/1.0", "x-session-id": "hdr-1"}
 
 
-def post(core: Core, b: dict[str, Any]) -> httpx.Response:
-    return httpx.post(url(core), json=b, headers=HEADERS, timeout=300)
-
-
 def stream(core: Core, b: dict[str, Any]) -> tuple[httpx.Headers, list[dict[str, Any]], float]:
     """Headers, every event, and seconds from the headers to the first event."""
     events: list[dict[str, Any]] = []
@@ -84,7 +80,7 @@ def core(make_core: Any) -> Core:
 
 
 def test_non_streamed_headers_are_the_answers_timings(core: Core) -> None:
-    r1 = post(core, body("first question"))
+    r1 = post_chat(core, body("first question"), headers=HEADERS)
     t1 = r1.json()["timings"]
     h = r1.headers
     assert (h["X-Warmslot-Cache"], h["X-Warmslot-Cached-Tokens"]) == ("miss", "0")
@@ -93,7 +89,7 @@ def test_non_streamed_headers_are_the_answers_timings(core: Core) -> None:
     assert h["X-Warmslot-Session"] == "hdr-1" and h["X-Warmslot-Restored"] == "0"
     assert "X-Warmslot-Est-Saved-Ms" not in h  # no cold prefill measured before it
     assert t1["prompt_n"] >= 256  # so this one calibrates the rate
-    r2 = post(core, body("second question"))
+    r2 = post_chat(core, body("second question"), headers=HEADERS)
     t2, h = r2.json()["timings"], r2.headers
     assert t2["cache_n"] > 0
     assert h["X-Warmslot-Cached-Tokens"] == str(t2["cache_n"])
@@ -102,13 +98,13 @@ def test_non_streamed_headers_are_the_answers_timings(core: Core) -> None:
     rate = t1["prompt_ms"] / t1["prompt_n"]  # the one cold prefill so far
     assert h["X-Warmslot-Est-Saved-Ms"] == f"{t2['cache_n'] * rate:.0f}"
     # The same request again: all but the last token from the cache.
-    r3 = post(core, body("second question"))
+    r3 = post_chat(core, body("second question"), headers=HEADERS)
     assert r3.headers["X-Warmslot-Cache"] == "hit"
     assert r3.headers["X-Warmslot-Cached-Tokens"] == str(r3.json()["timings"]["cache_n"])
 
 
 def test_streamed_headers_leave_with_the_first_event_and_match_the_last(core: Core) -> None:
-    post(core, body("warm the slot"))
+    post_chat(core, body("warm the slot"), headers=HEADERS)
     h, events, gap = stream(core, body("a streamed question", stream=True))
     final = [e["timings"] for e in events if "timings" in e][-1]
     assert h["X-Warmslot-Cached-Tokens"] == str(final["cache_n"]) and final["cache_n"] > 0
@@ -148,7 +144,7 @@ def test_restored_header_after_a_restart(make_core: Any, tmp_path: Path) -> None
     first = make_core(home=home, policy_factory=policy_factory)
     first.start(wait_ready=True, timeout=120)
     turn1 = body("first turn")
-    answer = post(first, turn1).json()["choices"][0]["message"]["content"]
+    answer = post_chat(first, turn1, headers=HEADERS).json()["choices"][0]["message"]["content"]
     saver = first.policy
     assert isinstance(saver, CacheManager)
 
@@ -171,7 +167,7 @@ def test_restored_header_after_a_restart(make_core: Any, tmp_path: Path) -> None
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "second turn"},
     ]
-    r = post(second, turn2)
+    r = post_chat(second, turn2, headers=HEADERS)
     cached = r.json()["timings"]["cache_n"]
     assert r.headers["X-Warmslot-Cached-Tokens"] == str(cached)
     events = second.query("recent_events", limit=100, category="cache").result(10)
@@ -245,8 +241,7 @@ def test_an_upstream_error_still_names_the_request(core: Core) -> None:
     """A prompt llama-server refuses (larger than the slot's context) was managed too:
     its error answer carries the ids and says the cache verdict is unknown."""
     too_long = body("x " * 6000)
-    r = post(core, too_long)
-    assert r.status_code == 400, r.text[:300]
+    r = post_chat(core, too_long, headers=HEADERS, expect=400)
     assert r.headers["X-Warmslot-Cache"] == "unknown"
     assert r.headers["X-Warmslot-Request-Id"] and r.headers["X-Warmslot-Session"] == "hdr-1"
     assert "X-Warmslot-Cached-Tokens" not in r.headers

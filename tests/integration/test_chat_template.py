@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +13,9 @@ from core.engine import Core
 from core.paths import Paths
 from core.server.tinymodel import CHAT_TEMPLATE, make_tiny_model
 from tests.conftest import settings_for
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def _post(
-    core: Core, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
-) -> tuple[dict[str, Any], dict[str, str]]:
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
 
 
 def _agent_request() -> tuple[dict[str, Any], dict[str, str]]:
@@ -54,12 +39,12 @@ def test_demo_model_renders_tools(tmp_path: Path, gemma_model: Path) -> None:
     core.start(wait_ready=True, timeout=180)
     try:
         body, headers = _agent_request()
-        rendered, _ = _post(
-            core, "/apply-template", {"messages": body["messages"], "tools": body["tools"]}
-        )
+        rendered = post_chat(
+            core, {"messages": body["messages"], "tools": body["tools"]}, path="/apply-template"
+        ).json()
         for tool in body["tools"]:
             assert tool["function"]["name"] in rendered["prompt"]
-        _, resp_headers = _post(core, "/v1/chat/completions", {**body, "max_tokens": 2}, headers)
+        resp_headers = post_chat(core, {**body, "max_tokens": 2}, headers=headers).headers
         assert "X-Warmslot-Warning" not in resp_headers
         assert "--chat-template-file" in core.supervisor.argv  # type: ignore[union-attr]
     finally:
@@ -73,7 +58,7 @@ def test_template_that_drops_tools_is_reported(tmp_path: Path, gemma_model: Path
     core.start(wait_ready=True, timeout=180)
     try:
         body, headers = _agent_request()
-        _, resp_headers = _post(core, "/v1/chat/completions", {**body, "max_tokens": 2}, headers)
+        resp_headers = post_chat(core, {**body, "max_tokens": 2}, headers=headers).headers
         assert "dropped tool" in resp_headers.get("X-Warmslot-Warning", "")
         status = core.status().result(10)
         assert "tool bash" in status["cache"]["template_warning"]
@@ -107,7 +92,7 @@ def test_changing_the_template_rebuilds_prefixes_once(tmp_path: Path) -> None:
             assert isinstance(mgr, CacheManager)
             wait_until(lambda: core.call(mgr.idle).result(5), 60, message="warm-up")
             for r in trace:
-                _post(core, "/v1/chat/completions", r.body, r.headers)
+                post_chat(core, r.body, headers=r.headers)
             wait_until(lambda: core.call(mgr.idle).result(5), 120, message="persist")
             fps = core.call(lambda: {p.fingerprint for p in mgr.by_fp.values()}).result(5)
             events = core.query("recent_events", limit=200, category="cache").result(10)

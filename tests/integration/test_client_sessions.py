@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from httpx import Headers
 
 from core.cache.manager import policy_factory
 from core.events import RequestCompleted
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import EventLog, wait_until
+from tests.helpers import EventLog, post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -48,21 +49,11 @@ def _recorded(client: str) -> list[dict[str, Any]]:
     return [e for e in entries if e["method"] == "POST" and e.get("body")]
 
 
-def _call(port: int, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        assert resp.status == 200
-        return dict(resp.headers), json.loads(resp.read() or b"null")
-
-
-def _post(port: int, entry: dict[str, Any], **changes: Any) -> dict[str, str]:
+def _post(port: int, entry: dict[str, Any], **changes: Any) -> Headers:
+    """A recorded request again, not streamed, with its session headers: the answer's headers."""
     body = {**entry["body"], "stream": False, **changes}
     headers = {k: v for k, v in entry["headers"].items() if k in SESSION_HEADERS}
-    return dict(_call(port, entry["path"], body, headers)[0])
+    return post_chat(port, body, path=entry["path"], headers=headers).headers
 
 
 def _core(make_core: MakeCore, **changes: Any) -> Any:
@@ -167,8 +158,9 @@ def test_aider_turns_reuse_all_they_share_with_the_previous_turn(make_core: Make
     prompts = []
     for e in entries:
         body = {k: v for k, v in e["body"].items() if k == "messages"}
-        _, rendered = _call(port, "/apply-template", body, ua)
-        _, toks = _call(port, "/tokenize", {"content": rendered["prompt"], "add_special": True}, ua)
+        rendered = post_chat(port, body, path="/apply-template", headers=ua).json()
+        tokenize = {"content": rendered["prompt"], "add_special": True}
+        toks = post_chat(port, tokenize, path="/tokenize", headers=ua).json()
         prompts.append(toks["tokens"])
     for e in entries:
         _post(port, e, max_tokens=24, temperature=0)

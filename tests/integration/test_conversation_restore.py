@@ -12,8 +12,6 @@ server's.
 from __future__ import annotations
 
 import copy
-import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,14 @@ from core.server.launch import DEMO_TEMPLATE
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import WORDS, cache_idle, cache_manager, wait_until
+from tests.helpers import (
+    WORDS,
+    cache_idle,
+    cache_manager,
+    post_chat,
+    session_headers,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -50,21 +55,6 @@ def _settings(model: Path, **changes: Any) -> Any:
     return settings_for(model, server__cache_ram_mib=0, server__ctx_per_slot=12288, **changes)
 
 
-def _chat(core: Core, body: dict[str, Any], session: str) -> tuple[dict[str, Any], dict[str, str]]:
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "x-session-id": session,
-            "x-session-affinity": session,
-        },
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
-
-
 def _body(messages: list[dict[str, str]]) -> dict[str, Any]:
     return {
         "model": "warmslot-test",
@@ -85,7 +75,7 @@ def _converse(
         messages.append(
             {"role": "user", "content": f"Tool output {turn}:\n" + _text(10 + turn, words)}
         )
-        data, _ = _chat(core, _body(messages), session)
+        data = post_chat(core, _body(messages), headers=session_headers(session)).json()
         messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
     return messages
 
@@ -105,7 +95,7 @@ def _cold_answer(make_core: MakeCore, model: Path, settings: Any, body: dict[str
     """The same request on a fresh server with the cache off: every token prefilled."""
     cold = make_core(copy.deepcopy(settings), cache__enabled=False)
     cold.start(wait_ready=True, timeout=300)
-    data, _ = _chat(cold, body, "cold")
+    data = post_chat(cold, body, headers=session_headers("cold")).json()
     assert data["timings"]["cache_n"] == 0
     print("cold:", data["timings"])
     cold.stop()
@@ -116,7 +106,8 @@ def _fourth_turn(
     core: Core, messages: list[dict[str, str]], session: str
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     body = _body([*messages, {"role": "user", "content": "And now? Summarise in one line."}])
-    data, headers = _chat(core, body, session)
+    r = post_chat(core, body, headers=session_headers(session))
+    data, headers = r.json(), r.headers
     return data, headers, body
 
 

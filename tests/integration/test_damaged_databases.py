@@ -20,13 +20,11 @@ needed for any of it. The same with a real `warmslot serve`: no traceback, and
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +42,14 @@ from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore
 from tests.conftest import test_cache as cache_dir
 from tests.db_damage import WAYS, damaged, garbage_rows
-from tests.helpers import EventLog, cache_idle, free_port, wait_until
+from tests.helpers import (
+    EventLog,
+    cache_idle,
+    free_port,
+    post_chat,
+    session_headers,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -81,17 +86,9 @@ def _config(home: Path, model: Path) -> None:
         config.set_value(cfg, key, value)
 
 
-def _chat(port: int, r: TraceRequest, session: str = "") -> tuple[dict[str, Any], dict[str, str]]:
-    headers = dict(r.headers)
-    if session:
-        headers["x-session-id"] = headers["x-session-affinity"] = session
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(r.body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
+def _again(learned: Learned, session: str) -> dict[str, str]:
+    """The headers that send the learned agent turn again, as `session`."""
+    return {**learned.agent.headers, **session_headers(session)}
 
 
 def _cache(core: Core) -> dict[str, Any]:
@@ -118,7 +115,7 @@ def learned(tmp_path_factory: pytest.TempPathFactory, server_binary: Path) -> Le
         assert core.proxy is not None
         for r in trace:
             if r.session != agents[2].session:
-                _, headers = _chat(core.proxy.port, r)
+                headers = post_chat(core, r.body, headers=r.headers).headers
         prefix = headers["X-Warmslot-Prefix"].split(":")[0]
         wait_until(
             lambda: (
@@ -170,7 +167,8 @@ def _restores_and_serves(
         assert [e["fingerprint"] for e in restored] == [learned.prefix[:16]], boot
         assert boot["warmed"] == 1, boot
         assert core.proxy is not None
-        data, headers = _chat(core.proxy.port, learned.agent, session=session)
+        r = post_chat(core, learned.agent.body, headers=_again(learned, session))
+        data, headers = r.json(), r.headers
         if not in_memory:
             assert headers["X-Warmslot-Prefix"].startswith(learned.prefix), headers
         # else the prefix definitions, which only the index file keeps, are not known this
@@ -246,7 +244,7 @@ def test_warmslot_serve_with_a_broken_history_says_so_and_serves(
         proc = _serve(home, port, out)
         try:
             wait_until(lambda: _ready(port), 300, interval=0.2, message=lambda: out.read_text())
-            _, headers = _chat(port, learned.agent, session="served")
+            headers = post_chat(port, learned.agent.body, headers=_again(learned, "served")).headers
             assert headers["X-Warmslot-Prefix"].startswith(learned.prefix), headers
             garbage_rows(install.telemetry_db)  # into the fresh history, while it runs
             status = subprocess.run(

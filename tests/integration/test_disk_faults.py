@@ -19,14 +19,12 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import threading
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +47,7 @@ from core.paths import Paths
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import EventLog, chat_body, free_port, pid_gone, wait_until
+from tests.helpers import EventLog, chat_body, free_port, pid_gone, post_chat, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -144,15 +142,10 @@ class Rig:
         ]
 
     def chat(self, text: str) -> int:
-        assert self.core.proxy is not None
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.core.proxy.port}/v1/chat/completions",
-            data=json.dumps(chat_body(text, max_tokens=2)).encode(),
-            headers={"Content-Type": "application/json", "User-Agent": "disk-faults/1.0"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            json.loads(resp.read())
-            return int(resp.status)
+        body = chat_body(text, max_tokens=2)
+        r = post_chat(self.core, body, headers={"User-Agent": "disk-faults/1.0"}, timeout=300)
+        r.json()  # a whole JSON answer
+        return r.status_code
 
 
 @contextlib.contextmanager

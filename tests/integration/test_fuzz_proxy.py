@@ -31,24 +31,10 @@ from core.events import RequestCompleted
 from core.paths import Paths
 from tests.conftest import settings_for
 from tests.fixtures.bad_requests import Case, corpus
-from tests.helpers import EventLog, chat_body, wait_until
+from tests.helpers import EventLog, chat_body, post_chat, wait_until
 
 MAX_BODY_MB = 1  # the fuzz core's cap: oversize cases stay small
 CONCURRENCY = 16
-
-
-def post(port: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> int:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            resp.read()
-            return int(resp.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
 
 
 def get_status(port: int) -> tuple[int, dict[str, Any]]:
@@ -118,7 +104,7 @@ def test_undecodable_header_bytes_poison_nothing(make_core: Any) -> None:
     assert status == 200, head
     n = 30
     for i in range(n):
-        assert post(port, chat_body(f"after {i}", max_tokens=1)) == 200
+        post_chat(port, chat_body(f"after {i}", max_tokens=1), timeout=120)
     wait_until(lambda: requests_recorded(core) == n + 1, 30, message="every request recorded")
     code, st = get_status(port)
     assert code == 200
@@ -163,7 +149,9 @@ def test_an_unexpected_exception_is_a_logged_500_in_openai_format(
 
 # ------------------------------------------------------------ the fuzz corpus
 @pytest.fixture(scope="module")
-def fuzz_core(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Core]:
+def fuzz_core(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, server_binary: Path
+) -> Iterator[Core]:
     """A Core as `warmslot serve` runs it (cache manager on), with a model pool of one
     profile and strict model names (unknown names get 404) and a 1 MiB body cap."""
     s = settings_for(tiny_model, proxy__max_body_mb=MAX_BODY_MB)
@@ -192,7 +180,7 @@ def test_fuzz_corpus_is_refused_without_a_5xx(fuzz_core: Core) -> None:
     assert core.proxy is not None
     port = core.proxy.port
     # Warm up: one valid request (the pool's model loads; the cache manager learns).
-    assert post(port, chat_body("warm up", model="tiny", max_tokens=1)) == 200
+    post_chat(port, chat_body("warm up", model="tiny", max_tokens=1), timeout=120)
     wait_until(lambda: requests_recorded(core) == 1, 30, message="the warm-up is recorded")
     cases = corpus(19, n_slots=2, max_body=MAX_BODY_MB * 1024 * 1024)
     assert len(cases) >= 2000
@@ -223,7 +211,7 @@ def test_fuzz_corpus_is_refused_without_a_5xx(fuzz_core: Core) -> None:
     assert forwarded(core) == before_forwarded
     assert requests_recorded(core) == before_recorded
     # Healthy after: a normal request is served and recorded; status answers.
-    assert post(port, chat_body("still fine", model="tiny", max_tokens=1)) == 200
+    post_chat(port, chat_body("still fine", model="tiny", max_tokens=1), timeout=120)
     wait_until(lambda: requests_recorded(core) == before_recorded + 1, 30, message="recorded after")
     code, st = get_status(port)
     assert code == 200 and st["totals"]["dropped_rows"] == 0

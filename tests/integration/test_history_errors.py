@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 import pytest
@@ -28,7 +26,7 @@ from core.engine import Core
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import REPO
+from tests.helpers import REPO, post_chat
 
 pytestmark = pytest.mark.integration
 
@@ -72,19 +70,6 @@ def _opencode_cut() -> tuple[dict[str, Any], int]:
     return body, len(body["messages"]) - 3
 
 
-def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
-
-
 def _core(make_core: MakeCore, **changes: Any) -> Core:
     model = make_tiny_model(cache_dir() / "tiny-32k.gguf", n_ctx=32768)
     core = make_core(
@@ -100,39 +85,39 @@ def _core(make_core: MakeCore, **changes: Any) -> Core:
 def test_a_tool_call_cut_in_the_history_is_a_400_naming_it(make_core: MakeCore) -> None:
     core = _core(make_core, proxy__repair_tool_arguments=False)
     assert core.proxy is not None and core.upstream.base_url is not None
-    proxy = f"http://127.0.0.1:{core.proxy.port}"
     body, headers, at = _codex_cut()
     # llama-server itself: a 500, for this body and every resend of it.
-    status, _, data = _post(
-        core.upstream.base_url + "/v1/responses", body, core.supervisor.auth_headers()
+    r = post_chat(
+        core.upstream.base_url,
+        body,
+        path="/v1/responses",
+        headers=core.supervisor.auth_headers(),
+        expect=500,
     )
-    assert status == 500 and "Failed to parse tool call arguments as JSON" in data.decode()
+    assert "Failed to parse tool call arguments as JSON" in r.text
     # Through Warmslot: a 400 in OpenAI's shape, naming the call — as Codex asks (streamed).
     for stream in (True, False):
-        status, got, data = _post(proxy + "/v1/responses", {**body, "stream": stream}, headers)
-        assert status == 400, data[:300]
-        error = json.loads(data)["error"]
+        body_s = {**body, "stream": stream}
+        r = post_chat(core, body_s, path="/v1/responses", headers=headers, expect=400)
+        error = r.json()["error"]
         assert error["type"] == "invalid_request_error"
         assert error["param"] == f"input[{at}].arguments"
         assert (
             f"input[{at}].arguments (a call of tool 'exec_command') is not JSON" in error["message"]
         )
         assert "output limit" in error["message"]
-        assert got["X-Warmslot-Request-Id"]  # `warmslot explain ID` finds it
+        assert r.headers["X-Warmslot-Request-Id"]  # `warmslot explain ID` finds it
     # Chat completions (opencode's recorded conversation) the same way.
     chat, at = _opencode_cut()
-    status, _, data = _post(proxy + "/v1/chat/completions", chat)
-    assert status == 400, data[:300]
-    assert json.loads(data)["error"]["param"] == f"messages[{at}].tool_calls[0].function.arguments"
+    r = post_chat(core, chat, expect=400)
+    assert r.json()["error"]["param"] == f"messages[{at}].tool_calls[0].function.arguments"
     # A history call llama-server cannot read at all (no "type"): its 500, our 400.
     untyped = copy.deepcopy(chat)
     del untyped["messages"][at]["tool_calls"][0]["type"]
-    status, _, data = _post(proxy + "/v1/chat/completions", untyped)
-    assert status == 400, data[:300]
-    assert "cannot read a message of this conversation: Missing tool call type" in data.decode()
+    r = post_chat(core, untyped, expect=400)
+    assert "cannot read a message of this conversation: Missing tool call type" in r.text
     # Repair on: the call is closed, the conversation goes on.
     core.update_settings({"proxy.repair_tool_arguments": True}, persist=False).result(30)
     for path, b in (("/v1/responses", body), ("/v1/chat/completions", chat)):
-        status, got, data = _post(proxy + path, b, headers)
-        assert status == 200, data[:300]
-        assert "tool-arguments" in got["X-Warmslot-Edited"]
+        r = post_chat(core, b, path=path, headers=headers)
+        assert "tool-arguments" in r.headers["X-Warmslot-Edited"]

@@ -22,19 +22,9 @@ from core.paths import Paths
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as model_cache
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
 
 
 def _live_tokens(core: Core, slot: int) -> int:
@@ -65,10 +55,8 @@ def test_keepalive_brings_back_a_displaced_pinned_prefix_and_costs_one_token_whe
             return mgr.idle() and mgr.identity is not None and clock.sleepers == 4
 
         wait_until(lambda: core.submit(idle()).result(5), 60, message="cache manager ready")
-        assert core.proxy is not None
-        proxy = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
         for r in make_trace(sessions=1, turns=1, scale=0.05, restart_before_session=None):
-            _, headers = _post(proxy, r.body, r.headers)
+            headers = post_chat(core, r.body, headers=r.headers).headers
         slot = int(headers["X-Warmslot-Slot"])
         fp, n = headers["X-Warmslot-Prefix"].split(":")
         n_prefix = int(n)
@@ -80,10 +68,11 @@ def test_keepalive_brings_back_a_displaced_pinned_prefix_and_costs_one_token_whe
 
         # Another client uses the slot directly, behind Warmslot's back.
         assert core.supervisor is not None and core.supervisor.base_url is not None
-        _post(
-            f"{core.supervisor.base_url}/completion",
+        post_chat(
+            core.supervisor.base_url,
             {"prompt": "Something else entirely, about ships.", "n_predict": 2, "id_slot": slot},
-            core.supervisor.auth_headers(),  # a client holding the server's key
+            path="/completion",
+            headers=core.supervisor.auth_headers(),  # a client holding the server's key
         )
         assert _live_tokens(core, slot) < n_prefix
 
@@ -143,10 +132,8 @@ def test_a_rewarmed_prefix_without_a_saved_state_is_saved_from_its_slot(tmp_path
 
         wait_until(lambda: core.submit(idle()).result(5), 60, message="cache manager ready")
         assert mgr.identity is not None and "prefix-save-v1" in mgr.identity.patches
-        assert core.proxy is not None
-        proxy = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
         for r in make_trace(sessions=1, turns=1, scale=0.05, restart_before_session=None):
-            _, headers = _post(proxy, r.body, r.headers)
+            headers = post_chat(core, r.body, headers=r.headers).headers
         slot = int(headers["X-Warmslot-Slot"])
         fp, n = headers["X-Warmslot-Prefix"].split(":")
         n_prefix = int(n)
@@ -161,10 +148,11 @@ def test_a_rewarmed_prefix_without_a_saved_state_is_saved_from_its_slot(tmp_path
         assert saved() == []
         # Another client uses the slot directly, behind Warmslot's back.
         assert core.supervisor is not None and core.supervisor.base_url is not None
-        _post(
-            f"{core.supervisor.base_url}/completion",
+        post_chat(
+            core.supervisor.base_url,
             {"prompt": "Something else entirely, about ships.", "n_predict": 2, "id_slot": slot},
-            core.supervisor.auth_headers(),
+            path="/completion",
+            headers=core.supervisor.auth_headers(),
         )
         core.submit(clock.advance(settings.cache.keepalive_interval_s)).result(120)
         assert _live_tokens(core, slot) == n_prefix, "the prefix is back in its slot"

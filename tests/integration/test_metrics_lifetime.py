@@ -19,6 +19,7 @@ from core.engine import Core
 from core.keys import add_key, keys_file
 from core.paths import Paths
 from tests.conftest import MakeCore
+from tests.helpers import post_chat
 
 CHAT = {"messages": [{"role": "user", "content": "count me"}], "max_tokens": 2}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -30,13 +31,7 @@ def _url(core: Core) -> str:
 
 
 def _chat(core: Core, key: str) -> None:
-    r = httpx.post(
-        _url(core) + "/v1/chat/completions",
-        json=CHAT,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
+    post_chat(core, CHAT, headers={"Authorization": f"Bearer {key}"}, timeout=120)
 
 
 def _scrape(core: Core, key: str) -> tuple[Samples, str]:

@@ -9,16 +9,16 @@ the old model's tokens would not even be refused: only Warmslot can tell them ap
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from httpx import Headers
 
 from core.cache.manager import policy_factory
 from core.events import CacheEvent, CacheEventKind
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for, test_cache
-from tests.helpers import EventLog, cache_idle, cache_manager, wait_until
+from tests.helpers import EventLog, cache_idle, cache_manager, post_chat, wait_until
 
 TOOLS = [
     {
@@ -36,7 +36,7 @@ SYSTEM = "You are a coding agent. " + " ".join(
 )
 
 
-def _agent_turn(port: int, session: str) -> dict[str, str]:
+def _agent_turn(port: int, session: str) -> Headers:
     body = {
         "messages": [
             {"role": "system", "content": SYSTEM},
@@ -46,14 +46,7 @@ def _agent_turn(port: int, session: str) -> dict[str, str]:
         "max_tokens": 2,
         "temperature": 0,
     }
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "x-session-id": session},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        resp.read()
-        return dict(resp.headers)
+    return post_chat(port, body, headers={"x-session-id": session}, timeout=300).headers
 
 
 def _switch(core: Any, model: Path) -> None:

@@ -7,7 +7,6 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,24 +20,9 @@ from core.server import devices
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def _post(core: Core, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[
-        int, dict[str, Any], dict[str, str]]:  # fmt: skip
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return resp.status, json.loads(resp.read()), dict(resp.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), dict(e.headers)
 
 
 async def _idle(core: Core) -> bool:
@@ -70,8 +54,7 @@ def test_alternating_models_swap_and_restore_the_prefix(tmp_path: Path) -> None:
         trace = make_trace(sessions=2, turns=1, scale=0.3, restart_before_session=None)
         agent = next(r for r in trace if r.kind == "agent")
         for r in trace:  # model a learns and saves the opencode prefix
-            status, _, _ = _post(core, "/v1/chat/completions", {**r.body, "model": "a"}, r.headers)
-            assert status == 200
+            post_chat(core, {**r.body, "model": "a"}, headers=r.headers, timeout=300)
         wait_until(lambda: core.submit(_idle(core)).result(5), 120, message="persist on a")
         mgr = core.policy
         assert isinstance(mgr, CacheManager)
@@ -85,8 +68,9 @@ def test_alternating_models_swap_and_restore_the_prefix(tmp_path: Path) -> None:
 
         # b: a is unloaded to make room (budget fits one), b loads
         body = {**agent.body, "model": "b"}
-        status, data, headers = _post(core, "/v1/chat/completions", body, agent.headers)
-        assert status == 200 and headers["X-Warmslot-Model"] == "b", data
+        reply = post_chat(core, body, headers=agent.headers, timeout=300)
+        data, headers = reply.json(), reply.headers
+        assert headers["X-Warmslot-Model"] == "b", data
         cold_b = data["timings"]
         st = core.status().result(10)
         states = {m["name"]: m["state"] for m in st["models"]}
@@ -95,10 +79,9 @@ def test_alternating_models_swap_and_restore_the_prefix(tmp_path: Path) -> None:
 
         # back to a: b goes, a loads and restores + verifies its prefix before serving
         headers_new = {**agent.headers, "x-session-id": "after-swap"}
-        status, data, headers = _post(
-            core, "/v1/chat/completions", {**agent.body, "model": "a"}, headers_new
-        )
-        assert status == 200 and headers["X-Warmslot-Model"] == "a"
+        reply = post_chat(core, {**agent.body, "model": "a"}, headers=headers_new, timeout=300)
+        data, headers = reply.json(), reply.headers
+        assert headers["X-Warmslot-Model"] == "a"
         prefix_n = int(headers["X-Warmslot-Prefix"].split(":")[1])
         # a cold server reuses nothing (b's first request above); after the swap back the
         # restored state serves nearly the whole prompt (the server re-evaluates its tail)

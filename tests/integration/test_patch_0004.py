@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from core.server import discover
-from tests.helpers import free_port, wait_until
+from tests.helpers import free_port, post_chat, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -43,19 +43,9 @@ class Server:
     log: Path
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        req = urllib.request.Request(
-            self.base + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                raw = r.read()
-                status = r.status
-        except urllib.error.HTTPError as e:
-            raw, status = e.read(), e.code
-        text = raw.decode()
-        return status, json.loads(text) if text.lstrip().startswith("{") else text
+        """Status and JSON (or the text of an answer that is not an object)."""
+        r = post_chat(self.base, body, path=path, timeout=120, expect=None)
+        return r.status_code, r.json() if r.text.lstrip().startswith("{") else r.text
 
     def ok(self, path: str, body: dict[str, Any]) -> Any:
         status, data = self.post(path, body)

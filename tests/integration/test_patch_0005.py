@@ -7,29 +7,39 @@ token — started that wait again: while something polled the server more than o
 second, an abandoned prompt was read to its end. Here GET /slots is polled every 0.2 s,
 as Warmslot's probe and a dashboard do, while a client gives up on a long prompt.
 
+Nothing here assumes a speed: the server runs on two CPU threads (``--device none``, so a
+GPU build reads on the CPU too), the prompt is sized from the prefill rate measured first
+(long enough that reading it takes several times the one-second check), and the client
+leaves once ``GET /slots`` shows its prompt being read, not after a fixed time.
+
 docs/patches.md#0005--an-abandoned-request-is-noticed-while-other-slots-work
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
+import socket
 import threading
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from core.server import discover
-from tests.helpers import bare_llama_server, metric_values, wait_until
+from tests.helpers import bare_llama_server, metric_values, post_chat, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 LEVEL = "cancel-check-v1"
-PROMPT_TOKENS = 6000  # three 2,048-token batches, ~5 s each for Gemma 3 270M on 2 cores
+SLOT_CTX = 32768  # per slot: -c 65536 -np 2 (Gemma 3 270M's trained context)
+N_BATCH = 512  # -b/-ub: a stop between batches comes this many tokens apart at most
+POLL_S = 0.2  # how often GET /slots is polled meanwhile (more than once a second)
+READ_S = 10.0  # how long the abandoned prompt would take to read at the measured rate
+CHECK_S = 1.0  # a patched server checks its client at least this often
+PROMPTED = "llamacpp:prompt_tokens_total"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +48,8 @@ def server(
 ) -> Iterator[str]:
     if LEVEL not in discover.patch_levels(server_binary):
         pytest.skip(f"{server_binary} was built without patch 0005")
-    args = ["-c", "16384", "-np", "2", "-t", "2", "--cache-ram", "0", "--metrics"]
+    args = ["-c", str(2 * SLOT_CTX), "-np", "2", "-t", "2", "--device", "none"]
+    args += ["-b", str(N_BATCH), "-ub", str(N_BATCH), "--cache-ram", "0", "--metrics"]
     with bare_llama_server(
         server_binary, gemma_model, tmp_path_factory.mktemp("p0005"), *args
     ) as base:
@@ -50,31 +61,54 @@ def _get(url: str) -> bytes:
         return bytes(r.read())
 
 
+def _prompted(server: str) -> float:
+    text = _get(server + "/metrics").decode()
+    return metric_values(text, [PROMPTED])[PROMPTED]
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 200_000) for _ in range(n)]
+
+
 def test_an_abandoned_request_stops_while_the_server_is_polled(server: str) -> None:
     rng = random.Random(3)
-    prompt = [rng.randrange(1000, 200_000) for _ in range(PROMPT_TOKENS)]
+    # The prefill rate here, on slot 1: the abandoned prompt is sized from it.
+    timed = {"prompt": _prompt(rng, 2 * N_BATCH), "n_predict": 1, "id_slot": 1}
+    timings = post_chat(server, timed, path="/completion").json()["timings"]
+    rate = float(timings["prompt_per_second"])
+    n = min(SLOT_CTX - 64, max(4 * N_BATCH, int(rate * READ_S)))
+    if n / rate < 4 * CHECK_S:
+        pytest.skip(
+            f"{rate:.0f} tokens/s on 2 threads: a whole slot ({n} tokens) is read in "
+            f"{n / rate:.1f} s, too soon to tell a {CHECK_S:.0f}-second check from none"
+        )
+    prompt = _prompt(rng, n)
+    before = _prompted(server)
+
+    reading = threading.Event()  # GET /slots shows slot 0 at work on the prompt
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.is_set():
-            _get(server + "/slots")
-            stop.wait(0.2)
+            slots = json.loads(_get(server + "/slots"))
+            if any(s["id"] == 0 and s["is_processing"] for s in slots):
+                reading.set()
+            stop.wait(POLL_S)
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
-
-    async def give_up() -> None:
-        async with aiohttp.ClientSession() as s:
-            with pytest.raises(TimeoutError):
-                async with s.post(
-                    server + "/completion",
-                    json={"prompt": prompt, "n_predict": 1, "id_slot": 0},
-                    timeout=aiohttp.ClientTimeout(total=1.5),
-                ) as r:
-                    await r.read()
-
     try:
-        asyncio.run(give_up())
+        # A client that sends the prompt and hangs up once it is being read (a socket of
+        # its own: tests.helpers.post_chat waits for the whole answer).
+        url = urllib.parse.urlsplit(server)
+        body = json.dumps({"prompt": prompt, "n_predict": 1, "id_slot": 0}).encode()
+        head = (
+            f"POST /completion HTTP/1.1\r\nHost: {url.netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection((url.hostname, url.port), timeout=60) as client:
+            client.sendall(head.encode() + body)
+            wait_until(reading.is_set, 60, message="slot 0 never started on the prompt")
         wait_until(
             lambda: not any(s["is_processing"] for s in json.loads(_get(server + "/slots"))),
             60,
@@ -83,8 +117,8 @@ def test_an_abandoned_request_stops_while_the_server_is_polled(server: str) -> N
     finally:
         stop.set()
         poller.join(10)
-    text = _get(server + "/metrics").decode()
-    read = metric_values(text, ["llamacpp:prompt_tokens_total"])["llamacpp:prompt_tokens_total"]
-    # Stopped at a batch boundary soon after the client left, not at the prompt's end
-    # (a stock server read all 6,000 tokens here).
-    assert read < PROMPT_TOKENS
+    read = _prompted(server) - before
+    print(f"\n{rate:.0f} tokens/s: {read:.0f} of the abandoned {n}-token prompt read")
+    # Stopped soon after the client left, not at the prompt's end (a stock server read all
+    # of it here): reading the rest would have taken several one-second checks.
+    assert read < n

@@ -157,6 +157,7 @@ class Server:
             raise
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        # Any method (GET /slots too): not tests.helpers.post_chat, which only posts.
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}

@@ -20,7 +20,7 @@ from core.paths import Paths
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -33,19 +33,6 @@ def tiny32k() -> Path:
 
 def _settings(model: Path) -> Any:
     return settings_for(model, server__ctx_per_slot=24576, server__cache_ram_mib=512)
-
-
-def _chat(
-    core: Core, body: dict[str, Any], headers: dict[str, str]
-) -> tuple[dict[str, Any], dict[str, str]]:
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
 
 
 def _manager(core: Core) -> CacheManager:
@@ -90,7 +77,7 @@ def learned_core(tiny32k: Path, tmp_path: Path) -> Iterator[tuple[Core, list[Any
     core = Core(Paths.under(home), _settings(tiny32k), policy_factory=policy_factory)
     core.start(wait_ready=True, timeout=120)
     for r in trace:
-        _chat(core, r.body, r.headers)
+        post_chat(core, r.body, headers=r.headers)
     wait_until(lambda: core.submit(_async_idle(core)).result(5), 120, message="persist")
     assert _events(core, "save"), "the learned prefix was saved"
     core.stop()
@@ -127,7 +114,8 @@ def test_good_file_is_restored_and_serves_the_next_session(
     events = core.query("recent_events", limit=50, category="cache").result(10)
     assert _events(core, "restore_ok"), [(e["kind"], e["reason"]) for e in events]
     agent = trace[-1]
-    data, headers = _chat(core, agent.body, {**agent.headers, "x-session-id": "new"})
+    r = post_chat(core, agent.body, headers={**agent.headers, "x-session-id": "new"})
+    data, headers = r.json(), r.headers
     prefix_n = int(headers["X-Warmslot-Prefix"].split(":")[1])
     assert data["timings"]["cache_n"] >= prefix_n - 1
 
@@ -230,13 +218,13 @@ def test_divergence_is_diagnosed_and_shown_in_status(tiny32k: Path, tmp_path: Pa
     try:
         trace = make_trace(sessions=1, turns=2, scale=0.3, restart_before_session=None)
         first, second = trace[1], trace[2]
-        _chat(core, first.body, first.headers)
+        post_chat(core, first.body, headers=first.headers)
         # The second turn's system prompt gained a timestamp near its start: the
         # conversation can only be reused up to there.
         body = json.loads(json.dumps(second.body))
         sys_msg = body["messages"][0]
         sys_msg["content"] = sys_msg["content"][:200] + " [12:34:56] " + sys_msg["content"][200:]
-        data, _ = _chat(core, body, second.headers)
+        data = post_chat(core, body, headers=second.headers).json()
         assert data["timings"]["cache_n"] < 200
         wait_until(lambda: _events(core, "divergence"), 30, message="divergence event")
         ev = _events(core, "divergence")[0]
@@ -267,7 +255,7 @@ def test_client_hanging_up_during_prefill_is_recorded_and_frees_the_slot(
         url = f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions"
         long_prompt = "alpha beta gamma delta epsilon zeta eta theta " * 600
 
-        async def give_up() -> None:
+        async def give_up() -> None:  # a client that hangs up mid-request: not post_chat's
             async with aiohttp.ClientSession() as s:
                 with pytest.raises(TimeoutError):
                     async with s.post(

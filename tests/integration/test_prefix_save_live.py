@@ -18,7 +18,6 @@ scenario; every restored state was verified (``restore_ok``).
 
 from __future__ import annotations
 
-import json
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
 from tests.helpers import WORDS as SHARED_WORDS
-from tests.helpers import cache_manager, wait_until
+from tests.helpers import cache_manager, post_chat, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -62,15 +61,8 @@ class Client:
         self.prompt_n = 0
 
     def chat(self, messages: list[dict[str, str]], session: str) -> dict[str, Any]:
-        assert self.core.proxy is not None
         body = {"model": "t", "messages": messages, "max_tokens": 4, "temperature": 0}
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.core.proxy.port}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "x-session-id": session},
-        )
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            data: dict[str, Any] = json.loads(resp.read())
+        data: dict[str, Any] = post_chat(self.core, body, headers={"x-session-id": session}).json()
         self.prompt_n += int(data["timings"]["prompt_n"])
         return data
 

@@ -14,8 +14,6 @@ llama-server, and every saved state must then restore and verify.
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 
 import pytest
 
@@ -27,7 +25,7 @@ from core.errors import VerificationFailed
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import cache_idle, cache_manager, wait_until
+from tests.helpers import cache_idle, cache_manager, post_chat, session_headers, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -40,21 +38,10 @@ def _text(seed: int, n: int) -> str:
 
 
 def _chat(core: Core, messages: list[dict[str, str]], session: str) -> tuple[str, str]:
-    assert core.proxy is not None
+    """A short greedy turn of `session`: its answer and the slot that served it."""
     body = {"messages": messages, "max_tokens": 4, "temperature": 0, "seed": 0}
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "x-session-id": session,
-            "x-session-affinity": session,
-        },
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        data = json.loads(resp.read())
-        slot = resp.headers["X-Warmslot-Slot"]
-    return str(data["choices"][0]["message"]["content"]), slot
+    r = post_chat(core, body, headers=session_headers(session))
+    return str(r.json()["choices"][0]["message"]["content"]), r.headers["X-Warmslot-Slot"]
 
 
 async def _save_at_once(mgr: CacheManager, slots: list[int]) -> list[str]:

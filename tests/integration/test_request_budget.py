@@ -9,8 +9,6 @@ after it, over an opencode-shaped trace of 3 sessions × (a title call + 5 agent
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from core.bench.trace import make_trace
 from core.cache.manager import policy_factory
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for, test_cache
-from tests.helpers import cache_idle, wait_until
+from tests.helpers import cache_idle, post_chat, wait_until
 
 
 def test_a_steady_state_request_costs_the_server_one_call(
@@ -35,14 +33,7 @@ def test_a_steady_state_request_costs_the_server_one_call(
     rows: list[tuple[str, int, dict[str, Any], Counter[str]]] = []
     for tr in make_trace(sessions=3, turns=5, scale=0.15, restart_before_session=None):
         before = Counter(calls)
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-            data=json.dumps(tr.body).encode(),
-            headers={"Content-Type": "application/json", **tr.headers},
-        )
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            resp.read()
-            headers = dict(resp.headers)
+        headers = post_chat(core, tr.body, headers=tr.headers, timeout=300).headers
         wait_until(lambda: cache_idle(core), 120, message="the cache settled after a request")
         rows.append((tr.kind, tr.turn, headers, Counter(calls) - before))
     for kind, turn, headers, spent in rows:

@@ -11,8 +11,6 @@ from it.
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ from core.server.launch import DEMO_TEMPLATE
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import wait_until
+from tests.helpers import post_chat, session_headers, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -36,20 +34,6 @@ pytestmark = pytest.mark.integration
 def tiny32k() -> Path:
     """The tiny dense model with a 32k trained context (opencode-sized prompts fit)."""
     return make_tiny_model(cache_dir() / "tiny-32k.gguf", n_ctx=32768)
-
-
-def _chat(core: Core, r: TraceRequest, session: str = "") -> tuple[dict[str, Any], dict[str, str]]:
-    assert core.proxy is not None
-    headers = dict(r.headers)
-    if session:
-        headers["x-session-id"] = headers["x-session-affinity"] = session
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(r.body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
 
 
 def _idle(core: Core) -> bool:
@@ -89,7 +73,7 @@ def learn_and_stop(
     first.start(wait_ready=True, timeout=300)
     for r in trace:
         if r.session != agents[2].session:
-            _, headers = _chat(first, r)
+            headers = post_chat(first, r.body, headers=r.headers).headers
     prefix_fp, prefix_n = headers["X-Warmslot-Prefix"].split(":")
     learned = _events(first, "prefix_learned")
     assert any(e["details"].get("source") == "learned" for e in learned), learned
@@ -125,7 +109,9 @@ def restart_is_warm(make_core: MakeCore, settings: Settings, home: Path) -> dict
     (warm,) = [e for e in _events(second, "prewarm_cold") if e["fingerprint"] == prefix_fp]
     assert warm["slot"] == 0 and warm["details"]["cache_n"] == 0
     # … so a new session's first agent turn finds the prefix in its slot.
-    data, headers = _chat(second, agent, session="ses_after_restart")
+    new_session = {**agent.headers, **session_headers("ses_after_restart")}
+    reply = post_chat(second, agent.body, headers=new_session)
+    data, headers = reply.json(), reply.headers
     cache_n, prompt = _hit(data)
     assert headers["X-Warmslot-Slot"] == "0"
     assert headers["X-Warmslot-Prefix"] == f"{prefix_fp}:{prefix_n}"
@@ -206,7 +192,8 @@ def test_a_request_for_another_prefix_does_not_wait_for_the_boot_rewarm(
         },
         headers={"User-Agent": "otherbot/1.0", "x-session-id": "other"},
     )
-    data, headers = _chat(second, other)
+    reply = post_chat(second, other.body, headers=other.headers)
+    data, headers = reply.json(), reply.headers
     # Its own prefix (its system message and tools, docs/cache.md#what-survives-a-restart).
     assert headers["X-Warmslot-Slot"] == "0"
     assert not headers.get("X-Warmslot-Prefix", "").startswith(prefix_fp), headers

@@ -44,7 +44,7 @@ from core.paths import Paths
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import EventLog, wait_until
+from tests.helpers import EventLog, post_chat, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -372,7 +372,6 @@ def _free_port() -> int:
 def _save_with_model(argv: list[str], model: Path, tokens: list[int], workdir: Path) -> bytes:
     """Run `argv`'s llama-server with `model` instead, build `tokens` in slot 1 (the slot
     the manager's scratch saves come from) and return its slot file."""
-    import json
     import urllib.request
 
     slots = workdir / "slots"
@@ -389,13 +388,7 @@ def _save_with_model(argv: list[str], model: Path, tokens: list[int], workdir: P
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
     def post(path: str, body: dict[str, Any]) -> Any:
-        req = urllib.request.Request(
-            base + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())
+        return post_chat(base, body, path=path, timeout=120).json()
 
     def healthy() -> bool:
         assert proc.poll() is None, (workdir / "server.log").read_text()

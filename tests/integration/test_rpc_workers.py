@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from core.server.rpc import find_rpc_server, tcp_problem
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import REPO, EventLog, free_port, pid_gone, wait_until
+from tests.helpers import REPO, EventLog, free_port, pid_gone, post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +108,6 @@ def workers(rpc_server: Path, tmp_path: Path) -> Iterator[list[Worker]]:
 
 def complete(core: Core, *, max_tokens: int = 12) -> dict[str, Any]:
     """A greedy completion through the proxy, with the top log-probs of each token."""
-    assert core.proxy is not None
     body = {
         "model": "warmslot-test",
         "prompt": PROMPT,
@@ -117,13 +115,7 @@ def complete(core: Core, *, max_tokens: int = 12) -> dict[str, Any]:
         "temperature": 0,
         "logprobs": 3,
     }
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
+    data: dict[str, Any] = post_chat(core, body, path="/v1/completions").json()
     return data
 
 

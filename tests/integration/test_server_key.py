@@ -28,7 +28,7 @@ from core.errors import ServerStartFailed
 from core.server import validate
 from core.server.supervisor import ServerState
 from tests.conftest import MakeCore
-from tests.helpers import chat_body, pid_gone, wait_until
+from tests.helpers import chat_body, pid_gone, post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -91,13 +91,6 @@ def _server(core: Core) -> str:
     return core.supervisor.base_url
 
 
-def _chat_through_proxy(core: Core) -> dict[str, Any]:
-    r = httpx.post(_proxy(core) + "/v1/chat/completions", json=chat_body("Hi"), timeout=120)
-    assert r.status_code == 200, r.text
-    data: dict[str, Any] = r.json()
-    return data
-
-
 def test_port_answers_only_warmslot(running_core: Core) -> None:
     core = running_core
     sup = core.supervisor
@@ -116,7 +109,8 @@ def test_port_answers_only_warmslot(running_core: Core) -> None:
     assert health[0] == 200
 
     # Through the proxy everything works as before, GET passthroughs included.
-    assert _chat_through_proxy(core)["choices"][0]["message"]["content"] is not None
+    answer = post_chat(core, chat_body("Hi"), timeout=120).json()
+    assert answer["choices"][0]["message"]["content"] is not None
     for path in ("/props", "/slots", "/v1/models", "/health"):
         r = httpx.get(_proxy(core) + path, timeout=30)
         assert r.status_code == 200, (path, r.text)
@@ -178,7 +172,7 @@ def test_key_changes_with_every_launch(make_core: MakeCore) -> None:
         _server(core), [("GET", "/props", None, first), ("GET", "/props", None, second)]
     )
     assert (old[0], new[0]) == (401, 200)
-    _chat_through_proxy(core)
+    post_chat(core, chat_body("Hi"), timeout=120)
 
     # A crash restart is a launch too.
     pid = sup.pid
@@ -191,7 +185,7 @@ def test_key_changes_with_every_launch(make_core: MakeCore) -> None:
         _server(core), [("GET", "/props", None, second), ("GET", "/props", None, third)]
     )
     assert (old[0], new[0]) == (401, 200)
-    _chat_through_proxy(core)
+    post_chat(core, chat_body("Hi"), timeout=120)
     assert list((core.paths.state_dir / "run").iterdir()) == []
 
 
@@ -200,7 +194,7 @@ def test_a_key_of_the_users_own_opens_the_port_too(make_core: MakeCore) -> None:
     user's works and Warmslot's still does."""
     core = make_core(server__extra_args=["--api-key", "users-own-key"])
     core.start(wait_ready=True, timeout=120)
-    _chat_through_proxy(core)
+    post_chat(core, chat_body("Hi"), timeout=120)
     none, users = _probe(
         _server(core),
         [

@@ -31,7 +31,7 @@ from core.models.catalog import for_settings
 from core.pressure import Reading
 from core.server.devices import GpuInfo
 from core.server.tinymodel import make_tiny_model
-from tests.helpers import free_port, make_fake_binary, wait_until
+from tests.helpers import free_port, make_fake_binary, post_chat, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -73,14 +73,11 @@ def chat(
     timeout: float = 120,
     **extra: Any,
 ) -> httpx.Response:
+    """A two-token greedy chat of session live-1 to the proxy at `host`; any status."""
     body = {"model": "m", "max_tokens": 2, "temperature": 0, **extra}
     body.setdefault("messages", [{"role": "user", "content": text}])
-    return httpx.post(
-        f"{base(core, host)}/v1/chat/completions",
-        json=body,
-        headers={"x-session-id": "live-1", **(headers or {})},
-        timeout=timeout,
-    )
+    headers = {"x-session-id": "live-1", **(headers or {})}
+    return post_chat(base(core, host), body, headers=headers, timeout=timeout, expect=None)
 
 
 def status(core: Core) -> Any:

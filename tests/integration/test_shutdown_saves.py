@@ -35,7 +35,7 @@ from core.cache.store import file_sha256
 from core.paths import Paths
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import test_cache as cache_dir
-from tests.helpers import free_port, pid_gone, wait_until
+from tests.helpers import free_port, pid_gone, post_chat, session_headers, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -97,12 +97,7 @@ def _rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
 
 def _chat(port: int, messages: list[dict[str, str]], session: str) -> httpx.Response:
     body = {"messages": messages, "max_tokens": 4, "temperature": 0, "seed": 0}
-    headers = {"x-session-id": session, "x-session-affinity": session}
-    r = httpx.post(
-        f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=headers, timeout=600
-    )
-    r.raise_for_status()
-    return r
+    return post_chat(port, body, headers=session_headers(session))
 
 
 def _converse(port: int, turns: int = 2) -> dict[str, list[dict[str, str]]]:

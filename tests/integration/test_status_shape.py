@@ -21,21 +21,9 @@ from core.status import Status, cache_of, from_json
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
 from tests.fixtures.status_shapes import shape_errors
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def _chat(core: Core, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    assert core.proxy is not None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **headers},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
-        return data
 
 
 def _saved(core: Core) -> bool:
@@ -52,7 +40,7 @@ def test_a_real_cores_status_has_the_declared_shape(tmp_path: Path) -> None:
         # An opencode-shaped session: a learned prefix, saved to disk, rows in every table.
         trace = make_trace(sessions=1, turns=2, scale=0.3, restart_before_session=None)
         for turn in trace[:3]:
-            _chat(core, turn.body, turn.headers)
+            post_chat(core, turn.body, headers=turn.headers)
         wait_until(lambda: _saved(core), 120, message="a prefix saved to disk")
         status = core.status().result(30)
         assert shape_errors(status, Status) == []

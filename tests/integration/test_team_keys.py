@@ -15,7 +15,7 @@ from core.cli import fetch_status, format_status
 from core.keys import add_key, keys_file, remove_key
 from core.paths import Paths
 from tests.conftest import MakeCore
-from tests.helpers import wait_until
+from tests.helpers import post_chat, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MESSAGES = {
@@ -23,10 +23,6 @@ MESSAGES = {
     "max_tokens": 2,
     "messages": [{"role": "user", "content": "hi"}],
 }
-
-
-def _post(url: str, path: str, body: dict[str, Any], **headers: str) -> httpx.Response:
-    return httpx.post(url + path, json=body, headers=headers, timeout=120)
 
 
 def test_two_users_with_named_keys(tmp_path: Path, make_core: MakeCore) -> None:
@@ -41,12 +37,10 @@ def test_two_users_with_named_keys(tmp_path: Path, make_core: MakeCore) -> None:
 
     # No key, a wrong key: 401 in OpenAI's shape for chat, Anthropic's for Messages.
     for headers in ({}, {"Authorization": "Bearer wsk-wrong"}):
-        r = _post(url, "/v1/chat/completions", CHAT, **headers)
-        assert r.status_code == 401
+        r = post_chat(url, CHAT, headers=headers, expect=401)
         assert r.json()["error"]["type"] == "authentication_error"
     for headers in ({}, {"x-api-key": "wsk-wrong"}):
-        r = _post(url, "/v1/messages", MESSAGES, **headers)
-        assert r.status_code == 401
+        r = post_chat(url, MESSAGES, path="/v1/messages", headers=headers, expect=401)
         body = r.json()
         assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
     assert httpx.get(url + "/warmslot/status", timeout=30).status_code == 401
@@ -55,17 +49,11 @@ def test_two_users_with_named_keys(tmp_path: Path, make_core: MakeCore) -> None:
     # naming the same session id: each user's session is their own.
     sid = uuid.uuid4().hex
     for _ in range(2):
-        r = _post(
-            url,
-            "/v1/chat/completions",
-            CHAT,
-            Authorization=f"Bearer {alice}",
-            **{"x-session-id": sid},
-        )
-        assert r.status_code == 200, r.text
+        r = post_chat(url, CHAT, headers={"Authorization": f"Bearer {alice}", "x-session-id": sid})
         assert r.headers["X-Warmslot-Session"] == f"alice/{sid}"
-    r = _post(url, "/v1/messages", MESSAGES, **{"x-api-key": bob, "x-session-id": sid})
-    assert r.status_code == 200, r.text
+    r = post_chat(
+        url, MESSAGES, path="/v1/messages", headers={"x-api-key": bob, "x-session-id": sid}
+    )
     assert r.headers["X-Warmslot-Session"] == f"bob/{sid}"
 
     def users() -> dict[str, dict[str, Any]]:
@@ -101,10 +89,8 @@ def test_two_users_with_named_keys(tmp_path: Path, make_core: MakeCore) -> None:
 
     # Removing bob's key revokes it at once; alice's still works.
     assert remove_key(keys_file(paths.config_file), "bob")
-    r = _post(url, "/v1/messages", MESSAGES, **{"x-api-key": bob})
-    assert r.status_code == 401
-    r = _post(url, "/v1/chat/completions", CHAT, Authorization=f"Bearer {alice}")
-    assert r.status_code == 200
+    post_chat(url, MESSAGES, path="/v1/messages", headers={"x-api-key": bob}, expect=401)
+    post_chat(url, CHAT, headers={"Authorization": f"Bearer {alice}"})
 
 
 def test_beyond_loopback_with_no_key_left_nobody_gets_in(
@@ -120,12 +106,10 @@ def test_beyond_loopback_with_no_key_left_nobody_gets_in(
     core.start(wait_ready=True, timeout=180)
     assert core.proxy is not None
     url = f"http://127.0.0.1:{core.proxy.port}"
-    r = _post(url, "/v1/chat/completions", CHAT, Authorization=f"Bearer {alice}")
-    assert r.status_code == 200, r.text
+    post_chat(url, CHAT, headers={"Authorization": f"Bearer {alice}"})
     assert remove_key(keys_file(paths.config_file), "alice")
     for headers in ({}, {"Authorization": f"Bearer {alice}"}):
-        r = _post(url, "/v1/chat/completions", CHAT, **headers)
-        assert r.status_code == 401
+        post_chat(url, CHAT, headers=headers, expect=401)
     # nor does the local CLI's key: a proxy beyond loopback with no key lets nobody in
     assert fetch_status(paths, timeout=30) is None
 
@@ -138,8 +122,7 @@ def test_the_key_is_not_stored_in_telemetry(tmp_path: Path, make_core: MakeCore)
     core.start(wait_ready=True, timeout=180)
     assert core.proxy is not None
     url = f"http://127.0.0.1:{core.proxy.port}"
-    r = _post(url, "/v1/chat/completions", CHAT, Authorization=f"Bearer {key}")
-    assert r.status_code == 200, r.text
+    post_chat(url, CHAT, headers={"Authorization": f"Bearer {key}"})
     wait_until(lambda: bool(core.query("recent_requests", limit=5).result(10)), timeout=30)
     core.stop()  # flushes and closes the database
     stored = b"".join(p.read_bytes() for p in paths.state_dir.rglob("telemetry.sqlite3*"))

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import copy
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +33,7 @@ import pytest
 
 from core import apis
 from core.paths import resources_dir
-from tests.helpers import REPO, bare_llama_server
+from tests.helpers import REPO, bare_llama_server, post_chat
 
 pytestmark = pytest.mark.integration
 
@@ -234,18 +232,6 @@ def _expected(view: apis.ChatView, *, everything: bool) -> list[str]:
     return out
 
 
-def _post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            out: dict[str, Any] = json.loads(resp.read())
-            return out
-    except urllib.error.HTTPError as e:
-        raise AssertionError(f"{path}: {e.code} {e.read()[:500]!r}") from None
-
-
 @dataclass(frozen=True)
 class Renderer:
     name: str
@@ -288,11 +274,12 @@ def test_every_earlier_answer_reaches_the_prompt(renderer: tuple[Renderer, str])
     for conv in _conversations():
         view = apis.chat_view(conv.endpoint, conv.body)
         assert view is not None
-        prompt = _post(base, "/apply-template", view.body)["prompt"]
+        prompt = post_chat(base, view.body, path="/apply-template").json()["prompt"]
         if conv.endpoint in COUNT_PATH:  # the server's own reading of the client's body
-            counted = _post(base, COUNT_PATH[conv.endpoint], conv.body)["input_tokens"]
+            count = post_chat(base, conv.body, path=COUNT_PATH[conv.endpoint])
+            counted = count.json()["input_tokens"]
             tokenize = {"content": prompt, "add_special": True, "parse_special": True}
-            tokens = _post(base, "/tokenize", tokenize)["tokens"]
+            tokens = post_chat(base, tokenize, path="/tokenize").json()["tokens"]
             assert counted == len(tokens), (
                 f"{conv.name}: the chat view is not what the server reads"
             )

@@ -49,6 +49,8 @@ def _idle_until_closed(port: int, request: bytes) -> tuple[float, str]:
 
 
 def _post(body: dict[str, object]) -> bytes:
+    """A POST /completion as bytes, for a socket the test holds open between requests (the
+    keep-alive under test; tests.helpers.post_chat reads whole answers on its own)."""
     raw = json.dumps(body).encode()
     return (
         b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
