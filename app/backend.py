@@ -70,7 +70,6 @@ class Backend(Protocol):
         ...
 
 
-
 class CoreBackend:
     """A `Backend` over a live Core (commands run on the core thread)."""
 

@@ -161,8 +161,11 @@ class ChatView:
     def first_user_text(self) -> str:
         """The first user message's text ("" without one)."""
         return next(
-            (content_text(m.get("content")) for m in objects(self.body.get("messages"))
-             if m.get("role") == "user"),
+            (
+                content_text(m.get("content"))
+                for m in objects(self.body.get("messages"))
+                if m.get("role") == "user"
+            ),
             "",
         )
 

@@ -96,10 +96,10 @@ class Core:
         self._sub_lock = threading.Lock()
         self._stopping = False
         self.telemetry: Telemetry | None = None  # the history
-        self.cache_index: CacheIndex | None = None  # what the slot files are (its own file)
         # Lifetime totals behind /metrics: seeded from the history at start, then
         # counted from events (core.proxy_metrics).
         self.counters = Counters()
+        self.cache_index: CacheIndex | None = None  # what the slot files are (its own file)
         self.supervisor: Supervisor | None = None
         # The HTTP session to the primary llama-server, shared by the proxy and the
         # cache manager (the model pool makes one per other model).
@@ -240,6 +240,12 @@ class Core:
             self.paths.cache_index_db, slot_dir=self.paths.slot_dir, legacy=self.paths.telemetry_db
         )
         self.telemetry, history = Telemetry.open(self.paths.telemetry_db)
+        self.counters.seed(lifetime(self.telemetry))  # once; then counted in memory
+        # Each model's cold prefill rate continues from its history, so the headers'
+        # estimate and the dashboard's "saved" agree from the first request on.
+        for model, rate in self.telemetry.cold_prefill_rates().items():
+            self.prefill_rates.seed(model, rate["tokens"], rate["ms"])
+        self.subscribe(self.counters.record, COUNTED)
         if history is not None:
             log.warning("%s", history.text())
         for text in ([history.text()] if history else []) + self.cache_index.notes:
@@ -253,12 +259,6 @@ class Core:
                 e,
                 "`warmslot status` on this machine needs proxy.api_key for this run",
             )
-        self.counters.seed(lifetime(self.telemetry))  # once; then counted in memory
-        # Each model's cold prefill rate continues from its history, so the headers'
-        # estimate and the dashboard's "saved" agree from the first request on.
-        for model, rate in self.telemetry.cold_prefill_rates().items():
-            self.prefill_rates.seed(model, rate["tokens"], rate["ms"])
-        self.subscribe(self.counters.record, COUNTED)
         s = self.settings
         self.supervisor = Supervisor(
             paths=self.paths,

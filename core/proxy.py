@@ -1033,7 +1033,8 @@ class Proxy:
                 await self._open_stream(request, req, response, reuse)
         with contextlib.suppress(ConnectionError, RuntimeError):
             for chunk in held:
-                await response.write(chunk)
+                if chunk:
+                    await response.write(chunk)
             await response.write_eof()
         up.close()  # llama-server closes it after a stream anyway: never pool it
         if scanner.id_slot is not None:

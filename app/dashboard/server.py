@@ -32,7 +32,7 @@ def placement_text(plan: dict[str, Any] | None) -> str:
         experts = place.get("cpu_expert_layers") or []
         moe = f"; MoE experts of {len(experts)} layer(s) in host RAM" if experts else ""
         return (
-            f"Layers: placed by llama.cpp (llama-fit-params): -ngl {place.get('n_gpu_layers')}"
+            f"Layers: placed by llama.cpp (llama-fit-params): -ngl {place.get('ngl')}"
             f"{moe}. Warmslot's own estimate was -ngl {plan.get('n_gpu_layers')}."
         )
     return (

@@ -109,6 +109,7 @@ def tree_hash(root: Path) -> str:
 
 def copy_tree(root: Path, dest: Path) -> None:
     """Copy the source tree at `root` to `dest`, leaving out what `tree_hash` leaves out."""
+
     def ignore(d: str, names: list[str]) -> set[str]:
         rel = Path(d).relative_to(root).parts
         return {

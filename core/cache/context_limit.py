@@ -76,9 +76,7 @@ def _limit_of(body: Mapping[str, object]) -> int | None:
     return None
 
 
-def warning_for(
-    status: int, data: bytes, request_body: Mapping[str, object]
-) -> ContextHit | None:
+def warning_for(status: int, data: bytes, request_body: Mapping[str, object]) -> ContextHit | None:
     """The context hit a whole response shows, or None.
 
     A 400 whose message is llama-server's context error; a 200 that was stopped by

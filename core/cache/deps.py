@@ -43,11 +43,24 @@ if TYPE_CHECKING:
     import sqlite_utils
 
     from core.cache.index import CacheIndex
-    from core.cache.retention import HasRetention
     from core.paths import Paths
     from core.server.supervisor import Resolved
 
 Subscriber = Callable[[Event], None]
+
+
+class PeerRetention(Protocol):
+    """What the shared disk sweep reads of another model's retention (core.cache.retention)."""
+
+    def current_identity(self) -> str | None: ...
+    def in_use(self) -> set[str]: ...
+
+
+class HasRetention(Protocol):
+    """Another model's cache manager, as the shared disk sweep sees it."""
+
+    @property
+    def retention(self) -> PeerRetention: ...
 
 
 def _unmeasured() -> float | None:
@@ -164,7 +177,7 @@ def deps_from(
     return CacheDeps(
         settings=settings,
         server=handle,
-        upstream=upstream if upstream is not None else core.upstream,
+        upstream=up,
         db=db,
         emit=core.emit,
         subscribe=core.subscribe,

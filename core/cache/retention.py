@@ -71,7 +71,7 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import sqlite_utils
 from sqlite_utils.db import Table
@@ -84,7 +84,7 @@ from core.status import BackoffRow, CacheStatus
 from core.sweeps import Outcome
 
 if TYPE_CHECKING:
-    from core.cache.deps import CacheHost
+    from core.cache.deps import CacheHost, HasRetention
 
 __all__ = [
     "TTL_CLASSES",
@@ -273,13 +273,6 @@ class SaveBackoff:
 
 
 # ---------------------------------------------------------------------------- the sweeps
-class HasRetention(Protocol):
-    """Another model's cache manager, as the shared disk sweep sees it."""
-
-    @property
-    def retention(self) -> Retention: ...
-
-
 class Retention:
     """The disk retention sweep and the idle-session sweep of one cache manager."""
 

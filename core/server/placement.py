@@ -79,6 +79,13 @@ class Placement:
         return self.source == "llama-fit-params"
 
     @property
+    def ngl(self) -> str:
+        """``-ngl`` as llama-server takes it: llama-fit-params prints -1 ("auto", which
+        loads every layer and the output head) when everything fits; that is ``all``."""
+        n = self.n_gpu_layers
+        return "all" if n is not None and n < 0 else str(n)
+
+    @property
     def cpu_expert_layers(self) -> tuple[int, ...]:
         """Layers whose MoE expert tensors llama.cpp keeps in host memory."""
         found: set[int] = set()
@@ -93,7 +100,7 @@ class Placement:
         """The llama-server flags that launch with this placement."""
         if not self.known:
             return ["--fit", "on", "--fit-target", str(self.target_mib)]
-        argv = ["-ngl", str(self.n_gpu_layers)]
+        argv = ["-ngl", self.ngl]
         if self.tensor_split:
             argv += ["-ts", ",".join(map(str, self.tensor_split))]
         if self.overrides:
@@ -109,7 +116,7 @@ class Placement:
                 f"llama-server's --fit places layers at load (target {self.target_mib} MiB "
                 "free per device); this build has no llama-fit-params to ask beforehand"
             )
-        text = f"-ngl {self.n_gpu_layers}"
+        text = f"-ngl {self.ngl}"
         if self.tensor_split:
             text += f", -ts {','.join(map(str, self.tensor_split))}"
         experts = self.cpu_expert_layers
@@ -123,6 +130,7 @@ class Placement:
         """JSON-able form, with the derived expert layers and the flags."""
         out = asdict(self)
         out["cpu_expert_layers"] = list(self.cpu_expert_layers)
+        out["ngl"] = self.ngl
         out["argv"] = self.argv()
         return out
 

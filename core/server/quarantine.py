@@ -108,6 +108,11 @@ class CrashQuarantine:
         self._bound()
         return found
 
+    def excused(self) -> None:
+        """The server died of something outside the requests (an RPC worker was lost):
+        what was in flight is not to blame, and the run it was sent to is gone."""
+        self._inflight.clear()
+
     def refusal(self, digest: str) -> Quarantined | None:
         """The quarantine entry for this body while it holds, else None."""
         hit = self._refused.get(digest)

@@ -732,8 +732,12 @@ class Supervisor:
         what = stuck or (f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}")
         if lost := rpc.rpc_failure(self._run_lines()):
             # llama-server does not say which worker: the restart checks them and names it.
+            # The worker's loss is the cause, not the request that ran into it: that one
+            # is served again once the server is back without the worker.
             what += f", an RPC worker stopped answering: {lost}"
-        self._quarantine(what)
+            self.quarantine.excused()
+        else:
+            self._quarantine(what)
         if self.restarts >= settings.max_restarts:
             self._give_up(f"crashed ({what}); gave up after {self.restarts} restarts")
             return

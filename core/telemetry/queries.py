@@ -31,6 +31,7 @@ class ColdSums(TypedDict):
     tokens: int
     ms: float
 
+
 BUCKETS = {"minute": 60, "hour": 3600, "day": 86400}
 # The queries that may be run by name (`Telemetry.query`, `Core.query`, the GUI): the
 # read-only methods of `Queries` (which `Telemetry` is). Kept here, beside them, so a

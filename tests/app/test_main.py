@@ -175,7 +175,5 @@ def test_logs_without_a_file_manager_and_the_build_button_during_a_build(
     running = BuildProgress(build_id="b", percent=10.0, step="compiling", purpose="test")
     app.bridge.deliver(running)
     qtbot.waitUntil(lambda: not server.build_button.isEnabled(), timeout=5_000)
-    app.bridge.deliver(
-        BuildProgress(build_id="b", percent=100.0, step="built", done=True, ok=True)
-    )
+    app.bridge.deliver(BuildProgress(build_id="b", percent=100.0, step="built", done=True, ok=True))
     qtbot.waitUntil(server.build_button.isEnabled, timeout=5_000)

@@ -96,9 +96,7 @@ def test_a_request_row_says_why_and_expands_to_its_sections(qtbot: Any, offline:
     assert tab.why.topLevelItemCount() == 0
 
 
-def test_a_request_not_yet_explained_is_explained_when_selected(
-    qtbot: Any, known_db: Path
-) -> None:
+def test_a_request_not_yet_explained_is_explained_when_selected(qtbot: Any, known_db: Path) -> None:
     """The core explains on demand (core.cache.explain): selecting a row without an
     explanation asks for one and shows it when it comes."""
     from app.backend import TelemetryBackend
@@ -125,8 +123,10 @@ def test_a_request_not_yet_explained_is_explained_when_selected(
         rid = tab.rows[row]["request_id"]
         tab.table.selectRow(row)
         qtbot.waitUntil(
-            lambda: tab.why.topLevelItemCount() == 1
-            and tab.why.topLevelItem(0).text(0) == "why: made on demand",
+            lambda: (
+                tab.why.topLevelItemCount() == 1
+                and tab.why.topLevelItem(0).text(0) == "why: made on demand"
+            ),
             timeout=10_000,
         )
         assert asked == [rid]

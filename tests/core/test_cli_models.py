@@ -77,7 +77,10 @@ def test_models_json_table_and_use(tree: Tree, tmp_path: Path) -> None:
     assert clients["base_url"] == "http://127.0.0.1:8089/v1"
     assert clients["model"] == "tiny-coder-Q8_0"
     assert [c["id"] for c in clients["clients"] if c["works"]] == [
-        "opencode", "aider", "claude-code", "codex"  # all four work (issue 15)
+        "opencode",
+        "aider",
+        "claude-code",
+        "codex",  # all four work (issue 15)
     ]
 
     # A damaged file or a wrong number is refused and the setting stays.

@@ -251,7 +251,6 @@ async def test_a_flood_of_one_users_states_leaves_another_users_share_on_disk(
     assert len(reasons) == 3 and all("user 'bob'" in r and "fair share" in r for r in reasons)
 
 
-
 def test_client_snippets_read_the_key_when_only_named_keys_exist(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -76,6 +76,10 @@ def test_parse_answer_and_expert_layers() -> None:
     with pytest.raises(ValueError):
         placement.parse_answer("llama_params_fit: failed\n")
     assert placement.parse_answer("-c 8192 -ngl 40 -ts 30,10\n")[2] == (30, 10)
+    # Everything fits: the tool prints -1 ("auto" = every layer and the output head).
+    _, ngl, _, _ = placement.parse_answer("-c 8192 -ngl -1\n")
+    whole = placement.Placement("llama-fit-params", n_gpu_layers=ngl)
+    assert whole.argv() == ["-ngl", "all", "--fit", "off"] and "-ngl all" in whole.describe()
 
 
 def test_model_flags_keep_what_changes_memory_and_drop_server_flags() -> None:

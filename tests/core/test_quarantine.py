@@ -81,3 +81,14 @@ def test_memory_stays_bounded() -> None:
         q.crashed("x")
     assert q.refused == MAX_BODIES
     assert q.refusal("0") is None and q.refusal(str(MAX_BODIES + 49)) is not None
+
+
+def test_a_crash_with_an_outside_cause_blames_nothing_in_flight() -> None:
+    """A lost RPC worker kills the server under whatever request needed it: that request
+    is not quarantined, and a later crash does not count it either."""
+    q = CrashQuarantine(clock=lambda: 100.0)
+    token = q.begin("abc")
+    q.end(token, failed=True)
+    q.excused()
+    assert q.refusal("abc") is None
+    assert q.crashed("signal SIGSEGV") == []  # nothing was in flight any more

@@ -109,9 +109,7 @@ def test_changing_the_template_rebuilds_prefixes_once(tmp_path: Path) -> None:
     assert "restore_ok" not in kinds, "a state built with the old template was restored"
     # Prefix states (conversation states are saved too, under their own fingerprints).
     saves = [
-        e
-        for e in new_events
-        if e["kind"] == "save" and e["details"].get("state") != "conversation"
+        e for e in new_events if e["kind"] == "save" and e["details"].get("state") != "conversation"
     ]
     assert saves and all(e["fingerprint"] in {f[:16] for f in fps_b - fps_a} for e in saves)
     assert len({e["fingerprint"] for e in saves}) == len(saves), "each prefix rebuilt once"
