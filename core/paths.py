@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import platformdirs
@@ -65,6 +65,12 @@ class Paths:
             state_dir=base / "state",
             log_dir=base / "logs",
         )
+
+    def scratch(self, base: Path) -> Paths:
+        """The folders of a throwaway run under `base` (a benchmark) that share this
+        installation's cache: its llama-server builds and assembled models, so the run
+        neither builds again what is built nor throws away a build it needed."""
+        return replace(Paths.under(base), cache_dir=self.cache_dir)
 
     # Files and folders derived from the directories: named once, here.
     @property

@@ -64,4 +64,5 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
         binary=settings.server.binary,
         threads=threads,
         with_cache=args.with_cache,
+        user=paths,
     )

@@ -284,8 +284,10 @@ def run(
     threads: int = 0,
     with_cache: bool = False,
     progress: Callable[[str], None] | None = None,
+    user: Paths | None = None,
 ) -> OverheadReport:
-    """Start a Core on `model`, measure, stop it; returns the report."""
+    """Start a Core on `model`, measure, stop it; returns the report. `user`: the
+    installation whose llama-server builds the run uses (`Paths.scratch`)."""
     from core.engine import Core
 
     settings = Settings()
@@ -302,7 +304,8 @@ def run(
 
         policy_factory = cache_policy
     with tempfile.TemporaryDirectory(prefix="warmslot-bench-") as tmp:
-        core = Core(Paths.under(Path(tmp)), settings, policy_factory=policy_factory)
+        home = user.scratch(Path(tmp)) if user is not None else Paths.under(Path(tmp))
+        core = Core(home, settings, policy_factory=policy_factory)
         core.start(wait_ready=True, timeout=600)
         try:
             sup, proxy = core.supervisor, core.proxy
@@ -379,6 +382,7 @@ def main_overhead(
     binary: str = "",
     threads: int = 0,
     with_cache: bool = False,
+    user: Paths | None = None,
 ) -> int:
     progress = None if as_json else (lambda s: print(s, file=sys.stderr, flush=True))
     report = run(
@@ -388,6 +392,7 @@ def main_overhead(
         threads=threads,
         with_cache=with_cache,
         progress=progress,
+        user=user,
     )
     print(json.dumps(report, indent=2) if as_json else format_report(report))
     return 0

@@ -452,15 +452,17 @@ def run_model(
     binary: str = "",
     bandwidth_mib: int = BANDWIDTH_FILE_MIB,
     log: Log | None = None,
+    user: Paths | None = None,
 ) -> ModelReport:
-    """Every size on one llama-server launch of `model`; returns the model's report."""
+    """Every size on one llama-server launch of `model`; returns the model's report.
+    `user`: the installation whose llama-server builds the run uses (`Paths.scratch`)."""
     from core.engine import Core
 
     trained, ctx = slot_context(model, sizes)
     settings = server_settings(model, ctx, threads, binary)
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="warmslot-bench-restore-") as tmp:
-        core = Core(Paths.under(Path(tmp)), settings)
+        core = Core(user.scratch(Path(tmp)) if user else Paths.under(Path(tmp)), settings)
         core.start(wait_ready=True, timeout=600)
         try:
             sup = core.supervisor
@@ -588,10 +590,19 @@ def run(
     binary: str = "",
     bandwidth_mib: int = BANDWIDTH_FILE_MIB,
     log: Log | None = None,
+    user: Paths | None = None,
 ) -> RestoreReport:
     """The whole report: every model, every size."""
     reports = [
-        run_model(m, sizes, threads=threads, binary=binary, bandwidth_mib=bandwidth_mib, log=log)
+        run_model(
+            m,
+            sizes,
+            threads=threads,
+            binary=binary,
+            bandwidth_mib=bandwidth_mib,
+            log=log,
+            user=user,
+        )
         for m in models
     ]
     return {
@@ -668,6 +679,7 @@ def _cmd(args: argparse.Namespace) -> int:
             binary=settings.server.binary,
             bandwidth_mib=args.bandwidth_mib,
             log=log,
+            user=paths,
         )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

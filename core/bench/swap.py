@@ -92,7 +92,7 @@ def run_arm(
     scale: float,
     ctx: int,
     budget_mib: int,
-    home: Path,
+    home: Paths,
     log: Any = None,
 ) -> ArmResult:
     """Run one arm: `rounds` agent sessions on each model in turn, one budget for both."""
@@ -108,7 +108,7 @@ def run_arm(
         for r in make_trace(sessions=rounds, turns=1, scale=scale, restart_before_session=None)
         if r.kind == "agent"
     ]
-    core = Core(Paths.under(home), s, policy_factory=policy_factory)
+    core = Core(home, s, policy_factory=policy_factory)
     core.start(wait_ready=True, timeout=300)
     rows: list[SwapRequest] = []
     t0 = time.perf_counter()
@@ -167,8 +167,10 @@ def run(
     ctx: int = 24576,
     workdir: Path | None = None,
     log: Any = None,
+    user: Paths | None = None,
 ) -> list[ArmResult]:
-    """Both arms, plain then swap-aware, on the same models and budget."""
+    """Both arms, plain then swap-aware, on the same models and budget. `user`: the
+    installation whose llama-server builds they use (`Paths.scratch`)."""
     base = workdir or Path(tempfile.mkdtemp(prefix="warmslot-swap-"))
     try:
         budget = budget_for_one(model_a, model_b, ctx, base)
@@ -181,7 +183,7 @@ def run(
                 scale=scale,
                 ctx=ctx,
                 budget_mib=budget,
-                home=base / name,
+                home=user.scratch(base / name) if user else Paths.under(base / name),
                 log=log,
             )
             for name in ("plain", "swap-aware")
@@ -230,7 +232,13 @@ def add_parser(bench_sub: Any) -> None:
 def _cmd(args: argparse.Namespace) -> int:
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     results = run(
-        args.model_a, args.model_b, rounds=args.rounds, scale=args.scale, ctx=args.ctx, log=log
+        args.model_a,
+        args.model_b,
+        rounds=args.rounds,
+        scale=args.scale,
+        ctx=args.ctx,
+        log=log,
+        user=Paths.default(getattr(args, "dev_dir", None)),
     )
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     return 0

@@ -188,6 +188,7 @@ def run(
     alternate: bool = False,
     cache_ram_mib: int | None = None,
     binary: str = "",
+    user: Paths | None = None,
 ) -> list[RunSummary]:
     """Run both arms and return their summaries (bare first).
 
@@ -211,9 +212,11 @@ def run(
             s = s.replace("server.chat_template_file", template)
             if cache_ram_mib is not None:
                 s = s.replace("server.cache_ram_mib", cache_ram_mib)
-            if binary:  # this binary or none: never a build in a benchmark's scratch home
-                s = s.replace("server.binary", binary).replace("server.build", "off")
-            core = Core(Paths.under(home), s, policy_factory=factory)
+            s = s.replace("server.binary", binary)
+            # Both arms use the user's builds (`Paths.scratch`): the same binary, found or
+            # built once and kept.
+            paths = user.scratch(home) if user is not None else Paths.under(home)
+            core = Core(paths, s, policy_factory=factory)
             core.start(wait_ready=True)
             try:
                 result = replay(core, trace, name, through_proxy=proxy, log=log)
@@ -320,11 +323,6 @@ def _cmd(args: argparse.Namespace) -> int:
     template = args.chat_template or str(chat_template_for(settings.server, resolved) or "")
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     pinned = {a for a in ("--slots", "--ctx") if any(x.startswith(a) for x in sys.argv)}
-    # The binary this user's Warmslot would run: the arms' scratch homes have no build
-    # cache of their own (and must never start a build).
-    from core.server import discover
-
-    found = discover.discover(paths, settings.server.binary).found
     summaries = run(
         model,
         template=template,
@@ -336,7 +334,8 @@ def _cmd(args: argparse.Namespace) -> int:
         log=log,
         alternate=args.alternate,
         cache_ram_mib=args.cache_ram,
-        binary=str(found.path) if found is not None else "",
+        binary=settings.server.binary,
+        user=paths,
     )
     if args.json:
         print(json.dumps(summaries, indent=2))

@@ -54,3 +54,13 @@ def test_files_made_after_ensure_are_owner_only(tmp_path: Path, umask_restored: 
     f = paths.state_dir / "made-later.json"
     f.write_text("{}")
     assert mode(f) == 0o600
+
+
+def test_a_scratch_home_shares_the_users_builds(tmp_path: Path) -> None:
+    """A benchmark's throwaway home finds (and keeps) the user's llama-server builds:
+    `warmslot bench overhead` built llama-server into a temporary folder on every run."""
+    user = Paths.under(tmp_path / "user")
+    scratch = user.scratch(tmp_path / "bench")
+    assert scratch.builds_dir == user.builds_dir
+    assert scratch.state_dir == tmp_path.resolve() / "bench" / "state"
+    assert scratch.config_file != user.config_file and scratch.slot_dir != user.slot_dir
