@@ -994,6 +994,12 @@ class Proxy:
         response = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        # llama-server closes the connection after a stream (docs/llama-server-facts.md
+        # #keep-alive), but aiohttp hands it back to the pool at the stream's last byte,
+        # before the close arrives: the next request went out on it and was lost (a 502,
+        # 1 in ~50 requests after a stream). Marked now, it is closed, never pooled.
+        if up.connection is not None and up.connection.protocol is not None:
+            up.connection.protocol.force_close()
         scanner = SSEScanner(strip_timings=req.strip_timings)
         held: list[bytes] = []  # what came before the headers could go
         ttfb: float | None = None
@@ -1036,7 +1042,6 @@ class Proxy:
                 if chunk:
                     await response.write(chunk)
             await response.write_eof()
-        up.close()  # llama-server closes it after a stream anyway: never pool it
         if scanner.id_slot is not None:
             req.slot = scanner.id_slot
         if scanner.upstream_error and not error:

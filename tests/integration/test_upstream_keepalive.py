@@ -11,8 +11,11 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
+
 from core.server.upstream import KEEPALIVE_S
-from tests.helpers import bare_llama_server
+from tests.conftest import MakeCore
+from tests.helpers import CHAT_PATH, bare_llama_server
 
 
 def _exchange(sock: socket.socket, request: bytes) -> str:
@@ -79,3 +82,28 @@ def test_llama_server_closes_idle_connections_after_5_s_and_the_pool_lets_go_soo
         assert streamed < 1.0 and "Keep-Alive: timeout=5" in headers
     # Warmslot's pool drops an idle connection with seconds to spare.
     assert min(idle, idle_post) - 2 >= KEEPALIVE_S
+
+
+def test_a_request_right_after_a_stream_never_gets_the_closed_connection(
+    make_core: MakeCore,
+) -> None:
+    """llama-server closes its connection after every stream, but aiohttp pooled it at the
+    stream's last byte, before the close arrived: the next request went out on it and
+    was lost (a 502 about once in 35 pairs, seen in `warmslot bench overhead`). 150
+    stream → request pairs from a keep-alive client, as agents send them: 300 × 200."""
+    core = make_core()
+    core.start(wait_ready=True, timeout=120)
+    assert core.proxy is not None
+    chat: dict[str, object] = {
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    statuses: list[int] = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{core.proxy.port}", timeout=120) as client:
+        for _ in range(150):
+            with client.stream("POST", CHAT_PATH, json={**chat, "stream": True}) as r:
+                r.read()
+                statuses.append(r.status_code)
+            statuses.append(client.post(CHAT_PATH, json=chat).status_code)
+    assert statuses == [200] * 300, [s for s in statuses if s != 200]
