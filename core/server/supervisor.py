@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import logging.handlers
 import os
 import secrets
 import signal
@@ -60,6 +59,7 @@ from core.paths import Paths
 from core.server import logparse, process, rpc
 from core.server.argv import LaunchInputs, build_argv
 from core.server.discover import ServerBinary
+from core.server.logfile import ServerLogFile
 from core.server.model import ModelFile, short_name
 from core.server.quarantine import CrashQuarantine, Quarantined
 from core.status import ServerSnapshot
@@ -76,8 +76,6 @@ _CRASH_SIGNALS = {
 HEALTHY_RESET_S = 300.0  # a run this long resets the restart counter
 LOG_TAIL_LINES = 2000
 PUMP_CHUNK_BYTES = 64 * 1024  # llama-server's output is read this much at a time at most
-LOG_FILE_MAX_BYTES = 10 << 20
-LOG_FILE_KEEP = 3
 STOP_GRACE_S = 10.0
 # How often a ready server must prove that its main loop runs, and how long it may take.
 # The loop answers between two batches, and one batch of a large prompt on a slow CPU,
@@ -152,31 +150,11 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _open_log(path: Path) -> logging.handlers.RotatingFileHandler:
-    """llama-server's output file, rotated by size: ``llama-server.log``, ``.1`` …
-    ``.LOG_FILE_KEEP``. Lines are written through `_write_log` as they are, one a line."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    handler = logging.handlers.RotatingFileHandler(
-        path,
-        maxBytes=LOG_FILE_MAX_BYTES,
-        backupCount=LOG_FILE_KEEP,
-        encoding="utf-8",
-        errors="replace",  # llama-server prints what the model says, bytes and all
-    )
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    return handler
-
-
 def _quarantine_text(hit: Quarantined) -> str:
     return (
         f"llama-server died ({hit.what}) while answering a request; the same request "
         f"(body sha256 {hit.digest[:16]}…) is refused for {(hit.until - hit.at) / 60:.0f} min"
     )
-
-
-def _write_log(handler: logging.Handler, line: str) -> None:
-    # A record without args: a "%" in the line is printed, never interpolated.
-    handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
 
 
 class Supervisor:
@@ -220,7 +198,7 @@ class Supervisor:
         self._restart_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._ready = asyncio.Event()
-        self._logfile: logging.handlers.RotatingFileHandler | None = None
+        self._logfile = ServerLogFile(self._log_path)
         self._started_at = 0.0
         self._http: aiohttp.ClientSession | None = None
         self._api_key: str | None = None
@@ -303,9 +281,7 @@ class Supervisor:
 
     async def close(self) -> None:
         await self.stop("shutdown")
-        if self._logfile is not None:
-            self._logfile.close()
-            self._logfile = None
+        self._logfile.close()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -502,13 +478,12 @@ class Supervisor:
                 "server.extra_args hold an API key of your own: it also opens llama-server's port"
             )
         cors_note = " ".join(f"{k}={env[k]}" for k in _CORS_ENV)
-        if self._logfile is None:
-            self._logfile = _open_log(self._log_path)
-        _write_log(
-            self._logfile,
-            # As a shell line: the environment it adds, then the argv.
-            f"==== warmslot: launching run {self.run_id}: {cors_note} {' '.join(argv)}",
-        )
+        # As a shell line: the environment it adds, then the argv. A log that cannot be
+        # written (a full disk) does not stop the launch.
+        with contextlib.suppress(OSError, ValueError):
+            self._logfile.write(
+                [f"==== warmslot: launching run {self.run_id}: {cors_note} {' '.join(argv)}"]
+            )
         log.info("launching llama-server: %s %s", cors_note, " ".join(argv))
         try:
             proc = await process.spawn(argv, env=env)
@@ -653,28 +628,34 @@ class Supervisor:
                 chunk = await proc.stdout.read(PUMP_CHUNK_BYTES)
             except (OSError, ValueError):  # the pipe broke: nothing more to read
                 chunk = b""
-            lines = splitter.feed(chunk) if chunk else splitter.close()
-            for line in lines:
-                self._take_line(line)
+            self._take_lines(splitter.feed(chunk) if chunk else splitter.close())
             if not chunk:
                 break
-        if self._logfile is not None:
-            with contextlib.suppress(OSError, ValueError):
-                self._logfile.flush()
 
-    def _take_line(self, line: str) -> None:
-        """One output line into the tail, the log file and a `LogLine` event."""
-        self.log_tail.append(line)
-        self._lines_total += 1
+    def _take_lines(self, lines: list[str]) -> None:
+        """Output lines into the tail, the log file (one write for all) and a `LogLine`
+        event each. A line that cannot be handled is counted and skipped, never the rest."""
+        if not lines:
+            return
+        self.log_tail.extend(lines)
+        self._lines_total += len(lines)
         try:
-            if self._logfile is not None:
-                _write_log(self._logfile, line)
-            parsed = logparse.parse_line(line)
-            self._emit(LogLine(level=parsed.level, area=parsed.area, text=parsed.text, raw=line))
-        except Exception:
-            self._line_failures += 1
-            if self._line_failures == 1:  # once: the next one would be as loud
-                log.exception("could not handle a line of llama-server's output; reading on")
+            self._logfile.write(lines)
+        except (OSError, ValueError):  # a full disk under the log: the events still go
+            self._line_failed()
+        for line in lines:
+            try:
+                parsed = logparse.parse_line(line)
+                self._emit(
+                    LogLine(level=parsed.level, area=parsed.area, text=parsed.text, raw=line)
+                )
+            except Exception:
+                self._line_failed()
+
+    def _line_failed(self) -> None:
+        self._line_failures += 1
+        if self._line_failures == 1:  # once: the next one would be as loud
+            log.exception("could not handle a line of llama-server's output; reading on")
 
     async def _check_progress(self, proc: asyncio.subprocess.Process, url: str) -> None:
         """Ask the ready server for ``/metrics`` every `PROGRESS_EVERY_S`; kill it when
@@ -855,6 +836,4 @@ class Supervisor:
         self._record_exit(proc, "requested", requested_by, proc.returncode)
         self._proc = None
         self._api_key = None
-        if self._logfile is not None:
-            self._logfile.flush()
         self._set_state(ServerState.STOPPED, f"stopped by {requested_by}")

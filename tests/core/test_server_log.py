@@ -4,31 +4,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from core.events import ServerLaunched
-from core.server import supervisor
+from core.server.logfile import KEEP, ServerLogFile
 from tests.conftest import MakeCore
 from tests.helpers import EventLog, make_fake_binary
 
 
-def test_rotation_keeps_the_newest_lines_in_order_within_the_limits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(supervisor, "LOG_FILE_MAX_BYTES", 300)
+def test_rotation_keeps_the_newest_lines_in_order_within_the_limits(tmp_path: Path) -> None:
     path = tmp_path / "logs" / "llama-server.log"  # the folder is made on open
-    handler = supervisor._open_log(path)
+    log = ServerLogFile(path, max_bytes=300)
     try:
         written = [f"line {i:03d} 100% of é \udcff?"[:20] for i in range(200)]
         written[-1] = "last: %s %d 100%"  # printed as it is, never interpolated
-        for line in written:
-            supervisor._write_log(handler, line)
+        for i in range(0, len(written), 7):  # as the pump writes them: a chunk at a time
+            log.write(written[i : i + 7])
     finally:
-        handler.close()
+        log.close()
 
-    files = [path, *(path.with_name(f"{path.name}.{i}") for i in (1, 2, 3))]
+    files = [path, *(path.with_name(f"{path.name}.{i}") for i in range(1, KEEP + 1))]
     assert all(f.is_file() for f in files)
-    assert not path.with_name(f"{path.name}.4").exists()  # LOG_FILE_KEEP = 3 kept
+    assert not path.with_name(f"{path.name}.{KEEP + 1}").exists()  # KEEP backups kept
     assert all(f.stat().st_size <= 300 for f in files)
     # Oldest backup first: the newest lines, contiguous and in order, end with the last.
     kept = [ln for f in reversed(files) for ln in f.read_text("utf-8").splitlines()]
@@ -39,12 +34,12 @@ def test_rotation_keeps_the_newest_lines_in_order_within_the_limits(
 
 
 def test_a_bad_line_does_not_stop_the_log(tmp_path: Path) -> None:
-    handler = supervisor._open_log(tmp_path / "llama-server.log")
+    log = ServerLogFile(tmp_path / "llama-server.log")
     try:
-        supervisor._write_log(handler, "before \udcff after")  # a lone surrogate: replaced
-        supervisor._write_log(handler, "next")
+        log.write(["before \udcff after"])  # a lone surrogate: replaced
+        log.write(["next"])
     finally:
-        handler.close()
+        log.close()
     assert (tmp_path / "llama-server.log").read_text("utf-8").splitlines() == [
         "before ? after",
         "next",
