@@ -48,8 +48,8 @@ from app.single import SingleInstance, server_name
 from app.tasks import Tasks
 from app.tray import Tray
 from core import config as config_mod
+from core.config.keys import key_required
 from core.errors import ConfigError
-from core.keys import key_required
 from core.paths import Paths
 
 log = logging.getLogger("warmslot.gui")
@@ -386,7 +386,7 @@ def missing_xcb_libraries() -> str:
     Checked before QApplication exists: once Qt fails to load its platform plugin it
     aborts the process, naming the wrong library.
     """
-    from core.syslibs import check_tray_libraries, qt_will_use_xcb
+    from core.machine.syslibs import check_tray_libraries, qt_will_use_xcb
 
     if not qt_will_use_xcb():
         return ""
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     qapp.setOrganizationName(APP_NAME)
     qapp.setDesktopFileName("warmslot")
     paths = Paths.default(args.dev_dir)
-    from core.cli import setup_logging
+    from core.logs import setup_logging
 
     setup_logging(paths, args.verbose)
     if leaks := reference_leaks():  # the binding's own bug: say so before it bites

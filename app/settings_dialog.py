@@ -35,10 +35,10 @@ from app.controller import error_text
 from app.dialogs import RestartOffer
 from app.qt import QObject, Qt, QtWidgets, Signal
 from app.tasks import Tasks
-from core import autostart
 from core import config as config_mod
 from core.config import Applies, FileRead, Problem, Settings, SettingSpec, SettingsUpdate
 from core.errors import ConfigError
+from core.machine import autostart
 
 INT_LIMIT = 2**31 - 1
 FILE_FIELDS = {"server.binary", "server.model", "server.chat_template_file"}
@@ -379,7 +379,7 @@ class SettingsDialog(QtWidgets.QDialog):
             label.setToolTip(f"{spec.description}\n\n{WHEN_TIP[spec.applies]}")
             forms[section].addRow(label, field.container)
 
-        # Not a core setting: the XDG autostart entry is the truth (core/autostart.py).
+        # Not a core setting: the XDG autostart entry is the truth (core/machine/autostart.py).
         self.autostart = QtWidgets.QCheckBox("Start Warmslot's tray at login")
         self.autostart.setObjectName("autostart")
         self.autostart.setChecked(autostart.is_enabled())

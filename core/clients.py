@@ -10,10 +10,10 @@ module; ``warmslot clients --markdown`` prints the two sections to paste.
 Pure functions of the proxy's URL, a model name, whether a key is required and how
 long Warmslot waits for llama-server (``proxy.upstream_timeout_s``: each agent is set
 to wait as long). Whether a client works follows from the routes the proxy forwards
-(`core.proxy.JSON_ROUTES`): opencode and aider speak OpenAI chat completions, Claude
+(`core.proxy.app.JSON_ROUTES`): opencode and aider speak OpenAI chat completions, Claude
 Code Anthropic's Messages API (``POST /v1/messages``) and Codex CLI OpenAI's
 Responses API (``POST /v1/responses``); the proxy manages all three alike
-(`core.apis`), /v1/messages with slot pinning only on a server with patch 0004.
+(`core.chat`), /v1/messages with slot pinning only on a server with patch 0004.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from core.config import Settings
 from core.models import profiles
-from core.proxy import JSON_ROUTES
+from core.proxy.app import JSON_ROUTES
 
 __all__ = [
     "API_KEY_ENV",

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from core import config as config_mod
-from core.backends import BackendSet
 from core.build import BuildRequest
 from core.cache import explain
 from core.cache.background import Background
@@ -39,18 +38,19 @@ from core.cache.index import CacheIndex
 from core.cache.manager import CacheManager
 from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings, SettingsUpdate
+from core.config.keys import KeyRing, keys_file, local_key_file, write_local_key
 from core.errors import CacheError, CoreStopped, WarmslotError
 from core.events import Event, Notice, ServerStateChanged, SettingsChanged
-from core.keys import KeyRing, keys_file, local_key_file, write_local_key
+from core.machine.devices import GpuInfo, read_llama_devices
+from core.machine.pressure import PressureMonitor, Sampler
+from core.machine.sweeps import Outcome, Sweeps
 from core.models import profiles
+from core.models.backends import BackendSet
 from core.models.pool import ModelPool
 from core.paths import Paths
-from core.pressure import PressureMonitor, Sampler
-from core.proxy import CacheService, Proxy
-from core.proxy_headers import PrefillRates
-from core.proxy_metrics import COUNTED, Counters, Metrics
+from core.proxy.app import CacheService, Proxy
+from core.proxy.metrics import COUNTED, Counters, Metrics
 from core.server import discover
-from core.server.devices import GpuInfo, read_llama_devices
 from core.server.fit import FitPlan
 from core.server.fit_report import format_plan
 from core.server.launch import resolve_launch
@@ -59,8 +59,8 @@ from core.server.rpc import WorkerSet, watch_in_use
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
 from core.status import EvictResult, Explanation, PinResult, RewarmResult, Status
-from core.sweeps import Outcome, Sweeps
 from core.telemetry import QUERIES, Telemetry
+from core.telemetry.rates import PrefillRates
 from core.telemetry.totals import lifetime
 
 log = logging.getLogger("warmslot.core")
@@ -97,7 +97,7 @@ class Core:
         self._stopping = False
         self.telemetry: Telemetry | None = None  # the history
         # Lifetime totals behind /metrics: seeded from the history at start, then
-        # counted from events (core.proxy_metrics).
+        # counted from events (core.proxy.metrics).
         self.counters = Counters()
         self.cache_index: CacheIndex | None = None  # what the slot files are (its own file)
         self.supervisor: Supervisor | None = None

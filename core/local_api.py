@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import psutil
 
 from core import config as config_mod
-from core.keys import client_key
+from core.config.keys import client_key
 from core.paths import Paths
 
 RUNNING = "running"

@@ -434,7 +434,7 @@ class ContextHitRow(TypedDict):
 
 
 class ContextLimitsStatus(TypedDict):
-    """Requests that hit the slot's context (core.cache.context_limit)."""
+    """Requests that hit the slot's context (core.proxy.context_limit)."""
 
     n_ctx_slot: int | None
     total: int
@@ -565,7 +565,7 @@ class ExplainedRequest(TypedDict):
     slot: int | None
     kind: NotRequired[str]  # the keys below: kept in memory, not in the database
     endpoint: NotRequired[str]
-    edits: NotRequired[list[str]]  # what the proxy changed in the body (core.apis)
+    edits: NotRequired[list[str]]  # what the proxy changed in the body (core.chat)
 
 
 class ExplainedSection(TypedDict):

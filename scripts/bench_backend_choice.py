@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core import apis
-from core.backend_choice import Affinity, BackendView, Pick
-from core.router import Router, Target
+from core import chat as apis
+from core.routing.choice import Affinity, BackendView, Pick
+from core.routing.router import Router, Target
 from core.server.upstream import Upstream
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/clients/opencode/requests.json"

@@ -170,7 +170,7 @@ def build(env: dict[str, str], home: Path) -> Path:
     cmd = [
         sys.executable,
         "-m",
-        "core.cli",
+        "core.cli.main",
         "build",
         "--backend",
         "cuda",
@@ -203,7 +203,7 @@ def fit(env: dict[str, str], home: Path, binary: Path, model: Path) -> None:
     cfg = home / "config" / "warmslot.toml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(f'[server]\nbinary = "{binary}"\nslots = 2\nctx_per_slot = 32768\n')
-    cmd = [sys.executable, "-m", "core.cli", "fit", "--model", str(model), "--json"]
+    cmd = [sys.executable, "-m", "core.cli.main", "fit", "--model", str(model), "--json"]
     proc = subprocess.run(
         cmd,
         capture_output=True,

@@ -3,7 +3,7 @@
 - `tiny_model` / `gemma_model`: real GGUF files, made once and kept in the test
   cache (``$WARMSLOT_TEST_CACHE``, default ``~/.cache/warmslot-tests``).
 - `core_settings`: settings for a fast test server (tiny model, 2 slots, 4096
-  tokens each, 2 threads, an ephemeral proxy port: read ``core.proxy.port``).
+  tokens each, 2 threads, an ephemeral proxy port: read ``core.proxy.app.port``).
 - `make_core`: builds Cores under a fresh folder and always stops them.
 - `running_core`: one Core with a ready llama-server for the whole session, for
   tests that only read or send ordinary requests.

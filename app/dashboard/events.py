@@ -18,7 +18,7 @@ from app.dashboard.base import (
 )
 from app.qt import QtWidgets
 from core.events import CacheEventKind
-from core.telemetry_rows import EventRow
+from core.telemetry.rows import EventRow
 
 CATEGORIES = ["all", "cache", "server", "pressure", "notice", "build", "settings"]
 # The cache event kinds the kind filter offers (any other can be typed in).

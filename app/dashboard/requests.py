@@ -23,7 +23,7 @@ from app.qt import QtWidgets
 from core.cache.explain import from_row
 from core.events import CacheEventKind
 from core.status import Explanation, RequestRow
-from core.telemetry_rows import EventRow, ExplanationRow
+from core.telemetry.rows import EventRow, ExplanationRow
 
 LIMIT = 200
 

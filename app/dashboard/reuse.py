@@ -14,7 +14,7 @@ from app.qt import QtWidgets
 from core.events import CacheEventKind
 from core.status import ClientRow
 from core.telemetry import BUCKETS
-from core.telemetry_rows import EventRow, TtfbMedians
+from core.telemetry.rows import EventRow, TtfbMedians
 
 # bucket → (label, window in seconds)
 WINDOWS: dict[str, tuple[str, int]] = {

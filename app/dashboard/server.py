@@ -10,10 +10,10 @@ from app import fmt
 from app.charts import tone
 from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import Qt, QtGui, QtWidgets
-from core.backends import backend_lines
 from core.events import BuildProgress, LogLine
+from core.models.backends import backend_lines
 from core.status import ExitInfo, ServerStatus, Status
-from core.telemetry_rows import ServerRunRow
+from core.telemetry.rows import ServerRunRow
 
 LOG_BLOCKS = 2000
 LEVEL_TONES = {"error": "error", "warn": "warn", "warning": "warn"}  # app.charts.TONES

@@ -1,4 +1,4 @@
-"""`warmslot bench …`: benchmarks, registered into the main CLI by `core.cli`.
+"""`warmslot bench …`: benchmarks, registered into the main CLI by `core.cli.main`.
 
 - ``warmslot bench overhead [--requests N] [--json] [--model PATH]``: the latency
   the proxy adds (see `core.bench.overhead`).

@@ -8,7 +8,7 @@ import time
 import urllib.request
 from collections.abc import Mapping
 
-from core.apis import JsonObject
+from core.chat import JsonObject
 from core.engine import Core
 
 

@@ -42,7 +42,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from core.apis import JsonObject
 from core.bench.common import post_json
 from core.bench.overhead import Machine
 from core.bench.restore_report import (
@@ -64,6 +63,7 @@ from core.cache.probe import (
     probe_request_for,
 )
 from core.cache.store import StateRecord, StateStore, file_sha256
+from core.chat import JsonObject
 from core.config import Settings
 from core.paths import Paths
 from core.server.client import CompletionAnswer, SlotActionAnswer

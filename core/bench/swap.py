@@ -47,8 +47,8 @@ def settings_for_swap(
 
 def budget_for_one(model_a: str, model_b: str, ctx: int, state_dir: Path) -> int:
     """A RAM budget (MiB) that fits the larger model alone but not both."""
+    from core.machine import devices
     from core.models import profiles
-    from core.server import devices
 
     s = settings_for_swap(model_a, model_b, ctx=ctx, budget_mib=0, cache=True)
     host = devices.read_host(state_dir)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from core.errors import BuildError
-from core.server import process
+from core.machine import process
 
 __all__ = [
     "BuildCancelled",

@@ -22,7 +22,7 @@ rpath pointing into a build tree that no longer exists.
 
 Progress goes to an ``on_progress`` callback as `BuildProgress` events (on the event-loop
 thread), cancellation through an `asyncio.Event` (or cancelling the task): cmake runs in
-its own session and the whole session is killed (`core.server.process`), the temp dir
+its own session and the whole session is killed (`core.machine.process`), the temp dir
 removed. `build_sync` (the CLI) turns SIGINT, SIGTERM and SIGHUP into that cancellation:
 without it a signal ended Python at once and left cmake and ninja compiling, orphaned,
 in a temp dir that only the next build would sweep.

@@ -31,7 +31,7 @@ from core.build.cuda_wheels import (
     wheel_cmake_args,
 )
 from core.errors import BuildError
-from core.syslibs import os_release_ids
+from core.machine.syslibs import os_release_ids
 
 __all__ = [
     "BACKENDS",

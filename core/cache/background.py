@@ -36,9 +36,9 @@ from core.cache.store import StateRecord, safe_name
 from core.config import Settings
 from core.errors import CacheError
 from core.events import CacheEvent, CacheEventKind
-from core.pressure import PressureMonitor
+from core.machine.pressure import PressureMonitor
+from core.machine.sweeps import Outcome, Sweeps
 from core.status import CacheStatus, EvictResult, PinResult, RewarmResult, SavedRow, SlotRow
-from core.sweeps import Outcome, Sweeps
 
 if TYPE_CHECKING:
     from core.cache import prefix as pfx

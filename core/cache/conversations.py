@@ -55,7 +55,7 @@ from core.cache.retention import save_problem
 from core.cache.store import StateRecord, file_sha256
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEventKind
-from core.proxy_types import ProxyRequest
+from core.proxy.types import ProxyRequest
 
 if TYPE_CHECKING:
     from core.cache.retention import Retention

@@ -33,11 +33,11 @@ from core.cache.store import StateRecord, StateStore
 from core.clock import Clock
 from core.config import Settings
 from core.events import Event
-from core.pressure import PressureMonitor
-from core.proxy_headers import PrefillRates
+from core.machine.pressure import PressureMonitor
+from core.machine.sweeps import Sweeps
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
-from core.sweeps import Sweeps
+from core.telemetry.rates import PrefillRates
 
 if TYPE_CHECKING:
     import sqlite_utils

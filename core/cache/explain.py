@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from core import apis
+from core import chat as apis
 from core.cache import prefix as pfx
 from core.events import Event, RequestExplained
 from core.status import (
@@ -34,7 +34,7 @@ from core.status import (
     ExplainedSection,
     Explanation,
 )
-from core.telemetry_rows import ExplanationRow
+from core.telemetry.rows import ExplanationRow
 
 log = logging.getLogger("warmslot.cache.explain")
 
@@ -495,7 +495,7 @@ def format_explanation(rec: Explanation) -> str:
         f"why: {rec['summary'] or summary(rec)}",
     ]
     if rec.get("edits"):
-        # The proxy's own edit of the body (core.apis.strip_billing_header): the prompt
+        # The proxy's own edit of the body (core.chat.strip_billing_header): the prompt
         # above is the edited one, not the client's bytes.
         lines.append(f"edited by the proxy: {', '.join(rec['edits'])}")
     div = rec["divergence"]

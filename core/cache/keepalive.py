@@ -38,15 +38,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from core.apis import JsonObject
 from core.cache import prefix as pfx
 from core.cache.prefix_save import PATCH_PREFIX_SAVE
 from core.cache.slots import SlotState
+from core.chat import JsonObject
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, CacheEventKind
+from core.machine.sweeps import Outcome
 from core.server.client import SlotInfo, Timings
 from core.status import KeepaliveDecision
-from core.sweeps import Outcome
 
 if TYPE_CHECKING:
     from core.cache.deps import CacheHost

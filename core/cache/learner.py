@@ -15,13 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from core import apis
-from core.apis import ChatView, JsonObject
+from core import chat as apis
 from core.cache import prefix as pfx
 from core.cache.boot import Emit
 from core.cache.fingerprint import ServerIdentity, fingerprint
+from core.chat import ChatView, JsonObject
 from core.events import CacheEventKind, Event, Notice
-from core.proxy_types import ProxyRequest
+from core.proxy.types import ProxyRequest
+from core.routing import profiles
 from core.server.client import LlamaClient
 
 # Bodies larger than this are not rendered and tokenized to learn their prefix: an
@@ -44,7 +45,7 @@ def render_body(body: Mapping[str, object]) -> JsonObject:
 
 
 def chat_of(req: ProxyRequest) -> JsonObject:
-    """The request as chat completions (`core.apis.ChatView`): what the cache reads for
+    """The request as chat completions (`core.chat.ChatView`): what the cache reads for
     messages and tools whichever API the client spoke; {} when it has no chat view."""
     return req.chat.body if req.chat is not None else {}
 
@@ -138,7 +139,7 @@ class PrefixLearner:
         full = await client.tokenize(rendered, add_special=True)
         head: list[int] = []
         source = "none"
-        cut = pfx.profile_cut(req.client, rendered, chat.system_text)
+        cut = profiles.profile_cut(req.client, rendered, chat.system_text)
         if cut is not None:
             head_tokens = await client.tokenize(rendered[: cut[0]], add_special=True)
             # Tokenizing at a boundary can differ from tokenizing the whole text: keep

@@ -28,12 +28,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
-from core import apis
+from core import chat as apis
 from core.cache import background as bg
 from core.cache import boundary, warmup
 from core.cache import prefix as pfx
 from core.cache.boot import BootRewarm
-from core.cache.context_limit import ContextLimits
 from core.cache.conversations import Conversations
 from core.cache.definitions import DefinitionStore
 from core.cache.deps import CacheDeps, EngineParts, ServerHandle, deps_from
@@ -43,7 +42,6 @@ from core.cache.fingerprint import ServerIdentity
 from core.cache.inventory import format_inventory, warmth
 from core.cache.keepalive import KeepAlive, prewarm_body
 from core.cache.learner import PrefixLearner, chat_of, render_body, renderable
-from core.cache.plan import SlotPlan
 from core.cache.prefix_save import PrefixSaver
 from core.cache.probe import (
     REUSE_SLACK,
@@ -62,9 +60,11 @@ from core.clock import Clock
 from core.config import Settings
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, CacheEventKind, Event, Notice, ServerStateChanged
-from core.pressure import PressureMonitor
-from core.proxy_types import ProxyRequest
-from core.router import Kind
+from core.machine.pressure import PressureMonitor
+from core.machine.sweeps import Sweeps
+from core.proxy.context_limit import ContextLimits
+from core.proxy.types import ProxyRequest, SlotPlan
+from core.routing.router import Kind
 from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
 from core.status import (
@@ -78,7 +78,6 @@ from core.status import (
     RewarmResult,
     Shortfall,
 )
-from core.sweeps import Sweeps
 
 log = logging.getLogger("warmslot.cache")
 
@@ -113,7 +112,7 @@ UNPAID_SLACK = 16
 
 
 class CacheManager:
-    """Implements `core.proxy.CachePolicy` for one llama-server, built from `CacheDeps`.
+    """Implements `core.proxy.app.CachePolicy` for one llama-server, built from `CacheDeps`.
 
     Its public slot operations (`lock`, `prewarm`, `restore`, `persist_soon`, `emit`)
     are what warm-up, keep-alive, retention and the commands call (`CacheHost`).
@@ -140,7 +139,7 @@ class CacheManager:
         self.restore_shortfalls: deque[Shortfall] = deque(maxlen=10)
         self.explainer = Explainer(self.publish)  # why each request reused what it did
         # APIs whose requests the running server does not let the cache manage, once
-        # told about (core.apis.unmanaged_reason).
+        # told about (core.chat.unmanaged_reason).
         self._told_unmanaged: set[str] = set()
         self.context_limits = ContextLimits()  # requests that hit their slot's context
         # Finds each request's stable prefix (rendering, boundaries, template check).
@@ -384,7 +383,7 @@ class CacheManager:
             return None
         if req.chat is None:
             # Raw completions (the server's own LCP reuse applies), or a body not read
-            # as chat (core.apis): left to the server as it is.
+            # as chat (core.chat): left to the server as it is.
             return None
         if not self._api_managed(req):
             return None
@@ -428,7 +427,7 @@ class CacheManager:
         body["id_slot"] = slot
         body["cache_prompt"] = True
         self.slots.begin(slot)
-        plan = SlotPlan(slot, why_slot, session, decision.kind, info)
+        plan = SlotPlan(slot, why_slot, session, decision.kind, info.fingerprint if info else "")
         req.response_headers["X-Warmslot-Slot"] = str(slot)
         req.response_headers["X-Warmslot-Kind"] = req.kind
         restored, what = self.slots.slots[slot].promised
@@ -605,11 +604,11 @@ class CacheManager:
             return
         # The index learns of the request after its response: a new definition, a use.
         self._write_definitions()
-        if plan.prefix is not None:
-            self._touch(plan.prefix)
+        fp = plan.prefix_fp
+        if (touched := self.by_fp.get(fp) if fp else None) is not None:
+            self._touch(touched)
         slot = plan.slot
         st = self.slots.slots[slot]
-        fp = plan.prefix_fp
         promised, st.promised = st.promised, (0, "")
         if status != 200 or timings is None:
             return
@@ -1000,7 +999,7 @@ class CacheManager:
             "explained": self.explainer.status(),
             "context_limits": self.context_limits.status(),
             "template_warning": self.learner.template_warning,
-            # API → why the running server's requests of it are not managed (core.apis)
+            # API → why the running server's requests of it are not managed (core.chat)
             "unmanaged_apis": {
                 f"/v1/{e}": why
                 for e in apis.CHAT_ENDPOINTS

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
-from core.apis import JsonObject
+from core.chat import JsonObject
 from core.errors import UpstreamError
 from core.server.client import CompletionAnswer, CompletionProbability, LlamaClient
 

@@ -80,8 +80,8 @@ from core.cache.retention_plan import MIB, Eviction, Plan, human_age, plan_disk_
 from core.cache.store import StateRecord, card_name, migrations, safe_name
 from core.config import TTL_CLASSES, CacheSettings
 from core.events import CacheEvent, CacheEventKind
+from core.machine.sweeps import Outcome
 from core.status import BackoffRow, CacheStatus
-from core.sweeps import Outcome
 
 if TYPE_CHECKING:
     from core.cache.deps import CacheHost, HasRetention

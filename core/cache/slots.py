@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from core.apis import JsonObject
+from core.chat import JsonObject
 
 
 @dataclass

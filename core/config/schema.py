@@ -15,6 +15,7 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
 from core.config.checks import Applies, Check, is_loopback
+from core.config.keys import KeyFileError, load_keys
 from core.config.sections import (
     CacheSettings,
     PoolSettings,
@@ -25,7 +26,6 @@ from core.config.sections import (
 )
 from core.config.tables import BackendSettings, ModelProfile, WorkerSettings
 from core.errors import ConfigError
-from core.keys import KeyFileError, load_keys
 
 
 @dataclass

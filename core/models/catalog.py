@@ -46,9 +46,9 @@ from pathlib import Path
 
 from core.config import Settings
 from core.errors import WarmslotError
+from core.machine.devices import GpuInfo, HostInfo, read_gpus, read_host
 from core.models import profiles
 from core.paths import Paths
-from core.server.devices import GpuInfo, HostInfo, read_gpus, read_host
 from core.server.fit import FitRequest, plan
 from core.server.gguf_facts import ModelFacts, read_facts
 from core.server.launch import request_from_settings

@@ -22,11 +22,12 @@ from core.cache.deps import EngineParts, deps_from
 from core.config import ServerSettings
 from core.errors import WarmslotError
 from core.events import ModelEvent
+from core.machine import devices
 from core.models import arbiter, profiles
 from core.models.profiles import MIB, Footprint, Profile
-from core.proxy_types import Route
-from core.router import Decision, Router, Target
-from core.server import devices, model
+from core.proxy.types import Route
+from core.routing.router import Decision, Router, Target
+from core.server import model
 from core.server.quarantine import CrashQuarantine
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
@@ -34,7 +35,7 @@ from core.status import ModelList, ModelRow, PoolDecision
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
-    from core.proxy_types import CachePolicy
+    from core.proxy.types import CachePolicy
 
 
 class PoolHost(EngineParts, Protocol):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import ModelProfile, ServerSettings, Settings
+from core.machine.devices import GpuInfo, HostInfo
 from core.server import fit
-from core.server.devices import GpuInfo, HostInfo
 from core.server.gguf_facts import read_facts
 
 MIB = 1024 * 1024

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core.errors import ConfigError
-from core.server.devices import GpuInfo, HostInfo
+from core.machine.devices import GpuInfo, HostInfo
 from core.server.gguf_facts import ModelFacts
 from core.server.placement import Placement
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ServerSettings
+from core.machine.devices import gpus_for, read_gpus, read_host
 from core.paths import Paths, resources_dir
 from core.server import discover, model, placement
 from core.server.argv import LaunchInputs, build_argv, kv_relevant
-from core.server.devices import gpus_for, read_gpus, read_host
 from core.server.fit import FitPlan, FitRequest, plan_argv
 from core.server.fit import plan as plan_fit
 from core.server.gguf_facts import read_facts

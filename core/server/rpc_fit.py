@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.server.devices import GpuInfo, HostInfo, read_gpus, read_host
+from core.machine.devices import GpuInfo, HostInfo, read_gpus, read_host
 from core.server.fit import FitPlan, FitRequest, plan, plan_argv
 from core.server.gguf_facts import ModelFacts, read_facts
 from core.server.rpc import WorkerCheck, WorkerSet, WorkerUnavailable

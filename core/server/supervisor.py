@@ -3,7 +3,7 @@
 States: ``stopped → starting → ready → stopping → stopped``, and ``failed`` when
 it cannot be (re)started. ``ready`` means ``GET /health`` answered 200. The
 process runs in its own process group (so stop kills helpers too), watched so that
-it never outlives Warmslot, even a killed one (`core.server.process.spawn`). A crash restarts it
+it never outlives Warmslot, even a killed one (`core.machine.process.spawn`). A crash restarts it
 with capped exponential backoff; after ``server.max_restarts`` of them in a row it is
 ``failed`` and tried again after a longer wait (`FAILED_RETRY_S`, doubling), so no
 crash loop ends in a permanent 503. A crash during warm-up on a build that repacks
@@ -55,8 +55,9 @@ from core.events import (
     ServerLaunched,
     ServerStateChanged,
 )
+from core.machine import process
 from core.paths import Paths
-from core.server import logparse, process, rpc
+from core.server import logparse, rpc
 from core.server.argv import LaunchInputs, build_argv
 from core.server.discover import ServerBinary
 from core.server.logfile import ServerLogFile
@@ -259,7 +260,7 @@ class Supervisor:
 
     async def stop(self, requested_by: str = "user") -> None:
         """Stop llama-server: ask its group to exit, kill it after a grace period
-        (`core.server.process.stop_group`)."""
+        (`core.machine.process.stop_group`)."""
         if self._restart_task is not None:
             self._restart_task.cancel()
             self._restart_task = None

@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from core.machine import process
 from core.paths import Paths
-from core.server import process
 
 __all__ = [
     "CpuInfo",
@@ -212,7 +212,7 @@ def _http(url: str, body: Mapping[str, object] | None, timeout: float) -> tuple[
 
 # A binary that dies by SIGILL here is expected: no core file is left behind. The shell
 # sets the limit and execs the binary (same pid): no Python may run in a child forked
-# from a threaded process (core.server.process).
+# from a threaded process (core.machine.process).
 _NO_CORE_DUMPS = ["/bin/sh", "-c", 'ulimit -c 0 && exec "$@"', "warmslot-smoke"]
 
 

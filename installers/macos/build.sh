@@ -43,7 +43,7 @@ if [ -z "$PY" ]; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "$ROOT[$extras]" "pyinstaller>=6.10"
 fi
-version=$(cd "$ROOT" && "$PY" -c 'from core.cli import __version__; print(__version__)')
+version=$(cd "$ROOT" && "$PY" -c 'from core.cli.main import __version__; print(__version__)')
 
 rm -rf "$DIST/warmslot" "$DIST/Warmslot.app"
 (

@@ -3,7 +3,7 @@
 import multiprocessing
 import sys
 
-from core.cli import main
+from core.cli.main import main
 
 if __name__ == "__main__":
     multiprocessing.freeze_support()

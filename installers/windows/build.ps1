@@ -42,7 +42,7 @@ if (-not $Python) {
   Invoke-Checked $Python @("-m", "pip", "install", "-q", "$Root[$extras]", "pyinstaller>=6.10")
 }
 
-$version = (& $Python -c "import sys; sys.path.insert(0, r'$Root'); from core.cli import __version__; print(__version__)").Trim()
+$version = (& $Python -c "import sys; sys.path.insert(0, r'$Root'); from core.cli.main import __version__; print(__version__)").Trim()
 Write-Host "== PyInstaller: warmslot $version (model bundled: $WithModel)"
 $env:WARMSLOT_WITH_MODEL = if ($WithModel) { "1" } else { "0" }
 Remove-Item -Recurse -Force (Join-Path $Dist "warmslot") -ErrorAction SilentlyContinue

@@ -133,15 +133,15 @@ def test_missing_x11_libraries_are_named_before_qt_aborts(
 ) -> None:
     """Qt aborts on a missing xcb library naming the wrong one: the tray checks first."""
     import app.main
-    import core.syslibs
+    import core.machine.syslibs
 
     monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
-    missing = core.syslibs.TrayLibraries(
+    missing = core.machine.syslibs.TrayLibraries(
         checked=True,
         missing=("libxcb-icccm.so.4",),
         hint="Install them: sudo apt install libxcb-icccm4",
     )
-    monkeypatch.setattr(core.syslibs, "check_tray_libraries", lambda: missing)
+    monkeypatch.setattr(core.machine.syslibs, "check_tray_libraries", lambda: missing)
     assert app.main.main([]) == 2
     err = capsys.readouterr().err
     assert "libxcb-icccm.so.4" in err and "sudo apt install libxcb-icccm4" in err

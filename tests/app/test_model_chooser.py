@@ -18,8 +18,8 @@ from app.state import AppState, TrayState
 from app.tasks import Tasks
 from core import config as config_mod
 from core.config import Settings
+from core.config.keys import add_key, keys_file
 from core.engine import Core
-from core.keys import add_key, keys_file
 from core.models.catalog import Catalog, find_models
 from core.server.tinymodel import make_tiny_model
 from tests.app.conftest import Launch, prepare

@@ -140,7 +140,7 @@ def test_saves_to_the_file_when_the_core_is_not_running(
 def test_durations_in_words_errors_in_place_and_autostart(
     qtbot: Any, core: Core, tasks: Tasks, tmp_path: Path
 ) -> None:
-    from core import autostart
+    from core.machine import autostart
 
     dlg = SettingsDialog(CoreBackend(core), tasks)
     qtbot.addWidget(dlg)
@@ -244,7 +244,7 @@ def test_a_named_key_lets_the_dialog_bind_beyond_loopback(
 ) -> None:
     """docs/security.md#serving-a-team: with named keys (no proxy.api_key) a non-loopback
     proxy.host is valid in the dialog as in `warmslot config set`."""
-    from core.keys import add_key, keys_file
+    from core.config.keys import add_key, keys_file
 
     dlg = SettingsDialog(CoreBackend(core), tasks)
     qtbot.addWidget(dlg)

@@ -26,12 +26,12 @@ from core.clock import FakeClock
 from core.config import Settings
 from core.errors import UpstreamError
 from core.events import CacheEvent, Event
+from core.machine.pressure import PressureMonitor
+from core.machine.sweeps import Sweeps
 from core.paths import Paths
-from core.pressure import PressureMonitor
-from core.proxy_headers import PrefillRates
 from core.server.client import SlotInfo
-from core.sweeps import Sweeps
 from core.telemetry import Telemetry
+from core.telemetry.rates import PrefillRates
 
 IDENT = "0123456789abcdef"  # the running server's slot directory (launch id)
 OTHER = "fedcba9876543210"  # another server identity

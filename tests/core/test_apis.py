@@ -1,4 +1,4 @@
-"""The wire APIs (core/apis.py): each route's kind, the chat view of an Anthropic
+"""The wire APIs (core/chat.py): each route's kind, the chat view of an Anthropic
 Messages or OpenAI Responses body (what llama-server renders for it), and reuse
 numbers from `usage`. That the chat view renders token for token as llama-server's own
 conversion is proven against the real server in tests/integration/test_api_routes.py."""
@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from core import apis
-from core.proxy import SSEScanner, usage_in_body
-from core.proxy_checks import Invalid, validate
-from core.router import Kind, Router, metadata_session
+from core import chat as apis
+from core.proxy.app import SSEScanner, usage_in_body
+from core.proxy.checks import Invalid, validate
+from core.routing.router import Kind, Router, metadata_session
 
 READ_TOOL = {
     "name": "read_file",
@@ -413,7 +413,7 @@ def test_valid_new_bodies_pass() -> None:
 
 
 def test_a_responses_answer_stopped_by_its_own_limit_is_no_context_hit() -> None:
-    from core.cache.context_limit import ContextLimits
+    from core.proxy.context_limit import ContextLimits
 
     limits = ContextLimits(n_ctx_slot=100)
     # The slot is full, but the answer stopped at the request's max_output_tokens.

@@ -15,7 +15,7 @@ from core.events import Event, ModelEvent
 from core.models import arbiter
 from core.models.pool import ModelPool, ModelUnavailable
 from core.models.profiles import MIB, Footprint, Profile
-from core.router import Decision, Refused
+from core.routing.router import Decision, Refused
 from core.server.supervisor import ServerState
 from core.server.upstream import Upstream
 

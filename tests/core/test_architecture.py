@@ -1,4 +1,4 @@
-"""The shape of core/, read from its source with `ast` (issue 14).
+"""The shape of core/, read from its source with `ast` (docs/architecture.md).
 
 - No import circle between core/'s modules — counting imports under
   ``if TYPE_CHECKING:`` and imports inside functions, since each is a dependency
@@ -19,19 +19,19 @@ CORE = ROOT / "core"
 # (file under the repository root, the expression as `ast.unparse` writes it): why.
 ALLOWED: dict[tuple[str, str], str] = {
     (
-        "core/cli.py",
+        "core/cli/main.py",
         "current._actions",
     ): "argparse lists a parser's actions (its subcommands) nowhere public",
     (
-        "core/cli.py",
+        "core/cli/main.py",
         "argparse._SubParsersAction",
     ): "argparse's class of `add_subparsers()`; it has no public name",
     (
-        "core/cli_fit.py",
+        "core/cli/fit.py",
         "argparse._SubParsersAction",
     ): "the type of the subparsers `register` adds to; argparse has no public name for it",
     (
-        "core/cli_build.py",
+        "core/cli/build.py",
         "argparse._SubParsersAction",
     ): "the type of the subparsers `register` adds to; argparse has no public name for it",
 }
@@ -206,3 +206,77 @@ def test_the_checks_see_what_they_look_for() -> None:
     assert "core.cache.manager" in graph["core.models.pool"]  # imported inside a function
     assert "core.cache.manager" in graph["core.engine"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def _package(module: str) -> str:
+    """core.cache.manager → core.cache; a module at core/'s root is its own package."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Package → the other core/ packages its modules import (docs/architecture.md)."""
+    graph: dict[str, set[str]] = {}
+    for module, deps in import_graph().items():
+        edges = graph.setdefault(_package(module), set())
+        edges |= {_package(d) for d in deps} - {_package(module)}
+    return graph
+
+
+def test_core_has_no_package_cycle() -> None:
+    """The packages are layers (docs/architecture.md#layers): chat and routing below the
+    proxy, the proxy below the cache that implements its `CachePolicy`, the server sets
+    (models) above both; a module-level check alone let cache ↔ proxy ↔ routing and
+    build → machine → server → build through."""
+    found = cycles(package_graph())
+    assert not found, "import cycles between core/ packages:\n" + (
+        "\n".join(" → ".join(c) for c in found)
+    )
+
+
+def test_the_tray_does_not_import_the_command_line() -> None:
+    """app/ uses the core's API and shared helpers, never a CLI module (core/cli/)."""
+    offenders = []
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n == "core.cli" or n.startswith("core.cli.") for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+# Modules over the size limit, each to be split (docs/architecture.md#one-job-per-module):
+# the list may only shrink.
+OVERSIZE = {
+    "core/proxy/app.py",
+    "core/cache/manager.py",
+    "core/engine.py",
+    "core/server/supervisor.py",
+    "core/server/fit.py",
+    "core/cache/retention.py",
+    "core/status.py",
+    "core/models/catalog.py",
+    "core/cache/conversations.py",
+    "core/bench/restore.py",
+    "core/chat.py",
+    "app/settings_dialog.py",
+}
+MAX_LINES = 600
+MAX_ROOT_MODULES = 12
+
+
+def test_modules_stay_small_and_the_root_stays_short() -> None:
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines())
+        for folder in (CORE, ROOT / "app")
+        for p in folder.rglob("*.py")
+    }
+    over = {path for path, n in sizes.items() if n > MAX_LINES}
+    assert over <= OVERSIZE, f"new modules over {MAX_LINES} lines: {sorted(over - OVERSIZE)}"
+    assert over >= OVERSIZE, f"now within {MAX_LINES} lines, drop from OVERSIZE: {OVERSIZE - over}"
+    root = sorted(p.name for p in CORE.glob("*.py") if p.name != "__init__.py")
+    assert len(root) <= MAX_ROOT_MODULES, root

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core import autostart
+from core.machine import autostart
 from core.paths import resources_dir
 
 pytestmark = pytest.mark.skipif(not autostart.supported(), reason="XDG autostart is Linux/BSD")

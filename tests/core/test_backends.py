@@ -1,4 +1,4 @@
-"""The choice rule of several backends (core.backend_choice), the router's use of it,
+"""The choice rule of several backends (core.routing.choice), the router's use of it,
 and the ``[[backends]]`` settings (docs/scale.md#several-backends)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from core import config
-from core.backend_choice import Affinity, BackendView, affinity_key
-from core.backends import BackendSet, server_settings
 from core.errors import ConfigError
 from core.events import ServerStateChanged
-from core.proxy_metrics import Counters, Metrics
-from core.router import Decision, Kind, Router, Target
+from core.models.backends import BackendSet, server_settings
+from core.proxy.metrics import Counters, Metrics
+from core.routing.choice import Affinity, BackendView, affinity_key
+from core.routing.router import Decision, Kind, Router, Target
 from core.server.supervisor import ServerState
 from core.server.upstream import Upstream
 

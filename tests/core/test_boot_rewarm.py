@@ -16,9 +16,9 @@ from core.cache.deps import deps_from
 from core.cache.fingerprint import ServerIdentity
 from core.cache.inventory import format_inventory
 from core.cache.manager import CacheManager, DiskTier
-from core.pressure import Reading
-from core.proxy import ProxyRequest
-from core.router import Decision, Router
+from core.machine.pressure import Reading
+from core.proxy.app import ProxyRequest
+from core.routing.router import Decision, Router
 from tests.core.bg_support import SERVER, FakeCore, FakeLlama, FakeManager, make_manager
 from tests.fixtures.status_shapes import blank_cache
 from tests.helpers import wait_until_async
@@ -342,7 +342,7 @@ async def test_a_huge_body_is_not_rendered_to_learn_its_prefix(tmp_path: Path) -
 
     fake.apply_template = counting  # type: ignore[method-assign]
     plan = await mgr.prepare(req)
-    assert plan is not None and plan.prefix is None and rendered == []
+    assert plan is not None and plan.prefix_fp == "" and rendered == []
     assert req.body["id_slot"] == plan.slot
     small = request("s-small")
     small.body_bytes = 40_000

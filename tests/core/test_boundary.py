@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from core.cache.boundary import needs_mark, same_conversation
 from core.cache.slots import SlotState
-from core.proxy_headers import Reuse
+from core.proxy.headers import Reuse
 from core.server.client import Timings
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}

@@ -28,7 +28,6 @@ import psutil
 import pytest
 
 import core.build as b
-from core import cli_build
 from core.build import compile as build_compile
 from core.build import source as s
 from core.build import source_tree
@@ -38,6 +37,7 @@ from core.build.log import (
     describe_step,
     parse_progress_line,
 )
+from core.cli import build as cli_build
 from core.errors import BuildError
 from core.events import BuildProgress
 from core.paths import Paths

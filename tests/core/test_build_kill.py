@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core.server import process
+from core.machine import process
 from tests.helpers import pid_gone, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_a_signal_to_warmslot_build_leaves_no_process_and_no_temp_dir(
         [
             sys.executable,
             "-m",
-            "core.cli",
+            "core.cli.main",
             "build",
             "--source",
             str(src),
@@ -209,7 +209,7 @@ def test_an_owner_that_exits_mid_build_leaves_no_compiler_running(tmp_path: Path
 @needs_cmake
 def test_a_killed_warmslot_build_leaves_no_compiler_running(tmp_path: Path) -> None:
     """kill -9 of `warmslot build` runs no handler and no atexit hook: each step's watch
-    (core.server.process.spawn) sends its group SIGTERM, and ninja stops the command it
+    (core.machine.process.spawn) sends its group SIGTERM, and ninja stops the command it
     runs in a group of its own. Before, the parent-death signal reached cmake alone and
     the 300 s step ran on under PID 1."""
     src = tmp_path / "llama-src"
@@ -218,7 +218,7 @@ def test_a_killed_warmslot_build_leaves_no_compiler_running(tmp_path: Path) -> N
         [
             sys.executable,
             "-m",
-            "core.cli",
+            "core.cli.main",
             "build",
             "--source",
             str(src),

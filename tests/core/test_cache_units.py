@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
-from core import apis
+from core import chat as apis
 from core.bench.trace import make_system, make_tools, make_trace
 from core.cache import prefix as pfx
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
 from core.cache.slots import SlotMap
 from core.cache.store import StateStore, safe_name
+from core.routing import profiles
 from core.server.client import valid_slot_filename
 from core.telemetry import Telemetry
 
@@ -21,7 +22,7 @@ from core.telemetry import Telemetry
 def test_profile_cut_finds_first_volatile_marker_inside_system_text() -> None:
     system = make_system(0.2, cwd="/a/b")
     rendered = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<env> hi<|im_end|>"
-    cut = pfx.profile_cut("opencode", rendered, system)
+    cut = profiles.profile_cut("opencode", rendered, system)
     assert cut is not None
     index, source = cut
     assert source == "profile:opencode"
@@ -32,7 +33,7 @@ def test_profile_cut_finds_first_volatile_marker_inside_system_text() -> None:
 
 
 def test_profile_cut_is_none_without_markers() -> None:
-    assert pfx.profile_cut("somebot", "<s>system: plain prompt", "plain prompt") is None
+    assert profiles.profile_cut("somebot", "<s>system: plain prompt", "plain prompt") is None
 
 
 def test_common_prefix_len_across_block_boundaries() -> None:
@@ -45,12 +46,12 @@ def test_common_prefix_len_across_block_boundaries() -> None:
 
 def test_side_calls_are_classified() -> None:
     title = make_trace(sessions=1, turns=1, scale=0.1)[0].body
-    assert pfx.classify_aux(title, has_tools=False, client_uses_tools=False) is not None
+    assert profiles.classify_aux(title, has_tools=False, client_uses_tools=False) is not None
     agent = make_trace(sessions=1, turns=1, scale=0.1)[1].body
-    assert pfx.classify_aux(agent, has_tools=True, client_uses_tools=True) is None
+    assert profiles.classify_aux(agent, has_tools=True, client_uses_tools=True) is None
     plain = {"messages": [{"role": "user", "content": "what is 2+2"}]}
-    assert pfx.classify_aux(plain, has_tools=False, client_uses_tools=False) is None
-    assert pfx.classify_aux(plain, has_tools=False, client_uses_tools=True) is not None
+    assert profiles.classify_aux(plain, has_tools=False, client_uses_tools=False) is None
+    assert profiles.classify_aux(plain, has_tools=False, client_uses_tools=True) is not None
 
 
 def test_divergence_reports_position_and_context() -> None:

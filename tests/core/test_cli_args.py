@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from core import cli
+from core.cli import main as cli
 
 # Every command path with what it needs besides the global options. A new subcommand
 # must be added here: the first test fails until it is.

@@ -3,9 +3,9 @@
 Each fixture is a recorded 3-turn session plus the first turn of a second session
 (scripts/record_agents.py; versions and command lines in each folder's README). For
 each client: the name the router derives from its User-Agent, how it marks its session,
-where its system text's volatile tail starts (core/cache/prefix.py PROFILES: the head
+where its system text's volatile tail starts (core/routing/profiles.py PROFILES: the head
 before the cut must be the same in both sessions, the tail must hold what changes) and
-which of its calls are side calls (core/cache/prefix.py classify_aux via the router).
+which of its calls are side calls (core/routing/profiles.py classify_aux via the router).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from typing import Any
 
 import pytest
 
-from core import apis, proxy_checks
+from core import chat as apis
 from core.cache import prefix as pfx
-from core.router import Decision, Kind, Router, client_name
+from core.proxy import checks as proxy_checks
+from core.routing import profiles
+from core.routing.router import Decision, Kind, Router, client_name
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "clients"
 
@@ -57,7 +59,7 @@ def by_step(entries: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
 def cut_of(client: str, entry: dict[str, Any]) -> tuple[str, int | None]:
     """The system text and the profile's cut in it (rendered = the system text itself)."""
     system = view(entry).system_text
-    cut = pfx.profile_cut(client, system, system)
+    cut = profiles.profile_cut(client, system, system)
     return system, None if cut is None else cut[0]
 
 
@@ -88,7 +90,7 @@ def test_the_proxy_accepts_every_recorded_request(client: str) -> None:
 def test_claude_code_is_known_by_its_user_agent_and_sends_tools_on_every_turn() -> None:
     entries = recorded("claude-code")
     names = {client_name(e["headers"]["user-agent"]) for e in entries}
-    assert names == {"claude-cli"} and "claude-cli" in pfx.PROFILES
+    assert names == {"claude-cli"} and "claude-cli" in profiles.PROFILES
     assert all(e["path"] == "/v1/messages" for e in entries)
     assert all(len(view(e).tools) >= 20 for e in entries)
 
@@ -117,7 +119,7 @@ def test_claude_code_attribution_line_differs_between_sessions() -> None:
     (sys1, cut1), (sys2, cut2) = cut_of("claude-cli", s1), cut_of("claude-cli", s2)
     # The attribution line opens the system text and its cc_version stamp differs
     # between the two sessions (the same within one) — so the head before the first
-    # cut differs too: the proxy takes the line out (core.apis.strip_billing_header),
+    # cut differs too: the proxy takes the line out (core.chat.strip_billing_header),
     # as CLAUDE_CODE_ATTRIBUTION_HEADER=0 makes Claude Code leave it out.
     assert sys1.startswith("x-anthropic-billing-header:")
     assert cut1 is not None and cut2 is not None and sys1[:cut1] != sys2[:cut2]
@@ -137,7 +139,7 @@ def without_attribution(system: str) -> str:
 def test_claude_code_boundary_without_the_attribution_line() -> None:
     entries = recorded("claude-code")
     systems = [without_attribution(view(e).system_text) for e in entries]
-    cuts = [pfx.profile_cut("claude-cli", s, s) for s in systems]
+    cuts = [profiles.profile_cut("claude-cli", s, s) for s in systems]
     assert all(c is not None and c[1] == "profile:claude-cli" for c in cuts)
     heads = {s[: c[0]] for s, c in zip(systems, cuts, strict=True) if c is not None}
     # One head for both sessions and every turn, and it is most of the system text …
@@ -174,7 +176,7 @@ def test_claude_code_attribution_line_is_stripped_exactly_and_the_sessions_then_
         # Code send …
         system = view({**e, "body": body}).system_text
         assert system == without_attribution(view(e).system_text)
-        cut = pfx.profile_cut("claude-cli", system, system)
+        cut = profiles.profile_cut("claude-cli", system, system)
         assert cut is not None and cut[1] == "profile:claude-cli"
         heads.add(system[: cut[0]])
     # … so both sessions (two different stamps) share one stable head, which opens the
@@ -198,7 +200,7 @@ def test_claude_code_date_is_in_the_first_user_message_not_the_system_text() -> 
 def test_codex_is_known_by_its_user_agent_and_names_its_session_in_a_header() -> None:
     entries = recorded("codex")
     assert {client_name(e["headers"]["user-agent"]) for e in entries} == {"codex_exec"}
-    assert "codex_exec" in pfx.PROFILES
+    assert "codex_exec" in profiles.PROFILES
     assert all(e["path"] == "/v1/responses" for e in entries)
     ds = decisions(entries)
     for d, e in zip(ds, entries, strict=True):
@@ -224,7 +226,7 @@ def test_codex_boundary_is_the_end_of_its_developer_text() -> None:
     # every turn; no marker is in them, so the learner's end-of-system rule applies.
     assert len(systems) == 1
     system = next(iter(systems))
-    assert pfx.profile_cut("codex_exec", system, system) is None
+    assert profiles.profile_cut("codex_exec", system, system) is None
     assert "/rec/codex/work" not in system
     for e in entries:
         first_user = next(m for m in view(e).messages if m["role"] == "user")
@@ -267,7 +269,7 @@ def test_aider_speaks_through_the_openai_sdk_and_its_commit_call_is_a_side_call(
     entries = recorded("aider")
     # aider's User-Agent is the OpenAI Python SDK's: no profile can be keyed on it.
     assert {client_name(e["headers"]["user-agent"]) for e in entries} == {"openai"}
-    assert "openai" not in pfx.PROFILES
+    assert "openai" not in profiles.PROFILES
     ds = decisions(entries)
     kinds = {e["step"]: (d.kind, d.why) for e, d in zip(entries, ds, strict=True)}
     assert kinds["s1-commit"] == (Kind.SIDE, "commit message request (aider)")
@@ -283,14 +285,14 @@ def test_aider_system_text_has_no_volatile_tail_and_history_goes_before_the_file
     systems = {view(e).system_text for e in turns}
     assert len(systems) == 1
     system = next(iter(systems))
-    assert pfx.profile_cut("openai", system, system) is None  # no generic marker in it
+    assert profiles.profile_cut("openai", system, system) is None  # no generic marker in it
     # A later turn keeps the opening (system, examples, repo map) and inserts the
     # history before the chat's files: the new prompt leaves the previous one there, so
     # the files and the question are read again on every turn.
     t1, t2 = (view(e).messages for e in by_step(entries, "s1-turn")[:2])
     n = pfx.common_prefix_len(t1, t2)
     assert "summaries of some files" in apis.content_text(t1[n - 2]["content"])  # repo map
-    assert pfx.content_text(t1[n]["content"]).startswith("I have *added these files")
+    assert apis.content_text(t1[n]["content"]).startswith("I have *added these files")
 
 
 def test_aider_summary_prompt_is_a_side_call() -> None:
@@ -305,7 +307,7 @@ def test_aider_summary_prompt_is_a_side_call() -> None:
             {"role": "user", "content": "# USER\nRead hello.py\n# ASSISTANT\nOk."},
         ]
     }
-    assert pfx.classify_aux(body, has_tools=False, client_uses_tools=False) == (
+    assert profiles.classify_aux(body, has_tools=False, client_uses_tools=False) == (
         "chat summary request (aider)"
     )
 
@@ -318,5 +320,5 @@ def test_profile_markers_sit_in_system_text_only(client: str) -> None:
         name = client_name(e["headers"]["user-agent"])
         system = chat.system_text
         rendered = system + "\n" + json.dumps(chat.messages)
-        cut = pfx.profile_cut(name, rendered, system)
+        cut = profiles.profile_cut(name, rendered, system)
         assert cut is None or cut[0] <= len(system)

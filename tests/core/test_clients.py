@@ -20,8 +20,8 @@ from core.clients import (
     readme_section,
 )
 from core.config import ModelProfile, Settings
-from core.proxy import JSON_ROUTES
-from core.router import SESSION_HEADERS
+from core.proxy.app import JSON_ROUTES
+from core.routing.router import SESSION_HEADERS
 from tests.helpers import REPO
 
 URL = "http://127.0.0.1:18089"

@@ -1,10 +1,10 @@
-"""Requests that hit their slot's context are named (core.cache.context_limit, issue 16 0e)."""
+"""Requests that hit their slot's context are named (core.proxy.context_limit, issue 16 0e)."""
 
 from __future__ import annotations
 
 import json
 
-from core.cache.context_limit import ContextHit, ContextLimits, note, warning_for
+from core.proxy.context_limit import ContextHit, ContextLimits, note, warning_for
 
 REFUSED = json.dumps(
     {

@@ -123,7 +123,7 @@ async def test_divergence_names_section_and_index_and_prices_it() -> None:
     req = {"request_id": "r1", "client": "cc", "session": "s", "slot": 0, "kind": "agent"}
     for b in (body("2026-11-30", "hi"), body("2026-12-01", "hi")):
         srv.rendered[json.dumps(b, sort_keys=True)] = render(b)
-    rate = 2.0  # ms per token, as measured on cold prefills (core.proxy_headers.PrefillRates)
+    rate = 2.0  # ms per token, as measured on cold prefills (core.telemetry.rates.PrefillRates)
     ex.record(req, body("2026-11-30", "hi"), 100, 0, 40, rate)
     ex.record({**req, "request_id": "r2"}, body("2026-12-01", "hi"), 100, 20, 21, rate)
     # Recording renders nothing: the server is asked only when an explanation is.
@@ -392,7 +392,7 @@ async def test_prepare_says_restored_only_for_a_verified_restore(tmp_path: Path)
 def test_explain_reads_the_database_when_no_warmslot_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from core.cli import main
+    from core.cli.main import main
     from core.paths import Paths
 
     home = tmp_path / "home"

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from core.cli_fit import register
+from core.cli.fit import register
 from core.config import ServerSettings
 from core.errors import ConfigError
-from core.server.devices import GpuInfo, HostInfo, read_gpus, read_host
+from core.machine.devices import GpuInfo, HostInfo, read_gpus, read_host
 from core.server.fit import (
     MIB,
     FitPlan,
@@ -422,7 +422,7 @@ def test_request_from_settings_pins_configured_and_extra_flags() -> None:
 def test_fit_command(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("core.cli_fit.read_gpus", lambda: [])
+    monkeypatch.setattr("core.cli.fit.read_gpus", lambda: [])
     model = make_tiny_model(tmp_path / "tiny.gguf")
     parser = argparse.ArgumentParser()
     parser.add_argument("--dev-dir")
@@ -511,11 +511,11 @@ def test_pinned_context_is_explained_with_its_numbers() -> None:
 
 
 def test_doctor_explains_slots_and_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from core.cli_fit import doctor_lines
+    from core.cli.fit import doctor_lines
     from core.config import Settings
     from core.paths import Paths
 
-    monkeypatch.setattr("core.cli_fit.read_gpus", lambda: [])
+    monkeypatch.setattr("core.cli.fit.read_gpus", lambda: [])
     model = make_tiny_model(tmp_path / "tiny.gguf")  # trained for 4,096 tokens
     lines = doctor_lines(Settings(), model, Paths.under(tmp_path / "home"))
     assert lines[0] == "fit:         ✔ -np 4, 4096 tokens per slot"

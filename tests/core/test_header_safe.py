@@ -1,4 +1,4 @@
-"""Header values are made safe in one place (core.proxy_headers.safe_headers).
+"""Header values are made safe in one place (core.proxy.headers.safe_headers).
 
 The real-server test that sends every control character through every client string that
 reaches a header is tests/integration/test_reliability.py::test_control_characters_*.
@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from core.proxy_headers import MAX_HEADER_CHARS, header_safe, safe_headers
+from core.proxy.headers import MAX_HEADER_CHARS, header_safe, safe_headers
 
 CONTROLS = [*map(chr, range(0x20)), "\x7f"]
 

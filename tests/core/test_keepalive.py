@@ -11,7 +11,7 @@ import pytest
 from core.cache.fingerprint import state_filename
 from core.cache.keepalive import IDLE_SHARE, prewarm_body, residency
 from core.errors import CacheError
-from core.pressure import Reading
+from core.machine.pressure import Reading
 from tests.core.bg_support import (
     IDENT,
     FakeCore,
@@ -290,9 +290,9 @@ async def test_a_restore_whose_probe_cannot_run_is_cleared_not_served(tmp_path: 
 async def test_a_restore_that_did_not_pay_is_said(tmp_path: Path) -> None:
     """Issue 16 (0c): the request after a restore should reuse what was restored; when it
     reused far less, an event and the status say so, with the likely cause."""
-    from core.cache.plan import SlotPlan
-    from core.proxy import ProxyRequest
-    from core.router import Decision, Kind, Router
+    from core.proxy.app import ProxyRequest
+    from core.proxy.types import SlotPlan
+    from core.routing.router import Decision, Kind, Router
     from core.server.client import Timings
 
     core, mgr, _, info, rec = await saved_prefix(tmp_path)
@@ -307,7 +307,7 @@ async def test_a_restore_that_did_not_pay_is_said(tmp_path: Path) -> None:
             user_agent="", session="s", headers=headers, body=body, stream=False,
             has_tools=False, decision=decision,
         )  # fmt: skip
-        req.plan = SlotPlan(1, "test", "s", Kind.AGENT, info)
+        req.plan = SlotPlan(1, "test", "s", Kind.AGENT, info.fingerprint)
         mgr.slots.begin(1)
         return req
 

@@ -1,4 +1,4 @@
-"""API keys per user (core.keys, core.cli_keys): the key file, checking, config rules,
+"""API keys per user (core.keys, core.cli.keys): the key file, checking, config rules,
 the CLI, and the fair share of slots and disk between users (docs/security.md)."""
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from core import cli
 from core import config as config_mod
 from core.cache.retention_plan import MIB, plan_disk_sweep
 from core.cache.slots import SlotMap
 from core.cache.store import StateRecord
-from core.errors import ConfigError
-from core.keys import (
+from core.cli import main as cli
+from core.config.keys import (
     DEFAULT_USER,
     LOCAL_USER,
     KeyFileError,
@@ -26,6 +25,7 @@ from core.keys import (
     presented_key,
     remove_key,
 )
+from core.errors import ConfigError
 from core.paths import Paths
 
 

@@ -1,4 +1,4 @@
-"""The one /metrics (core.proxy_metrics) over a real telemetry file: counters that never
+"""The one /metrics (core.proxy.metrics) over a real telemetry file: counters that never
 go down across the hourly prune and a restart (core.telemetry.totals keeps what pruned
 rows added up to), HELP and TYPE on every series, and no history read per scrape.
 
@@ -24,7 +24,7 @@ from core.events import (
     ServerExited,
     ServerLaunched,
 )
-from core.proxy_metrics import Counters, Metrics
+from core.proxy.metrics import Counters, Metrics
 from core.telemetry import Telemetry
 from core.telemetry.totals import lifetime
 

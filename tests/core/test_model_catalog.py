@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from core.config import ModelProfile, Settings
+from core.machine.devices import GpuInfo, HostInfo
 from core.models.catalog import (
     Found,
     ModelEntry,
@@ -29,7 +30,6 @@ from core.models.catalog import (
     profile_note,
     scan,
 )
-from core.server.devices import GpuInfo, HostInfo
 from core.server.fit import FitRequest
 from core.server.tinymodel import make_tiny_model
 from tests.core.test_gguf_facts import BASE, qwen3next_meta, write_gguf

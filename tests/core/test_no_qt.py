@@ -11,8 +11,8 @@ from tests.helpers import REPO
 PROBE = """
 import importlib, json, pkgutil, sys
 import core
-import core.engine, core.cli, core.proxy
-core.cli.build_parser()  # also imports the optional commands (fit, build, bench)
+import core.engine, core.cli.main, core.proxy.app
+core.cli.main.build_parser()  # also imports the optional commands (fit, build, bench)
 for info in pkgutil.walk_packages(core.__path__, "core."):
     importlib.import_module(info.name)
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("PySide6", "shiboken6", "app"))
@@ -28,7 +28,7 @@ def test_importing_core_loads_no_pyside6() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["bad"] == []
     # The probe really imported the modules it should have.
-    assert {"core.engine", "core.cli", "core.proxy", "core.server.supervisor"} <= set(
+    assert {"core.engine", "core.cli.main", "core.proxy.app", "core.server.supervisor"} <= set(
         result["core"]
     )
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from core.config import ServerSettings
+from core.machine.devices import GpuInfo, HostInfo, gpus_for, parse_device_list
 from core.server import discover, placement
-from core.server.devices import GpuInfo, HostInfo, gpus_for, parse_device_list
 from core.server.fit import plan, plan_argv
 from core.server.gguf_facts import read_facts
 from core.server.launch import place, request_from_settings
@@ -181,7 +181,7 @@ def test_a_pinned_layer_count_is_kept(tmp_path: Path) -> None:
 
 def test_a_binary_without_devices_is_asked_once(tmp_path: Path) -> None:
     """The pressure monitor asks every minute; a CPU build is not started each time."""
-    from core.server.devices import read_llama_devices
+    from core.machine.devices import read_llama_devices
 
     calls = tmp_path / "calls"
     binary = tmp_path / "llama-server"

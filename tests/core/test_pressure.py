@@ -12,8 +12,8 @@ from core.cache.fingerprint import state_filename
 from core.clock import FakeClock
 from core.config import PressureSettings
 from core.events import CacheEvent, Event, PressureChanged, PressureSample
-from core.pressure import PressureMonitor, Reading, Sampler, assess, downsample
-from core.server.devices import GpuInfo
+from core.machine.devices import GpuInfo
+from core.machine.pressure import PressureMonitor, Reading, Sampler, assess, downsample
 from core.telemetry import Telemetry
 from tests.core.bg_support import add_state, make_manager, prefix
 

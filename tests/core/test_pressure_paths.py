@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from core.pressure import Sampler
+from core.machine.pressure import Sampler
 
 
 class FakePs:

@@ -1,4 +1,4 @@
-"""core.server.process: own group, polite stop, then kill the whole group or tree.
+"""core.machine.process: own group, polite stop, then kill the whole group or tree.
 
 The POSIX branch runs for real: process trees of small Python programs that ignore
 SIGTERM where a test needs them to. The Windows branch runs here too, with the
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import psutil
 import pytest
 
-from core.server import process
+from core.machine import process
 from tests.helpers import pid_gone, wait_until
 
 posix_only = pytest.mark.skipif(os.name != "posix", reason="process groups are POSIX")

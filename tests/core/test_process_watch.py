@@ -1,5 +1,5 @@
 """Children started by Warmslot: no Python runs between fork and exec, and none outlives a
-killed Warmslot (core.server.process.spawn and its watch).
+killed Warmslot (core.machine.process.spawn and its watch).
 
 Real processes throughout: the owners are Python programs run with the repository on
 their path, killed with SIGKILL; their children are small Python programs that ignore
@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from core.build.log import BuildLog, run_step
-from core.server import process
+from core.machine import process
 from tests.helpers import REPO, pid_gone, wait_until
 
 posix_only = pytest.mark.skipif(os.name != "posix", reason="process groups and sh are POSIX")
@@ -50,8 +50,8 @@ while True:
 # the chain's leader. It waits on stdin until the test kills it.
 OWNER = """\
 import asyncio, sys, threading
-from core.cli_worker import WorkerRunner
-from core.server import process
+from core.cli.worker import WorkerRunner
+from core.machine import process
 process.WATCH_GRACE_S = 1
 loop = asyncio.new_event_loop()
 threading.Thread(target=loop.run_forever, daemon=True).start()

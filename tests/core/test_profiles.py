@@ -9,8 +9,8 @@ import pytest
 from core import config
 from core.config import ModelProfile, Settings
 from core.errors import ConfigError
+from core.machine.devices import HostInfo
 from core.models import profiles
-from core.server.devices import HostInfo
 
 TOML = """
 # my own comment

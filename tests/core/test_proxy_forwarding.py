@@ -23,8 +23,8 @@ from aiohttp.test_utils import RawTestServer
 from core.cache.deps import deps_from
 from core.cache.manager import CacheManager
 from core.events import Event, RequestCompleted
-from core.proxy import Proxy, ProxyRequest, Route
-from core.router import Decision, Kind, Router, Target
+from core.proxy.app import Proxy, ProxyRequest, Route
+from core.routing.router import Decision, Kind, Router, Target
 from core.server.client import Timings
 from core.server.upstream import Upstream
 from tests.core.bg_support import SERVER, FakeCore

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from core.errors import PortInUse
-from core.proxy import Proxy
+from core.proxy.app import Proxy
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="SO_REUSEADDR semantics of POSIX")
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from core.config.checks import is_loopback
-from core.proxy import SSEScanner, error_response, timings_from_json
-from core.proxy_checks import (
+from core.proxy.app import SSEScanner, error_response, timings_from_json
+from core.proxy.checks import (
     MAX_DEPTH,
     Invalid,
     host_name,
@@ -19,7 +19,7 @@ from core.proxy_checks import (
     parse_json,
     validate,
 )
-from core.router import client_name, session_key
+from core.routing.router import client_name, session_key
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -544,7 +544,7 @@ def test_llama_cpp_completion_keeps_n_predict_0() -> None:
 
 
 def test_token_ids_outside_the_vocabulary() -> None:
-    from core.proxy_checks import check_token_ids, token_ids
+    from core.proxy.checks import check_token_ids, token_ids
 
     assert token_ids("tokenize", {"content": [5, "x", 7]}) == [5, 7]
     assert token_ids("chat", {"tokens": [1]}) == []
@@ -559,8 +559,8 @@ def test_token_ids_outside_the_vocabulary() -> None:
 
 @pytest.mark.parametrize("endpoint", ["chat", "messages"])
 def test_a_quarantined_body_is_refused_in_its_apis_shape(endpoint: str) -> None:
-    from core.proxy_checks import crashed_before
-    from core.proxy_errors import invalid_response
+    from core.proxy.checks import crashed_before
+    from core.proxy.errors import invalid_response
     from core.server.quarantine import Quarantined
 
     hit = Quarantined("ab" * 32, "signal SIGSEGV", at=100.0, until=700.0)

@@ -327,7 +327,7 @@ async def test_critical_pressure_releases_idle_sessions_first(tmp_path: Path) ->
     mgr.by_fp[info.fingerprint] = info
     _session(mgr, 0, "ses-a", info.fingerprint)
     mgr.pressure.level = "critical"
-    from core.pressure import Cause
+    from core.machine.pressure import Cause
 
     mgr.pressure.causes = (Cause("RAM", "critical", 3.0, 5.0, "available"),)
     await core.clock.advance(299)

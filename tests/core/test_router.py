@@ -1,4 +1,4 @@
-"""The router (core/router.py): each request classified once, with its reason in words,
+"""The router (core/routing/router.py): each request classified once, with its reason in words,
 and sent to one model — single-model mode being a pool of one."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from core import apis
+from core import chat as apis
 from core.bench.trace import make_trace
-from core.router import Decision, Kind, Refused, Router, Target
+from core.routing.router import Decision, Kind, Refused, Router, Target
 from core.server.upstream import Upstream
 
 OPENCODE = {"user-agent": "opencode/1.18 ai-sdk/5"}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from core.config import WorkerSettings
-from core.server.devices import GpuInfo, HostInfo
+from core.machine.devices import GpuInfo, HostInfo
 from core.server.fit import FitRequest, plan_argv
 from core.server.fit_report import format_plan
 from core.server.rpc import (
@@ -173,7 +173,7 @@ def test_worker_set_names_a_lost_worker_and_waits_when_the_rest_is_too_small(
     text = "\n".join(worker_lines(snap))
     assert "waiting for: a (10.0.0.2:50052), b (10.0.0.2:50053)" in text
     # `warmslot status` prints the same lines.
-    from core.cli import format_status
+    from core.cli.main import format_status
     from tests.fixtures.status_shapes import complete
 
     shown = format_status(

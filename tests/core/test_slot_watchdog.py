@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
 from core.events import CacheEvent, CacheEventKind, Event
-from core.proxy import Proxy
+from core.proxy.app import Proxy
 from core.server import watchdog
 from core.server.upstream import Upstream
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from core.cli import format_status
+from core.cli.main import format_status
 from tests.fixtures.status_shapes import complete
 
 

@@ -15,8 +15,8 @@ from core.clock import FakeClock, RealClock
 from core.config import ModelProfile
 from core.errors import CacheError
 from core.events import Event, SweepRun
+from core.machine.sweeps import Outcome, Sweeps, clamp_interval, thin_runs
 from core.server.supervisor import ServerState
-from core.sweeps import Outcome, Sweeps, clamp_interval, thin_runs
 from core.telemetry import Telemetry
 from tests.conftest import MakeCore
 from tests.core.bg_support import SERVER, FakeLlama, FakeManager, prefix

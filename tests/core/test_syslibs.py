@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core.syslibs import (
+from core.machine.syslibs import (
     check_tray_libraries,
     install_hint,
     missing_from_ldd,

@@ -144,7 +144,7 @@ def test_each_model_is_priced_at_its_own_cold_rate_and_the_headers_agree(
     3.9; each one's cached tokens are priced at its own rate (one rate for both priced
     the tiny model's hits 5.8× too high). The proxy's estimator, seeded from the same
     history, gives the headers the same per-model rates."""
-    from core.proxy_headers import PrefillRates
+    from core.telemetry.rates import PrefillRates
 
     gemma, tiny = "gemma-3-270m-q4_k_m.gguf", "tiny.gguf"
     tel.record(req(T + 1, model=gemma, prompt_n=1000, cache_n=0, prompt_ms=22_300.0))

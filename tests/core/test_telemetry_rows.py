@@ -1,5 +1,5 @@
 """Every read query of telemetry returns rows of the type it declares
-(core.telemetry_rows, core.status): a real SQLite database filled with a month of
+(core.telemetry.rows, core.status): a real SQLite database filled with a month of
 synthetic history, each query's rows held against their TypedDict."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from core.events import RequestExplained, SweepRun
 from core.status import ClientRow, ColdRate, Explanation, RequestRow, SessionRow, Totals, UserRow
 from core.telemetry import QUERIES, Telemetry
 from core.telemetry.queries import ColdSums
-from core.telemetry_rows import (
+from core.telemetry.rows import (
     EventRow,
     ExplanationRow,
     HitRateRow,

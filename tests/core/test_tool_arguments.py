@@ -1,5 +1,5 @@
-"""History tool calls whose arguments are not JSON (core.tool_arguments), and the 400
-the proxy answers for llama-server's 500 about them (core.proxy_errors.history_error).
+"""History tool calls whose arguments are not JSON (core.proxy.tool_arguments), and the 400
+the proxy answers for llama-server's 500 about them (core.proxy.errors.history_error).
 
 The real-server side — the pinned llama-server's 500 for such a body, the 400 through
 Warmslot, the repair — is tests/integration/test_history_errors.py.
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from core import tool_arguments
-from core.proxy_errors import history_error
-from core.tool_arguments import close_json
+from core.proxy import tool_arguments
+from core.proxy.errors import history_error
+from core.proxy.tool_arguments import close_json
 
 # llama-server b11434's message for a history call cut inside a string (common/chat.cpp)
 UPSTREAM = (

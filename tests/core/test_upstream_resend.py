@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 
 from core.errors import UpstreamError
-from core.proxy import Proxy
+from core.proxy.app import Proxy
 from core.server.client import RESENDS, Attempt, RequestLost, current_attempt, send
 from core.server.upstream import KEEPALIVE_S, Upstream
 

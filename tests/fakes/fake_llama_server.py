@@ -164,7 +164,7 @@ def main() -> None:
         print(VERSION)
         print("built with fake-cc for x86_64")
         return
-    if "--list-devices" in args:  # as a CPU build answers (core.server.devices)
+    if "--list-devices" in args:  # as a CPU build answers (core.machine.devices)
         print("Available devices:\n  (none)")
         return
     mode = fake.get("mode", "serve")

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core.cli import __version__
+from core.cli.main import __version__
 from tests.helpers import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -105,7 +105,7 @@ def test_two_programs_in_one_folder(
         assert Path(a.args[0][0]).is_file()
         assert "resources" in [dest for _, dest in a.kwargs["datas"]]
         assert all(Path(hook).is_file() for hook in a.kwargs["runtime_hooks"])
-        assert "core.cli_build" in a.kwargs["hiddenimports"]  # imported by name
+        assert "core.cli.build" in a.kwargs["hiddenimports"]  # imported by name
         assert "core.cache.manager" in a.kwargs["hiddenimports"]
     assert "app.main" in tray_a.kwargs["hiddenimports"]
     assert "PySide6" in cli_a.kwargs["excludes"] and "app" in cli_a.kwargs["excludes"]

@@ -1,6 +1,6 @@
 """Anthropic Messages and OpenAI Responses through Warmslot, on a real llama-server.
 
-- The chat view (core/apis.py) is what llama-server itself renders: the server's own
+- The chat view (core/chat.py) is what llama-server itself renders: the server's own
   token count of the body equals the count of the chat view rendered by /apply-template,
   and the chat view sent as chat completions right after the body reuses every token
   the body left in the (single) slot.
@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from httpx import Headers
 
-from core import apis
+from core import chat as apis
 from core.cache.manager import CacheManager, policy_factory
 from core.engine import Core
 from core.events import CacheEvent, RequestCompleted

@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 from httpx import Headers
 
-from core.backends import backend_lines
 from core.cache.manager import policy_factory
 from core.config import BackendSettings
 from core.engine import Core
 from core.events import RequestCompleted
+from core.models.backends import backend_lines
 from core.paths import resources_dir
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore, settings_for

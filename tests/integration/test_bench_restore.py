@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from core import cli
 from core.bench import restore, restore_report
+from core.cli import main as cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -157,7 +157,7 @@ def test_binary_serves_health_with_the_demo_model(
 def test_second_warmslot_build_returns_at_once(
     built: Built, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from core import cli
+    from core.cli import main as cli
 
     def no_subprocess(*a: Any, **k: Any) -> Any:
         raise AssertionError(f"a cached build ran a subprocess: {a}")

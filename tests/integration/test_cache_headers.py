@@ -1,4 +1,4 @@
-"""The X-Warmslot-* cache headers against a real llama-server (core.proxy_headers).
+"""The X-Warmslot-* cache headers against a real llama-server (core.proxy.headers).
 
 Every number in them must be the server's own for that very request: the headers of
 a non-streamed answer are checked against its body's `timings`, those of a stream
@@ -17,7 +17,7 @@ import pytest
 
 from core.cache.manager import CacheManager, policy_factory
 from core.engine import Core
-from core.proxy_headers import HIT_SHARE
+from core.proxy.headers import HIT_SHARE
 from tests.helpers import post_chat, wait_until
 
 pytestmark = pytest.mark.integration
@@ -185,7 +185,7 @@ def test_restored_header_after_a_restart(make_core: Any, tmp_path: Path) -> None
 def _api_numbers(path: str, stream: bool, data: bytes) -> tuple[int, int]:
     """(cached, read) as the answer itself reports them: the last `timings` (or the
     Anthropic/Responses `usage`) in the body or stream."""
-    from core.proxy_headers import reuse_from
+    from core.proxy.headers import reuse_from
 
     if not stream:
         found = reuse_from(json.loads(data))

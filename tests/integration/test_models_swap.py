@@ -14,9 +14,9 @@ from core.bench.trace import make_trace
 from core.cache.manager import CacheManager, policy_factory
 from core.config import ModelProfile
 from core.engine import Core
+from core.machine import devices
 from core.models import profiles
 from core.paths import Paths
-from core.server import devices
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir

@@ -18,7 +18,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from core.apis import JsonObject
 from core.cache.probe import (
     REFERENCE_TRIES,
     ProbeGate,
@@ -27,6 +26,7 @@ from core.cache.probe import (
     probe_reference,
     probe_request,
 )
+from core.chat import JsonObject
 from core.errors import UpstreamError
 from core.server.client import LlamaClient, Timings
 from tests.helpers import WORDS, bare_llama_server

@@ -71,7 +71,7 @@ class Worker:
     def _spawn(rpc_server: Path, port: int, out: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [
-                *(sys.executable, "-m", "core.cli", "worker", "--port", str(port)),
+                *(sys.executable, "-m", "core.cli.main", "worker", "--port", str(port)),
                 *("--threads", "1", "--binary", str(rpc_server)),
             ],
             cwd=REPO,
@@ -297,7 +297,7 @@ def test_warmslot_worker_warns_when_bound_beyond_loopback(rpc_server: Path, tmp_
     with log.open("w") as out:
         proc = subprocess.Popen(
             [
-                *(sys.executable, "-m", "core.cli", "worker", "--host", "192.0.2.1"),
+                *(sys.executable, "-m", "core.cli.main", "worker", "--host", "192.0.2.1"),
                 *("--port", str(free_port()), "--binary", str(rpc_server)),
             ],
             cwd=REPO,
@@ -407,7 +407,7 @@ def test_warmslot_fit_shows_each_worker_and_the_split(
     )
     env = {**os.environ, "WARMSLOT_HOME": str(home)}
     run = subprocess.run(
-        [sys.executable, "-m", "core.cli", "fit", "--json"],
+        [sys.executable, "-m", "core.cli.main", "fit", "--json"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -422,7 +422,7 @@ def test_warmslot_fit_shows_each_worker_and_the_split(
     devices = [(d["name"].split()[0], d["kind"], d["layers"]) for d in doc["plan"]["devices"]]
     assert devices == [("RPC0", "rpc", 2), ("RPC1", "rpc", 2), ("host", "host", 1)]
     text = subprocess.run(
-        [sys.executable, "-m", "core.cli", "fit"],
+        [sys.executable, "-m", "core.cli.main", "fit"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -27,9 +27,9 @@ from core.cache.manager import CacheManager, policy_factory
 from core.config import SCHEMA, Applies, ModelProfile, SettingsUpdate
 from core.engine import Core
 from core.events import Event, ServerStateChanged
+from core.machine.devices import GpuInfo
+from core.machine.pressure import Reading
 from core.models.catalog import for_settings
-from core.pressure import Reading
-from core.server.devices import GpuInfo
 from core.server.tinymodel import make_tiny_model
 from tests.helpers import free_port, make_fake_binary, post_chat, wait_until
 

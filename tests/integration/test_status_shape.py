@@ -13,7 +13,7 @@ import pytest
 
 from core.bench.trace import make_trace
 from core.cache.manager import policy_factory
-from core.cli import format_status
+from core.cli.main import format_status
 from core.engine import Core
 from core.paths import Paths
 from core.server.tinymodel import make_tiny_model

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 
 from core.cache.manager import policy_factory
-from core.cli import fetch_status, format_status
-from core.keys import add_key, keys_file, remove_key
+from core.cli.main import fetch_status, format_status
+from core.config.keys import add_key, keys_file, remove_key
 from core.paths import Paths
 from tests.conftest import MakeCore
 from tests.helpers import post_chat, wait_until

@@ -5,7 +5,7 @@ opencode and aider (chat completions) in tests/fixtures/clients, each request re
 a real llama-server's /apply-template — through the model's own template (the tiny model's
 and Gemma 3's, which has none: the server's fallback) and through every template Warmslot
 ships (resources/templates/*.jinja, on Gemma 3, the model they are for). The Messages and
-Responses bodies are rendered as their chat view (core/apis.py: llama-server's own
+Responses bodies are rendered as their chat view (core/chat.py: llama-server's own
 conversion), and the server's own token count of each original body is checked against the
 rendered prompt, so the prompt inspected is the one the server builds for that body.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from core import apis
+from core import chat as apis
 from core.paths import resources_dir
 from tests.helpers import REPO, bare_llama_server, post_chat
 

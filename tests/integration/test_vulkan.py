@@ -30,11 +30,11 @@ from typing import Any
 import pytest
 
 from core.build import list_builds
-from core.cli import main as cli_main
+from core.cli.main import main as cli_main
 from core.engine import Core
+from core.machine.devices import GpuInfo, gpus_for, read_llama_devices
+from core.machine.pressure import Sampler
 from core.paths import Paths
-from core.pressure import Sampler
-from core.server.devices import GpuInfo, gpus_for, read_llama_devices
 from core.server.tinymodel import make_tiny_model, make_tiny_moe_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir

@@ -21,7 +21,7 @@ from core.cache.explain import format_explanation, from_row
 from core.local_api import local_request
 from core.paths import Paths
 from core.status import Explanation
-from core.telemetry_rows import ExplanationRow
+from core.telemetry.rows import ExplanationRow
 
 
 class NotFound(Exception):
@@ -73,7 +73,7 @@ def from_database(paths: Paths, request_id: str | None) -> Explanation | None:
         return None
     finally:
         conn.close()
-    # Every column of the explanations table (core.telemetry_rows.ExplanationRow).
+    # Every column of the explanations table (core.telemetry.rows.ExplanationRow).
     return from_row(cast(ExplanationRow, dict(row))) if row is not None else None
 
 

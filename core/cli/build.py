@@ -1,6 +1,6 @@
 """``warmslot build`` and ``warmslot build list``: build llama-server from source.
 
-`register` adds the subcommands to the main CLI's subparsers (``core/cli.py`` calls it);
+`register` adds the subcommands to the main CLI's subparsers (``core/cli/main.py`` calls it);
 the parent parser defines ``--dev-dir``. Handlers return the process exit code.
 """
 

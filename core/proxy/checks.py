@@ -3,7 +3,7 @@
 `parse_json` and `validate` turn malformed input into `Invalid` (a 4xx in OpenAI's
 error format, nothing forwarded); the "who may call" checks refuse foreign Host and
 Origin headers and non-JSON content types (docs/security.md). Pure functions: the
-proxy (`core.proxy`) calls them and answers.
+proxy (`core.proxy.app`) calls them and answers.
 """
 
 from __future__ import annotations

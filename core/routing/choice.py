@@ -1,6 +1,6 @@
 """Which backend serves a request: the choice rule of several backends (docs/scale.md).
 
-Pure bookkeeping, no I/O: the router (`core.router`) asks `Affinity.choose` once per
+Pure bookkeeping, no I/O: the router (`core.routing.router`) asks `Affinity.choose` once per
 request with a view of every backend (`BackendView`) and gets a `Pick`. The rule:
 
 1. An agent turn of a session that already has a ready backend goes there (a
@@ -39,8 +39,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core import apis
-from core.cache import prefix as pfx
+from core import chat as apis
+from core.routing import profiles
 
 __all__ = [
     "ACTIVE_S",
@@ -90,7 +90,7 @@ def affinity_key(client: str, body: Mapping[str, object]) -> str:
     tools = body.get("tools")
     if not system and not tools:
         return ""
-    markers = pfx.PROFILES.get(client, pfx.GENERIC_MARKERS)
+    markers = profiles.PROFILES.get(client, profiles.GENERIC_MARKERS)
     cut = min((i for m in markers if (i := system.find(m)) >= 0), default=len(system))
     h = hashlib.sha256(system[:cut].encode() + b"\0")
     # Each tool's name and description, not its whole schema: serializing 20 KB of tool

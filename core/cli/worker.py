@@ -29,8 +29,8 @@ from typing import Any, TextIO
 from core import config as config_mod
 from core.config.checks import is_loopback
 from core.errors import BinaryNotFound
+from core.machine import process
 from core.paths import Paths
-from core.server import process
 from core.server.rpc import RPC_SERVER_NAME, find_rpc_server
 
 __all__ = ["WorkerRunner", "cmd_worker", "register", "worker_argv"]

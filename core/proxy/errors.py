@@ -9,8 +9,8 @@ from collections.abc import Mapping, MutableMapping
 
 from aiohttp import web
 
-from core import tool_arguments
-from core.proxy_checks import Invalid
+from core.proxy import tool_arguments
+from core.proxy.checks import Invalid
 
 
 def error_response(
@@ -71,7 +71,7 @@ def history_error(
 ) -> Invalid | None:
     """The 400 to answer instead of a llama-server 500 that the request's own history
     caused (None for any other answer): a history tool call whose arguments are not
-    JSON, named by its field in the client's body (core.tool_arguments), or a message
+    JSON, named by its field in the client's body (core.proxy.tool_arguments), or a message
     llama-server cannot read, in its words. (A chat template's own refusal, its
     raise_exception, is llama-server's 400 already.)"""
     if status != 500:

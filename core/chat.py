@@ -91,14 +91,14 @@ class ConversionError(ValueError):
 
 def objects(value: object) -> list[Mapping[str, object]]:
     """The objects of a JSON array ([] when `value` is none). A chat view's messages and
-    tools are objects all: the proxy refuses a body with anything else (core.proxy_checks)."""
+    tools are objects all: the proxy refuses a body with anything else (core.proxy.checks)."""
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
 def messages_of(body: Mapping[str, object]) -> list[Mapping[str, object]]:
     """A chat body's messages ([] when it has none). Raises TypeError when they are not a
-    list of objects: a body the proxy refuses (core.proxy_checks), and the readers that
-    take unchecked bodies (core.backend_choice.affinity_key) catch it."""
+    list of objects: a body the proxy refuses (core.proxy.checks), and the readers that
+    take unchecked bodies (core.routing.choice.affinity_key) catch it."""
     msgs = body.get("messages", [])
     if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
         raise TypeError("the messages are not a list of objects")

@@ -9,8 +9,8 @@ import json
 import re
 from typing import Any
 
-from core import apis
-from core.proxy_headers import HOLD_MAX_BYTES, Reuse, reuse_from
+from core import chat as apis
+from core.proxy.headers import HOLD_MAX_BYTES, Reuse, reuse_from
 
 # The events of a stream's last result, which carry `timings` even without
 # ``timings_per_token``: a chat chunk with a finish reason, or the usage chunk after it
@@ -119,7 +119,7 @@ class SSEScanner:
     @property
     def timings(self) -> dict[str, Any] | None:
         """The `timings` of the last event that had them; without any, the reuse numbers
-        of the stream's `usage` (`core.apis.usage_timings`)."""
+        of the stream's `usage` (`core.chat.usage_timings`)."""
         t = self._last_event().get("timings")
         if isinstance(t, dict):
             return t

@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 from core import config as config_mod
+from core.machine.devices import gpus_for, read_gpus, read_host
 from core.paths import Paths
 from core.server import discover
-from core.server.devices import gpus_for, read_gpus, read_host
 from core.server.fit import plan
 from core.server.fit_report import format_plan
 from core.server.gguf_facts import read_facts

@@ -68,7 +68,7 @@ class ContextHit:
 
 
 def _limit_of(body: Mapping[str, object]) -> int | None:
-    # max_output_tokens: OpenAI Responses (core.apis); Anthropic Messages use max_tokens.
+    # max_output_tokens: OpenAI Responses (core.chat); Anthropic Messages use max_tokens.
     for key in ("max_completion_tokens", "max_tokens", "max_output_tokens", "n_predict"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:

@@ -8,7 +8,7 @@ templates, Warmslot's own among them) and answers a 500 ``Failed to parse tool c
 arguments as JSON`` for every later request of that conversation (a Codex conversation
 failed 52 times in 41 s that way, each shown to its user as "high demand").
 
-- `find` names each such call (for the proxy's 400, core.proxy_errors.history_error).
+- `find` names each such call (for the proxy's 400, core.proxy.errors.history_error).
 - `repair` closes each one in place when ``proxy.repair_tool_arguments`` is on: an
   open string is closed, then the open arrays and objects, after dropping a dangling
   key, colon, comma or partial word; what cannot be closed becomes ``{}``.
@@ -17,7 +17,7 @@ Only the chat-completions (``messages[i].tool_calls[j].function.arguments``) and
 Responses (``input[i].arguments`` of a ``function_call`` item) bodies carry arguments
 as strings; an Anthropic ``tool_use`` block's ``input`` is an object already.
 
-Pure functions of JSON values, like core.apis.
+Pure functions of JSON values, like core.chat.
 """
 
 from __future__ import annotations

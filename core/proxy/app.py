@@ -1,7 +1,7 @@
 """The OpenAI-compatible proxy in front of llama-server.
 
 Each request is validated (malformed input gets a 4xx in OpenAI's error format
-and nothing is forwarded), classified once by the router (`core.router`: its
+and nothing is forwarded), classified once by the router (`core.routing.router`: its
 model, session, kind and why, in a frozen `Decision`), handed to the cache
 policy (which may return a `SlotPlan`: the slot and its prefix), forwarded with
 ``cache_prompt: true``, streamed back without buffering, and recorded with its
@@ -30,14 +30,14 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from core import apis, tool_arguments
-from core.apis import ChatView
-from core.cache import context_limit
+from core import chat as apis
+from core.chat import ChatView
 from core.config.checks import is_loopback
+from core.config.keys import DEFAULT_USER, LOCAL_USER, KeyRing, presented_key
 from core.errors import PortInUse
 from core.events import CacheEvent, CacheEventKind, Event, RequestCompleted
-from core.keys import DEFAULT_USER, LOCAL_USER, KeyRing, presented_key
-from core.proxy_checks import (
+from core.proxy import context_limit, tool_arguments
+from core.proxy.checks import (
     THREAD_BYTES,
     Invalid,
     check_token_ids,
@@ -49,7 +49,7 @@ from core.proxy_checks import (
     token_ids,
     validate,
 )
-from core.proxy_errors import (
+from core.proxy.errors import (
     auth_response,
     error_response,
     history_error,
@@ -58,8 +58,7 @@ from core.proxy_errors import (
     stream_error_event,
     unavailable_response,
 )
-from core.proxy_headers import (
-    PrefillRates,
+from core.proxy.headers import (
     Reuse,
     cache_headers,
     reuse_from,
@@ -67,16 +66,16 @@ from core.proxy_headers import (
     safe_headers,
     stream_body,
 )
-from core.proxy_metrics import CONTENT_TYPE as METRICS_TYPE
-from core.proxy_stream import (
+from core.proxy.metrics import CONTENT_TYPE as METRICS_TYPE
+from core.proxy.stream import (
     SSEScanner,
     error_text,
     stream_usage,
     timings_from_json,
     usage_in_body,
 )
-from core.proxy_types import Admit, CachePolicy, CacheService, ProxyRequest, Route
-from core.router import Refused, Router, metadata_session, session_key
+from core.proxy.types import Admit, CachePolicy, CacheService, ProxyRequest, Route
+from core.routing.router import Refused, Router, metadata_session, session_key
 from core.server.client import Timings, send
 from core.server.quarantine import body_digest
 from core.server.upstream import Upstream
@@ -87,9 +86,10 @@ from core.status import (
     Status,
 )
 from core.telemetry import safe_text
+from core.telemetry.rates import PrefillRates
 
 # What callers import from here; the request types, error responses and response
-# reading live in core.proxy_types, core.proxy_errors and core.proxy_stream.
+# reading live in core.proxy.types, core.proxy.errors and core.proxy.stream.
 __all__ = [
     "CLIENT_POLL_S",
     "GET_ROUTES",
@@ -130,7 +130,7 @@ _DROP_HEADERS = {
     "accept-encoding",
 }
 
-# path → (endpoint kind, generation?): the wire APIs are `core.apis`'s to know.
+# path → (endpoint kind, generation?): the wire APIs are `core.chat`'s to know.
 JSON_ROUTES: dict[str, tuple[str, bool]] = apis.ROUTES
 GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/props", "/slots")
 
@@ -247,7 +247,7 @@ class Proxy:
         self._n_slots = n_slots
         self._emit = emit
         self._status = status
-        self._metrics = metrics  # the exposition /metrics serves (core.proxy_metrics)
+        self._metrics = metrics  # the exposition /metrics serves (core.proxy.metrics)
         self.policy = policy
         # The one place that classifies. Single-model mode: a pool of one. A model pool
         # sets its own router (by the `model` field) and `admit` (loads the model), and
@@ -261,10 +261,10 @@ class Proxy:
         # A request's explanation by id (None: the latest), for `warmslot explain`.
         self.explain: Callable[[str | None], Awaitable[Explanation | None]] | None = None
         # Take Claude Code's attribution line out of /v1/messages bodies (setting
-        # proxy.strip_billing_header; core.apis.strip_billing_header).
+        # proxy.strip_billing_header; core.chat.strip_billing_header).
         self.strip_billing_header: Callable[[], bool] = lambda: True
         # Close history tool calls whose arguments are not JSON (setting
-        # proxy.repair_tool_arguments; core.tool_arguments).
+        # proxy.repair_tool_arguments; core.proxy.tool_arguments).
         self.repair_tool_arguments: Callable[[], bool] = lambda: True
         # Seconds a request's slot may make no progress before it is cancelled (setting
         # proxy.stall_timeout_s; 0: never); one watchdog per server (core.server.watchdog).
@@ -652,7 +652,7 @@ class Proxy:
                 route.release()
 
     async def _chat_view(self, endpoint: str, body: Any, nbytes: int) -> ChatView | None:
-        """The request's chat view (`core.apis.chat_view`), off the loop for a large body.
+        """The request's chat view (`core.chat.chat_view`), off the loop for a large body.
         A conversion that fails leaves the request to the server as it is (fail-open):
         logged and recorded as a bypass; llama-server answers whatever it makes of it."""
         if endpoint not in apis.CHAT_ENDPOINTS:
@@ -1061,7 +1061,7 @@ class Proxy:
         await response.prepare(request)
 
     def _add_cache_headers(self, req: ProxyRequest, reuse: Reuse | None) -> None:
-        """The X-Warmslot-* cache headers from the server's reuse numbers (core.proxy_headers);
+        """The X-Warmslot-* cache headers from the server's reuse numbers (core.proxy.headers);
         a bypassed request keeps its ``X-Warmslot-Cache: bypass``."""
         rate = self.prefill_rates.ms_per_token(self._served(req))
         if reuse is not None and req.split is not None:

@@ -28,8 +28,8 @@ from core.clients import (
     proxy_address,
     readme_section,
 )
+from core.config.keys import key_required
 from core.errors import ConfigError, ModelNotFound
-from core.keys import key_required
 from core.models.catalog import Catalog, ModelEntry, for_settings, profile_note
 from core.paths import Paths
 from core.server.gguf_facts import read_facts
@@ -101,7 +101,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def _running_note(paths: Paths, chosen: Path) -> str:
     """Whether a running Warmslot must restart to serve `chosen`."""
-    from core.cli import fetch_status
+    from core.cli.main import fetch_status
 
     st = fetch_status(paths)
     if st is None:
@@ -151,7 +151,7 @@ def cmd_use(args: argparse.Namespace) -> int:
 
 
 def _proxy_url(paths: Paths, settings: config_mod.Settings) -> str:
-    from core.cli import fetch_status
+    from core.cli.main import fetch_status
 
     st = fetch_status(paths)
     return proxy_address(st["warmslot"]["proxy"] if st is not None else "", settings)

@@ -2,9 +2,9 @@
 
 Every `pressure.sample_interval_s` (default 5 s) the pressure sweep reads
 available RAM and swap (psutil), each GPU's free memory (NVML through
-`core.server.devices.read_gpus`; no GPU or no driver is not an error; a GPU NVML
+`core.machine.devices.read_gpus`; no GPU or no driver is not an error; a GPU NVML
 cannot see — Vulkan, ROCm, Metal — from the running llama-server binary's own device
-list, `core.server.devices.read_llama_devices`, at most every `LLAMA_DEVICES_EVERY_S`
+list, `core.machine.devices.read_llama_devices`, at most every `LLAMA_DEVICES_EVERY_S`
 because each read starts a process that opens the devices), the
 llama-server process's RSS and the free space of the filesystems that hold the
 slot files (llama-server's ``--slot-save-path``, where a full disk breaks saves)
@@ -43,9 +43,9 @@ import psutil  # type: ignore[import-untyped, unused-ignore]  # stubs: types-psu
 from core.clock import Clock
 from core.config import PressureSettings
 from core.events import Event, PressureChanged, PressureSample
-from core.server.devices import GpuInfo, read_gpus
+from core.machine.devices import GpuInfo, read_gpus
+from core.machine.sweeps import thin_runs
 from core.status import PressureSnapshot
-from core.sweeps import thin_runs
 
 __all__ = [
     "LEVELS",
@@ -156,7 +156,7 @@ class Sampler:
     `swap_memory()` and `Process(pid).memory_info().rss`; `nvml` is passed to
     `read_gpus` (None: the real pynvml, if installed); `gpus=False` skips GPUs.
     `devices` lists the GPUs NVML cannot see (llama.cpp's device list of the running
-    binary, `core.server.devices.read_llama_devices`); it is asked only while NVML sees
+    binary, `core.machine.devices.read_llama_devices`); it is asked only while NVML sees
     none, at most every `LLAMA_DEVICES_EVERY_S`, and its last answer is reused between.
     """
 

@@ -6,8 +6,8 @@ launched here with the same settings (its own supervisor and cache manager, over
 same slot folder and database, so the disk tier is shared), or a remote Warmslot by
 URL (checked every `HEALTH_S` seconds; it manages its own cache).
 
-The router (`core.router`) asks `BackendSet.choose` for each request's backend
-(`core.backend_choice` is the rule); `route` admits the request there and counts it.
+The router (`core.routing.router`) asks `BackendSet.choose` for each request's backend
+(`core.routing.choice` is the rule); `route` admits the request there and counts it.
 A backend that is not ready takes no new request: its sessions move at their next
 turn, and the cache manager where they land restores their stable prefix from the
 shared disk tier when the fingerprint matches (else the request rebuilds it).
@@ -27,20 +27,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
-from core.backend_choice import Affinity, BackendView, Pick
 from core.cache.deps import EngineParts, deps_from
 from core.config import BackendSettings, ServerSettings
 from core.errors import WarmslotError
 from core.events import Event, Notice, RequestCompleted, ServerStateChanged
-from core.proxy_types import Route
-from core.router import Decision, Router, Target
+from core.proxy.types import Route
+from core.routing.choice import Affinity, BackendView, Pick
+from core.routing.router import Decision, Router, Target
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
 from core.status import BackendRow, BackendsStatus
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
-    from core.proxy_types import CachePolicy
+    from core.proxy.types import CachePolicy
 
 __all__ = [
     "PRIMARY",
@@ -180,7 +180,7 @@ class BackendSet:
 
     # ------------------------------------------------------------ choice
     def choose(self, session: str, side: bool, key: str) -> tuple[Pick, Upstream | None]:
-        """The router's backend chooser (`core.router.BackendChooser`)."""
+        """The router's backend chooser (`core.routing.router.BackendChooser`)."""
         views = [b.view() for b in self.backends.values()]
         try:
             pick = self.affinity.choose(
@@ -228,7 +228,7 @@ class BackendSet:
 
     def _on_state(self, event: Event) -> None:
         """A launched backend that leaves `ready` (a crash, a stop) has failed: its
-        sessions move at their next turn (`core.backend_choice`)."""
+        sessions move at their next turn (`core.routing.choice`)."""
         if not isinstance(event, ServerStateChanged) or event.previous != "ready":
             return
         name = PRIMARY if not event.model else event.model.removeprefix("backend ")

@@ -10,8 +10,6 @@ import argparse
 import contextlib
 import importlib
 import json
-import logging
-import logging.handlers
 import os
 import signal
 import sys
@@ -26,6 +24,7 @@ from core import fmt
 from core.cache.crowding import crowding
 from core.errors import ConfigError, WarmslotError
 from core.local_api import STOPPING_WAIT_S, local_request, running_instance, wait_for_exit
+from core.logs import setup_logging
 from core.paths import Paths
 from core.status import Status, cache_of
 from core.status import from_json as status_from_json
@@ -33,29 +32,14 @@ from core.status import from_json as status_from_json
 __version__ = "0.1.0"
 # Subcommands that live in their own modules; each has `register(subparsers)`.
 _COMMAND_MODULES = (
-    "core.cli_fit",
-    "core.cli_build",
-    "core.cli_models",
-    "core.cli_worker",
-    "core.cli_explain",
-    "core.cli_keys",
+    "core.cli.fit",
+    "core.cli.build",
+    "core.cli.models",
+    "core.cli.worker",
+    "core.cli.explain",
+    "core.cli.keys",
     "core.bench.cli",
 )
-
-
-def setup_logging(paths: Paths, verbose: bool = False) -> None:
-    root = logging.getLogger("warmslot")
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    fmt = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(fmt)
-    root.addHandler(console)
-    paths.log_dir.mkdir(parents=True, exist_ok=True)
-    fileh = logging.handlers.RotatingFileHandler(
-        paths.core_log, maxBytes=5 << 20, backupCount=3, encoding="utf-8"
-    )
-    fileh.setFormatter(fmt)
-    root.addHandler(fileh)
 
 
 def _paths(args: argparse.Namespace) -> Paths:
@@ -226,7 +210,7 @@ def format_status(st: Status) -> str:
 
         lines += worker_lines(workers)
     if (backends := st.get("backends")) is not None:
-        from core.backends import backend_lines
+        from core.models.backends import backend_lines
 
         lines += backend_lines(backends)
     for label, t in (("all time", st["totals"]), ("last hour", st["last_hour"])):
@@ -324,7 +308,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         chosen = found.found is not None and c.path == found.found.path and c.ok
         print(f"  {'→' if chosen else ' '}{mark} {c.source:<12} {c.path or '-'}")
         print(f"      {c.reason}")
-    from core.cli_build import doctor_lines as backend_lines
+    from core.cli.build import doctor_lines as backend_lines
 
     for line in backend_lines(paths, found.found.path if found.found else None):
         print(line)
@@ -357,14 +341,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     try:
         m = model.resolve(paths, settings.server.model)
         print(f"model:       ✔ {m.path} ({m.source}, {fmt.size(m.size)})")
-        from core.cli_fit import doctor_lines as fit_lines
+        from core.cli.fit import doctor_lines as fit_lines
 
         for line in fit_lines(settings, m.path, paths):  # slots and context, and why
             print(line)
     except WarmslotError as e:
         problems += 1
         print(f"model:       ✘ {e.user_message()}")
-    from core.syslibs import check_tray_libraries
+    from core.machine.syslibs import check_tray_libraries
 
     if settings.workers:
         problems += _doctor_workers(settings, found.found.path if found.found else None)

@@ -13,7 +13,7 @@ or are refused when ``pool.strict_models`` is set), and a side call addressed to
 the primary goes to the pool's ``side`` profile when ``pool.side_calls`` is on.
 
 With several backends for the primary model (``[[backends]]``), the Decision also
-names the backend: the router asks the backend chooser (`core.backend_choice`'s rule,
+names the backend: the router asks the backend chooser (`core.routing.choice`'s rule,
 by session, kind and the stable prefix's affinity key) and takes its upstream.
 """
 
@@ -25,10 +25,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from core import apis
-from core.apis import ChatView
-from core.backend_choice import Pick, affinity_key
-from core.cache import prefix as pfx
+from core import chat as apis
+from core.chat import ChatView
+from core.routing import profiles
+from core.routing.choice import Pick, affinity_key
 from core.server.upstream import Upstream
 
 __all__ = [
@@ -194,7 +194,7 @@ class Router:
     ) -> Decision | Refused:
         """The decision for one request (`headers` with lower-case names).
 
-        `chat` is the request's chat view (`core.apis.chat_view`); the proxy passes the
+        `chat` is the request's chat view (`core.chat.chat_view`); the proxy passes the
         one it computed (None: the body could not be read as chat, so the request is
         plain). Left out, it is computed here."""
         if isinstance(chat, _Auto):
@@ -259,7 +259,7 @@ class Router:
                 return Kind.PLAIN, f"{endpoint} request not readable as chat: left to the server"
             return Kind.PLAIN, f"{endpoint} request: the server's own prefix reuse applies"
         what = _WHAT[chat.api]
-        why = pfx.classify_aux(chat.body, has_tools, seen)
+        why = profiles.classify_aux(chat.body, has_tools, seen)
         if why:
             return Kind.SIDE, why
         if has_tools:

@@ -8,13 +8,26 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from core import apis
-from core.apis import ChatView
-from core.cache.plan import SlotPlan
-from core.router import Decision
+from core import chat as apis
+from core.chat import ChatView
+from core.routing.router import Decision, Kind
 from core.server.client import Timings
 from core.server.upstream import Upstream
 from core.status import CacheStatus, EvictResult, PinResult, RewarmResult
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """What a cache policy decided for one request (`CachePolicy.prepare`): the slot it
+    runs in and why. The proxy keeps it with the request and hands it back to
+    `completed` once the response is done, so nothing travels in an untyped side
+    channel."""
+
+    slot: int
+    why: str  # why this slot, in words
+    session: str  # the session the slot is pinned to (the router's key)
+    kind: Kind
+    prefix_fp: str = ""  # the stable prefix's fingerprint, when one is known
 
 
 @dataclass
@@ -44,7 +57,7 @@ class ProxyRequest:
     # The client's own bytes, kept only until the cache policy has prepared the request
     # (failing open parses them again); then dropped, so a large body is not held twice.
     raw_body: bytes | bytearray | None = field(default=None, repr=False)
-    # The request as chat completions (`core.apis.ChatView`): what everything that reads
+    # The request as chat completions (`core.chat.ChatView`): what everything that reads
     # messages or tools reads. None for other endpoints, or when the body could not be
     # converted (the cache then leaves the request alone).
     chat: ChatView | None = None
@@ -58,7 +71,7 @@ class ProxyRequest:
     # prefix alone, for a checkpoint there: core.cache.boundary); counted as its prefill.
     split: Timings | None = None
     # The proxy asked for `timings` in every streamed event (for the headers' numbers):
-    # they are taken out of the stream again (core.proxy_stream.SSEScanner).
+    # they are taken out of the stream again (core.proxy.stream.SSEScanner).
     strip_timings: bool = False
     # Returns once the client has hung up (the proxy's watch of its socket): long work
     # done for the request before it is forwarded stops then.

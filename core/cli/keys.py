@@ -1,6 +1,6 @@
 """`warmslot keys add|list|remove`: one named API key per user of a shared proxy.
 
-The key file and its rules are `core.keys`'s; this module only talks to the user. A
+The key file and its rules are `core.config.keys`'s; this module only talks to the user. A
 running proxy reads the file again when it changes: a key added or removed here counts
 from the next request, without a restart (docs/security.md#serving-a-team).
 """
@@ -15,8 +15,8 @@ import time
 from typing import Any, TypedDict
 
 from core import config as config_mod
+from core.config.keys import DEFAULT_USER, KeyFileError, add_key, keys_file, load_keys, remove_key
 from core.errors import ConfigError
-from core.keys import DEFAULT_USER, KeyFileError, add_key, keys_file, load_keys, remove_key
 from core.paths import Paths
 
 

@@ -1,0 +1,1 @@
+"""The `warmslot` command, one module per command group; `main` is the entry point."""
