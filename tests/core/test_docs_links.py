@@ -119,3 +119,12 @@ def test_facts_page_links_to_its_own_sections() -> None:
     internal = re.findall(r"\]\(#([^)]+)\)", text)
     assert internal, "the page links between its sections"
     assert sorted(set(internal) - anchors) == []
+
+
+def test_the_docs_index_lists_every_page() -> None:
+    """docs/README.md is where a newcomer finds a page: none may be missing from it."""
+    docs = REPO / "docs"
+    index = (docs / "README.md").read_text(encoding="utf-8")
+    pages = sorted(p.name for p in docs.glob("*.md") if p.name != "README.md")
+    missing = [name for name in pages if f"]({name})" not in index]
+    assert not missing, missing
