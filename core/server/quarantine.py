@@ -52,6 +52,14 @@ class Quarantined:
     at: float  # clock time of the crash
     until: float
 
+    def text(self) -> str:
+        """What the user is told about it."""
+        return (
+            f"llama-server died ({self.what}) while answering a request; the same request "
+            f"(body sha256 {self.digest[:16]}…) is refused for "
+            f"{(self.until - self.at) / 60:.0f} min"
+        )
+
 
 @dataclass
 class _InFlight:

@@ -10,34 +10,27 @@ crash loop ends in a permanent 503. A crash during warm-up on a build that repac
 weights for AMX is retried once with ``--no-repack`` and remembered for that
 binary (docs/llama-server-facts.md#amx-repack-crash).
 
-While it runs, its output is always read (`_pump`), and every `PROGRESS_EVERY_S` it
+While it runs, its output is always read, and every `PROGRESS_EVERY_S` it
 must answer ``GET /metrics``, which its main loop serves — ``/health`` is answered by
 the HTTP thread alone, also while the loop is stuck. No answer within
 `PROGRESS_TIMEOUT_S` and it is killed and restarted like a crash. Each crash (or stuck
 kill) tells the server's `CrashQuarantine` (`core.server.quarantine`), which refuses
 the request that was in flight when it happened.
 
-Each launch gets a new random API key that only Warmslot knows, so that nothing else
-on the machine (another user's process, a web page that found the port) can use the
-server behind Warmslot's back (docs/security.md#llama-servers-port). It travels in an
-owner-only file (never on the command line, which ``ps`` shows to everyone) that is
-deleted as soon as the server has read it; `auth_headers` and the `Upstream`'s
-middleware send it.
+Each launch gets a new random API key that only Warmslot knows (`core.server.access`);
+`auth_headers` and the `Upstream`'s middleware send it. Its output is read by
+`core.server.output`, the liveness checks are `core.server.health`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 import secrets
 import signal
-import socket
 import time
 import uuid
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -46,37 +39,36 @@ from pathlib import Path
 import aiohttp
 
 from core.config import ServerSettings
-from core.errors import PortInUse, ServerStartFailed, WarmslotError
+from core.errors import ServerStartFailed, WarmslotError
 from core.events import (
     Event,
-    LogLine,
     Notice,
-    ServerExited,
     ServerLaunched,
     ServerStateChanged,
 )
 from core.machine import process
 from core.paths import Paths
-from core.server import logparse, rpc
+from core.server import health, logparse, rpc
+from core.server.access import (
+    CORS_ENV,
+    KEY_FLAGS,
+    check_port_free,
+    free_port,
+    remove,
+    write_key_file,
+)
 from core.server.argv import LaunchInputs, build_argv
 from core.server.discover import ServerBinary
-from core.server.logfile import ServerLogFile
-from core.server.model import ModelFile, short_name
-from core.server.quarantine import CrashQuarantine, Quarantined
+from core.server.exits import CRASH_SIGNALS, ExitLog, wait_exited
+from core.server.model import ModelFile
+from core.server.output import ServerOutput
+from core.server.quarantine import CrashQuarantine
+from core.server.quirks import BinaryQuirks
 from core.status import ServerSnapshot
 
 log = logging.getLogger("warmslot.server")
 
-# Signals that mean "the process crashed" rather than "it was asked to stop" (by name:
-# Windows has no SIGBUS, and this module must import there).
-_CRASH_SIGNALS = {
-    getattr(signal, name)
-    for name in ("SIGSEGV", "SIGILL", "SIGBUS", "SIGFPE", "SIGABRT")
-    if hasattr(signal, name)
-}
 HEALTHY_RESET_S = 300.0  # a run this long resets the restart counter
-LOG_TAIL_LINES = 2000
-PUMP_CHUNK_BYTES = 64 * 1024  # llama-server's output is read this much at a time at most
 STOP_GRACE_S = 10.0
 # How often a ready server must prove that its main loop runs, and how long it may take.
 # The loop answers between two batches, and one batch of a large prompt on a slow CPU,
@@ -86,11 +78,6 @@ PROGRESS_TIMEOUT_S = 120.0
 # After the restarts ran out: the first wait before trying again, and the longest.
 FAILED_RETRY_S = 60.0
 FAILED_RETRY_MAX_S = 900.0
-# Cross-origin reads of llama-server's answers: none. Set through the environment, which
-# a build without these options ignores (an unknown flag would stop it starting); a
-# ``--cors-*`` flag in the settings' extra args still wins (docs/security.md#llama-servers-port).
-_CORS_ENV = ("LLAMA_ARG_CORS_ORIGINS", "LLAMA_ARG_CORS_CREDENTIALS")
-_KEY_FLAGS = ("--api-key", "--api-key-file")
 
 
 class ServerState(StrEnum):
@@ -112,50 +99,6 @@ class Resolved:
 
 
 Resolver = Callable[[], Awaitable[Resolved]]
-
-
-def free_port(host: str) -> int:
-    """A port that is free right now on `host`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def check_port_free(host: str, port: int, what: str) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise PortInUse(
-                f"{what} port {host}:{port} is already in use ({e.strerror})",
-                hint="stop the other program or choose another port in settings",
-            ) from e
-
-
-async def _exited(proc: asyncio.subprocess.Process) -> int:
-    """Wait for llama-server itself to exit; then kill what is left of its group.
-
-    asyncio's ``wait()`` returns only once the process's pipes are closed, and a
-    helper left in its process group can hold stdout open for ever: a crash would
-    then go unnoticed and a stop would wait out its grace period. So watch the
-    process's own exit status, kill the rest of the group (orphans by now), and
-    only then collect the pipes.
-    """
-    await process.wait_exit(proc)
-    process.kill_leftovers(proc.pid)
-    return await proc.wait()
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
-def _quarantine_text(hit: Quarantined) -> str:
-    return (
-        f"llama-server died ({hit.what}) while answering a request; the same request "
-        f"(body sha256 {hit.digest[:16]}…) is refused for {(hit.until - hit.at) / 60:.0f} min"
-    )
 
 
 class Supervisor:
@@ -188,9 +131,10 @@ class Supervisor:
         self.argv: list[str] = []
         self.run_id = ""
         self.resolved: Resolved | None = None
-        self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.output = ServerOutput(self._log_path, emit)
+        self._quirks = BinaryQuirks(paths.state_dir)
         self.restarts = 0
-        self.exits: deque[ServerExited] = deque(maxlen=50)
+        self.exits = ExitLog()
         self._ready_at = 0.0  # `_clock()` when it last became ready
         self.no_repack_active = False
         self._proc: asyncio.subprocess.Process | None = None
@@ -199,14 +143,10 @@ class Supervisor:
         self._restart_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._ready = asyncio.Event()
-        self._logfile = ServerLogFile(self._log_path)
         self._started_at = 0.0
         self._http: aiohttp.ClientSession | None = None
         self._api_key: str | None = None
         self._worker_waits = 0  # checks in a row that found a needed RPC worker gone
-        self._lines_total = 0  # output lines read, over all runs
-        self._run_first_line = 0  # `_lines_total` when the current run was launched
-        self._line_failures = 0  # output lines that could not be logged or emitted
         self._progress_every_s = progress_every_s or PROGRESS_EVERY_S
         self._progress_timeout_s = progress_timeout_s or PROGRESS_TIMEOUT_S
         self._progress_task: asyncio.Task[None] | None = None
@@ -282,7 +222,7 @@ class Supervisor:
 
     async def close(self) -> None:
         await self.stop("shutdown")
-        self._logfile.close()
+        self.output.close()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -302,35 +242,9 @@ class Supervisor:
             "no_repack": self.no_repack_active,
             # Whether the port takes only Warmslot's key; the key itself is never shown.
             "api_key_protected": self._api_key is not None,
-            "binary": None
-            if r is None
-            else {
-                "path": str(r.binary.path),
-                "source": r.binary.source,
-                "version": r.binary.version,
-                "commit": r.binary.commit,
-                "identity": r.binary.identity,
-            },
-            "model": None
-            if r is None
-            else {
-                "path": str(r.model.path),
-                "source": r.model.source,
-                "size": r.model.size,
-                "identity": r.model.identity,
-                "name": short_name(r.model.path),
-            },
-            "exits": [
-                {
-                    "ts": e.ts,
-                    "outcome": e.outcome,
-                    "returncode": e.returncode,
-                    "signal": e.signal,
-                    "requested_by": e.requested_by,
-                    "last_lines": list(e.last_lines[-5:]),
-                }
-                for e in self.exits
-            ],
+            "binary": None if r is None else r.binary.info(),
+            "model": None if r is None else r.model.info(),
+            "exits": self.exits.rows(),
         }
 
     # ------------------------------------------------------------------ internals
@@ -365,49 +279,19 @@ class Supervisor:
     def _failed(self) -> bool:
         return self.state is ServerState.FAILED
 
-    def _quirks_file(self) -> Path:
-        return self._paths.state_dir / "binary-quirks.json"
-
-    def _quirks(self) -> dict[str, object]:
-        try:
-            data = json.loads(self._quirks_file().read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def _remember_no_repack(self, identity: str, reason: str) -> None:
-        quirks = self._quirks()
-        quirks[identity] = {"no_repack": True, "reason": reason, "ts": time.time()}
-        path = self._quirks_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(quirks, indent=1))
-        tmp.replace(path)
-
-    def _want_no_repack(self, binary: ServerBinary) -> bool:
-        mode = self._settings().no_repack
-        if mode == "on":
-            return True
-        if mode == "off":
-            return False
-        if binary.no_repack:  # its smoke start passed only with the flag
-            return True
-        entry = self._quirks().get(binary.identity)
-        return bool(isinstance(entry, dict) and entry.get("no_repack"))
-
     async def _start_locked(self, requested_by: str, attempt: str) -> None:
         self._stop_requested = False
         self._set_state(ServerState.STARTING, f"requested by {requested_by}")
         try:
             resolved = await self._resolve()
             self.resolved = resolved
-            no_repack = self._want_no_repack(resolved.binary)
+            no_repack = self._quirks.want_no_repack(self._settings().no_repack, resolved.binary)
             try:
                 await self._launch(resolved, no_repack, attempt)
             except ServerStartFailed as e:
                 crashed = getattr(e, "crash_signal", None)
                 # An RPC worker that went away aborts the server too: not the AMX bug.
-                rpc_lost = rpc.rpc_failure(self._run_lines())
+                rpc_lost = rpc.rpc_failure(self.output.run_lines())
                 if (
                     crashed is not None
                     and not no_repack
@@ -419,7 +303,7 @@ class Supervisor:
                         "retrying with --no-repack (AMX weight repacking bug)"
                     )
                     log.warning(reason)
-                    self._remember_no_repack(resolved.binary.identity, reason)
+                    self._quirks.remember_no_repack(resolved.binary.identity, reason)
                     await self._launch(resolved, True, "no-repack-retry")
                 else:
                     raise
@@ -451,7 +335,7 @@ class Supervisor:
         slot_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:12]
         key = secrets.token_urlsafe(32)
-        key_file = self._write_key(key)
+        key_file = write_key_file(self._paths.state_dir, self.name, self.run_id, key)
         argv = build_argv(
             settings,
             LaunchInputs(
@@ -468,32 +352,29 @@ class Supervisor:
         self.port = port
         self.no_repack_active = no_repack
         env = resolved.binary.launch_env()
-        cors = {_CORS_ENV[0]: f"http://{settings.host}:{port}", _CORS_ENV[1]: "0"}
+        cors = {CORS_ENV[0]: f"http://{settings.host}:{port}", CORS_ENV[1]: "0"}
         for name, value in cors.items():
             env.setdefault(name, value)  # the user's own environment wins
-        if any(flag in settings.extra_args for flag in _KEY_FLAGS):
+        if any(flag in settings.extra_args for flag in KEY_FLAGS):
             # llama-server adds every key it is given to one list (common/arg.cpp,
             # --api-key and --api-key-file): theirs opens the port too, Warmslot's still
             # works, and the check after the health poll would say if it did not.
             log.warning(
                 "server.extra_args hold an API key of your own: it also opens llama-server's port"
             )
-        cors_note = " ".join(f"{k}={env[k]}" for k in _CORS_ENV)
-        # As a shell line: the environment it adds, then the argv. A log that cannot be
-        # written (a full disk) does not stop the launch.
-        with contextlib.suppress(OSError, ValueError):
-            self._logfile.write(
-                [f"==== warmslot: launching run {self.run_id}: {cors_note} {' '.join(argv)}"]
-            )
+        cors_note = " ".join(f"{k}={env[k]}" for k in CORS_ENV)
+        # As a shell line: the environment it adds, then the argv.
+        self.output.run_started(
+            f"==== warmslot: launching run {self.run_id}: {cors_note} {' '.join(argv)}"
+        )
         log.info("launching llama-server: %s %s", cors_note, " ".join(argv))
         try:
             proc = await process.spawn(argv, env=env)
         except BaseException:
-            _remove(key_file)
+            remove(key_file)
             raise
         self._api_key = key
         self._proc = proc
-        self._run_first_line = self._lines_total
         self.pid = proc.pid
         self._started_at = self._clock()
         self._emit(
@@ -508,9 +389,14 @@ class Supervisor:
                 attempt=attempt,
             )
         )
-        pump = asyncio.create_task(self._pump(proc))
-        healthy = asyncio.create_task(self._poll_health(settings.host, port))
-        exited = asyncio.create_task(_exited(proc))
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        base = f"http://{settings.host}:{port}"
+        pump = asyncio.create_task(self.output.pump(proc))
+        healthy = asyncio.create_task(
+            health.poll_health(self._http, f"{base}/health", self.auth_headers())
+        )
+        exited = asyncio.create_task(wait_exited(proc))
         try:
             done, _ = await asyncio.wait(
                 {healthy, exited},
@@ -520,17 +406,15 @@ class Supervisor:
         finally:
             healthy.cancel()
             # Read at startup, before the port opens: healthy or gone, it is no longer needed.
-            _remove(key_file)
+            remove(key_file)
         refused = ""
         if healthy in done and not exited.done():
-            refused = await self._key_refused(settings.host, port)
+            refused = await health.key_refused(self._http, f"{base}/props", self.auth_headers())
         if healthy in done and not exited.done() and not refused:
             exited.cancel()
             self._watch_task = asyncio.create_task(self._watch(proc, pump, self.run_id))
             self._stuck = ""
-            self._progress_task = asyncio.create_task(
-                self._check_progress(proc, f"http://{settings.host}:{port}/metrics")
-            )
+            self._progress_task = asyncio.create_task(self._check_progress(proc, f"{base}/metrics"))
             self._set_state(ServerState.READY, f"healthy on port {port}")
             return
         # It exited, never became healthy, or refused Warmslot's key.
@@ -544,7 +428,7 @@ class Supervisor:
             reason = f"not healthy after {settings.start_timeout_s:.0f} s"
         else:
             await pump  # its last lines hold the reason: read them all first
-            reason = logparse.failure_reason(list(self.log_tail)[-40:])
+            reason = logparse.failure_reason(list(self.output.tail)[-40:])
         await pump
         code = proc.returncode
         sig = -code if code is not None and code < 0 else None
@@ -556,146 +440,39 @@ class Supervisor:
             + (f" (killed by signal {signal.Signals(sig).name})" if sig else ""),
             hint=f"see the server log: {self._log_path}",
         )
-        if sig is not None and sig in {int(s) for s in _CRASH_SIGNALS}:
+        if sig is not None and sig in CRASH_SIGNALS:
             err.crash_signal = sig  # type: ignore[attr-defined]
         raise err
 
-    def _run_lines(self) -> list[str]:
-        """The current run's output (as much of it as the tail holds): an abort's backtrace
-        can push its one telling line far up, and an older run's must not count."""
-        n = min(self._lines_total - self._run_first_line, len(self.log_tail))
-        return list(self.log_tail)[-n:] if n > 0 else []
-
-    def _write_key(self, key: str) -> Path:
-        """The key in a new owner-only file in an owner-only folder, for ``--api-key-file``."""
-        run_dir = self._paths.state_dir / "run"
-        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if os.name != "nt":
-            run_dir.chmod(0o700)  # it may predate this code, made with the default mode
-        stem = "".join(c if c.isalnum() or c in "_-" else "_" for c in self.name) or "_primary"
-        # Left over when Warmslot was killed while a server started: its key is dead.
-        for old in run_dir.glob(f"{stem}.*.key"):
-            _remove(old)
-        path = run_dir / f"{stem}.{self.run_id}.key"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-        return path
-
-    async def _key_refused(self, host: str, port: int) -> str:
-        """Why the healthy server does not take Warmslot's key ("" when it does). `/health`
-        is public, so this is the first request that proves the key works."""
-        assert self._http is not None
-        try:
-            async with self._http.get(
-                f"http://{host}:{port}/props", headers=self.auth_headers()
-            ) as resp:
-                if resp.status != 401:
-                    return ""
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return ""  # not a refusal: the watch and the clients see a dead server
-        return (
-            "it refused Warmslot's API key (401); an --api-key option of an unusual kind "
-            "in server.extra_args?"
-        )
-
-    async def _poll_health(self, host: str, port: int) -> None:
-        if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
-        url = f"http://{host}:{port}/health"
-        delay = 0.05
-        while True:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                # /health is public upstream; the key goes along in case a build gates it.
-                async with self._http.get(url, headers=self.auth_headers()) as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-
-    async def _pump(self, proc: asyncio.subprocess.Process) -> None:
-        """Read llama-server's output until it closes, whatever it holds.
-
-        Read in chunks and cut into bounded lines (`logparse.LineSplitter`), never with
-        ``readline``, whose 64 KiB limit one long line overruns; and a line that cannot
-        be handled (a full disk under the log file, a failing subscriber) is skipped,
-        never the rest: output nobody reads blocks llama-server in its logger
-        (docs/llama-server-facts.md#a-long-log-line-wedged-the-server).
-        """
-        assert proc.stdout is not None
-        splitter = logparse.LineSplitter()
-        while True:
-            try:
-                chunk = await proc.stdout.read(PUMP_CHUNK_BYTES)
-            except (OSError, ValueError):  # the pipe broke: nothing more to read
-                chunk = b""
-            self._take_lines(splitter.feed(chunk) if chunk else splitter.close())
-            if not chunk:
-                break
-
-    def _take_lines(self, lines: list[str]) -> None:
-        """Output lines into the tail, the log file (one write for all) and a `LogLine`
-        event each. A line that cannot be handled is counted and skipped, never the rest."""
-        if not lines:
-            return
-        self.log_tail.extend(lines)
-        self._lines_total += len(lines)
-        try:
-            self._logfile.write(lines)
-        except (OSError, ValueError):  # a full disk under the log: the events still go
-            self._line_failed()
-        for line in lines:
-            try:
-                parsed = logparse.parse_line(line)
-                self._emit(
-                    LogLine(level=parsed.level, area=parsed.area, text=parsed.text, raw=line)
-                )
-            except Exception:
-                self._line_failed()
-
-    def _line_failed(self) -> None:
-        self._line_failures += 1
-        if self._line_failures == 1:  # once: the next one would be as loud
-            log.exception("could not handle a line of llama-server's output; reading on")
-
     async def _check_progress(self, proc: asyncio.subprocess.Process, url: str) -> None:
-        """Ask the ready server for ``/metrics`` every `PROGRESS_EVERY_S`; kill it when
-        no answer comes within `PROGRESS_TIMEOUT_S` (the watch then restarts it).
-
-        ``/metrics`` is a task for llama-server's main loop, answered between two
-        batches, so an answer proves the loop runs; ``/health`` does not (its HTTP
-        thread answers it while the loop is stuck, e.g. blocked writing its log). Any
-        answer counts, even an error status; a refused connection is a crash, which the
-        watch sees. Off the request path: one small request at a time, from here.
-        """
+        """Kill the ready server when its main loop stops answering ``/metrics`` for
+        `PROGRESS_TIMEOUT_S` (`health.wait_stalled`); the watch then restarts it."""
         assert self._http is not None
-        timeout = aiohttp.ClientTimeout(total=self._progress_timeout_s)
-        while True:
-            await asyncio.sleep(self._progress_every_s)
-            if proc.returncode is not None or self._proc is not proc:
-                return
-            try:
-                async with self._http.get(url, headers=self.auth_headers(), timeout=timeout) as r:
-                    await r.read()
-                continue
-            except TimeoutError:
-                pass
-            except (aiohttp.ClientError, OSError):
-                continue
-            if proc.returncode is not None or self._proc is not proc or self._stop_requested:
-                return
-            self._stuck = (
-                f"no progress: GET /metrics unanswered for {self._progress_timeout_s:.0f} s "
-                "while /health answers"
-            )
-            log.warning("llama-server makes %s; killing it to restart it", self._stuck)
-            process.kill_group(proc.pid)
+
+        def current() -> bool:
+            return proc.returncode is None and self._proc is proc and not self._stop_requested
+
+        stalled = await health.wait_stalled(
+            self._http,
+            url,
+            self.auth_headers,
+            every_s=self._progress_every_s,
+            timeout_s=self._progress_timeout_s,
+            current=current,
+        )
+        if not stalled:
             return
+        self._stuck = (
+            f"no progress: GET /metrics unanswered for {self._progress_timeout_s:.0f} s "
+            "while /health answers"
+        )
+        log.warning("llama-server makes %s; killing it to restart it", self._stuck)
+        process.kill_group(proc.pid)
 
     async def _watch(
         self, proc: asyncio.subprocess.Process, pump: asyncio.Task[None], run_id: str
     ) -> None:
-        code = await _exited(proc)
+        code = await wait_exited(proc)
         await pump
         if self._progress_task is not None:
             self._progress_task.cancel()
@@ -712,7 +489,7 @@ class Supervisor:
             self._failed_retries = 0
         settings = self._settings()
         what = stuck or (f"signal {signal.Signals(sig).name}" if sig else f"exit code {code}")
-        if lost := rpc.rpc_failure(self._run_lines()):
+        if lost := rpc.rpc_failure(self.output.run_lines()):
             # llama-server does not say which worker: the restart checks them and names it.
             # The worker's loss is the cause, not the request that ran into it: that one
             # is served again once the server is back without the worker.
@@ -733,7 +510,7 @@ class Supervisor:
     def _quarantine(self, what: str) -> None:
         """Tell the quarantine the server died; say which request it now refuses."""
         for hit in self.quarantine.crashed(what):
-            text = _quarantine_text(hit)
+            text = hit.text()
             log.warning("%s", text)
             self._emit(
                 Notice(
@@ -786,27 +563,9 @@ class Supervisor:
     def _record_exit(
         self, proc: asyncio.subprocess.Process, outcome: str, requested_by: str, code: int | None
     ) -> None:
-        sig = -code if code is not None and code < 0 else None
-        event = ServerExited(
-            run_id=self.run_id,
-            pid=proc.pid,
-            returncode=code,
-            signal=sig,
-            outcome=outcome,
-            requested_by=requested_by,
-            last_lines=tuple(list(self.log_tail)[-20:]),
-        )
-        self.exits.append(event)
+        last = tuple(list(self.output.tail)[-20:])
+        event = self.exits.record(self.run_id, proc.pid, outcome, requested_by, code, last)
         self.pid = None
-        log.log(
-            logging.INFO if outcome == "requested" else logging.WARNING,
-            "llama-server run %s exited: %s (code %s, signal %s, by %s)",
-            self.run_id,
-            outcome,
-            code,
-            sig,
-            requested_by,
-        )
         self._emit(event)
 
     async def _kill_group(self, proc: asyncio.subprocess.Process) -> None:

@@ -168,7 +168,7 @@ def test_split_over_two_workers_answers_as_one_host_and_shows_the_split(
         ("host RAM", "host", 1),
     ]
     # llama-server itself put the layers there (its load log names the RPC buffers).
-    log = "\n".join(core.supervisor.log_tail)
+    log = "\n".join(core.supervisor.output.tail)
     assert "RPC0" in log and "RPC1" in log, log[-3000:]
     text2, lp2 = answer(complete(core))
     assert text2 == text1
@@ -203,7 +203,7 @@ def test_a_killed_worker_is_named_and_the_server_restarts_without_it(
     wait_until(
         lambda: any(e.outcome == "crashed" for e in events.of(ServerExited)),
         120,
-        message=lambda: "\n".join(list(core.supervisor.log_tail)[-20:]),  # type: ignore[union-attr]
+        message=lambda: "\n".join(list(core.supervisor.output.tail)[-20:]),  # type: ignore[union-attr]
     )
     crash = next(e for e in events.of(ServerExited) if e.outcome == "crashed")
     assert crash.pid == first_pid
@@ -388,7 +388,7 @@ def test_an_rpc_abort_at_startup_is_not_taken_for_the_amx_crash(
     assert [e.attempt for e in events.of(ServerLaunched)] == ["start"]  # no --no-repack retry
     assert [e.outcome for e in events.of(ServerExited)] == ["start_failed"]
     assert core.supervisor is not None
-    assert any(f"Failed to connect to {dead}" in line for line in core.supervisor.log_tail)
+    assert any(f"Failed to connect to {dead}" in line for line in core.supervisor.output.tail)
     assert not (home / "state" / "binary-quirks.json").exists()
 
 

@@ -246,7 +246,7 @@ def test_a_server_that_refuses_the_key_does_not_count_as_started(
     sup = core.supervisor
     assert sup is not None and sup.state is ServerState.FAILED
     assert sup.api_key is None
-    launched = sup.exits[-1].pid
+    launched = sup.exits.records[-1].pid
     wait_until(lambda: pid_gone(launched), 30)
     assert list((core.paths.state_dir / "run").iterdir()) == []
 
