@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-from core.server.fit import MIB, FitPlan, as_mib, plan_argv
+from core.server.fit import FitPlan, as_mib, plan_argv
+from core.server.sizing import MIB
 
 
 def format_plan(plan: FitPlan) -> str:

@@ -255,7 +255,6 @@ OVERSIZE = {
     "core/proxy/app.py",
     "core/cache/manager.py",
     "core/engine.py",
-    "core/server/fit.py",
     "core/cache/retention.py",
     "core/status.py",
     "core/models/catalog.py",

@@ -17,17 +17,11 @@ from core.cli.fit import register
 from core.config import ServerSettings
 from core.errors import ConfigError
 from core.machine.devices import GpuInfo, HostInfo, read_gpus, read_host
-from core.server.fit import (
-    MIB,
-    FitPlan,
-    FitRequest,
-    kv_cells,
-    plan,
-    plan_argv,
-)
+from core.server.fit import FitPlan, FitRequest, plan, plan_argv
 from core.server.fit_report import cross_check, format_plan
 from core.server.gguf_facts import ModelFacts, read_facts
 from core.server.launch import request_from_settings
+from core.server.sizing import MIB, kv_cells
 from core.server.tinymodel import make_tiny_model
 from tests.core import test_gguf_facts as synth
 
