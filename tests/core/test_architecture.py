@@ -257,7 +257,6 @@ OVERSIZE = {
     "core/engine.py",
     "core/cache/retention.py",
     "core/status.py",
-    "core/models/catalog.py",
     "core/cache/conversations.py",
     "core/bench/restore.py",
     "core/chat.py",

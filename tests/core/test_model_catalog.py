@@ -20,16 +20,8 @@ import pytest
 
 from core.config import ModelProfile, Settings
 from core.machine.devices import GpuInfo, HostInfo
-from core.models.catalog import (
-    Found,
-    ModelEntry,
-    Root,
-    describe,
-    find_models,
-    model_roots,
-    profile_note,
-    scan,
-)
+from core.models.catalog import ModelEntry, describe, find_models, profile_note
+from core.models.scan import Found, Root, model_roots, scan
 from core.server.fit import FitRequest
 from core.server.tinymodel import make_tiny_model
 from tests.core.test_gguf_facts import BASE, qwen3next_meta, write_gguf
