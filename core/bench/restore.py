@@ -28,25 +28,20 @@ The issue's goals (issue 16): cold ÷ restored ≥ 150× at 32k tokens, and rest
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
-import mmap
 import os
-import random
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from core.bench.common import post_json
+from core.bench.disk import cached_fraction, drop_cache, file_read, measure_bandwidth
 from core.bench.overhead import Machine
 from core.bench.restore_report import (
     Bandwidth,
-    FileRead,
     Goal,
     ModelReport,
     RestoreReport,
@@ -55,6 +50,7 @@ from core.bench.restore_report import (
     Skipped,
     format_report,
 )
+from core.bench.slot_client import Server, prompt_tokens
 from core.cache.probe import (
     PROBE_SUFFIX,
     check_answer,
@@ -63,10 +59,9 @@ from core.cache.probe import (
     probe_request_for,
 )
 from core.cache.store import StateRecord, StateStore, file_sha256
-from core.chat import JsonObject
 from core.config import Settings
 from core.paths import Paths
-from core.server.client import CompletionAnswer, SlotActionAnswer
+from core.server.client import CompletionAnswer
 
 DEFAULT_SIZES = (8192, 32768, 65536)
 RESERVE = 128  # cells the probe suffix, its answer and the next turn need after the prompt
@@ -74,166 +69,12 @@ GOAL_RATIO = 150.0
 GOAL_RATIO_AT = 32768
 GOAL_BANDWIDTH_FACTOR = 3.0
 BANDWIDTH_FILE_MIB = 256
-REQUEST_TIMEOUT_S = 3600.0  # longest one request to llama-server may take
-_VOCAB = (
-    "def class return import self None True False value cache slot token server model "
-    "request prompt window layer memory thread buffer stream result status kernel process "
-    "network record table paper letter city market garden winter summer number simple "
-    "careful report the a of to in and for with on is this that from by"
-)
-_WORDS = _VOCAB.split()
 TURN = "\n\nUser: Summarise what the code above does, in one sentence.\nAssistant:"
 # A shorter probe (issue 16): timed beside the current one on the same restored state. It
 # missed an 8-byte flip on Gemma 3 (docs/cache.md#verification), so it only is measured.
 SHORT_PROBE_SUFFIX = "\n"
 SHORT_PROBE_TOKENS = 2
 Log = Callable[[str], None]
-
-
-def drop_cache(path: Path) -> None:
-    """Write the file's dirty pages and drop it from the page cache (best effort: the
-    kernel may keep pages another process maps; `cached_fraction` says what stayed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def cached_fraction(path: Path) -> float | None:
-    """The share of the file's pages in the page cache (``mincore``), or None where it
-    cannot be asked."""
-    size = path.stat().st_size
-    if size == 0:
-        return 1.0
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return None
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    page = mmap.PAGESIZE
-    pages = (size + page - 1) // page
-    with path.open("rb") as f:
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable: from_buffer needs it
-        try:
-            buf = (ctypes.c_char * size).from_buffer(mm)
-            vec = (ctypes.c_ubyte * pages)()
-            try:
-                rc = libc.mincore(
-                    ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec
-                )
-            finally:
-                del buf  # the mmap cannot close while a buffer exports it
-        finally:
-            mm.close()
-    if rc != 0:
-        return None
-    return sum(v & 1 for v in vec) / pages
-
-
-def read_file_ms(path: Path) -> float:
-    """Milliseconds to read the whole file sequentially (8 MiB reads, no hashing)."""
-    t0 = time.perf_counter()
-    with path.open("rb", buffering=0) as f:
-        while f.read(8 << 20):
-            pass
-    return (time.perf_counter() - t0) * 1000
-
-
-def measure_bandwidth(folder: Path, nbytes: int) -> Bandwidth:
-    """Read bandwidth (MB/s) of the filesystem under `folder`: a scratch file of `nbytes`,
-    written, synced, dropped from the page cache and read (cold), then read again
-    (cached). The file is deleted afterwards."""
-    path = folder / f"bench-bandwidth-{uuid.uuid4().hex}.tmp"
-    chunk = os.urandom(8 << 20)
-    try:
-        with path.open("wb") as f:
-            written = 0
-            while written < nbytes:
-                f.write(chunk)
-                written += len(chunk)
-        drop_cache(path)
-        left = cached_fraction(path)
-        cold_ms = read_file_ms(path)
-        warm_ms = read_file_ms(path)
-        size = path.stat().st_size
-    finally:
-        path.unlink(missing_ok=True)
-    return {
-        "bytes": size,
-        "cold_cached_fraction": left,
-        "cold_ms": round(cold_ms, 1),
-        "cold_mb_s": round(size / 1e3 / cold_ms, 1),
-        "warm_ms": round(warm_ms, 1),
-        "warm_mb_s": round(size / 1e3 / warm_ms, 1),
-    }
-
-
-# ----------------------------------------------------------------------------- the server
-
-
-class Server:
-    """The launched llama-server, spoken to directly (the proxy adds nothing here)."""
-
-    def __init__(self, base: str, auth: dict[str, str], slot_dir: Path) -> None:
-        self.base = base
-        self.auth = auth
-        self.slot_dir = slot_dir
-
-    def post(self, path: str, body: Mapping[str, object]) -> tuple[JsonObject, float]:
-        """POST and return (answer, wall ms)."""
-        t0 = time.perf_counter()
-        # A cold 32k-token prefill of Gemma 3 took 164–440 s on the 2-core machine, and
-        # over 900 s while other jobs loaded it: a bench waits rather than fails.
-        data = post_json(self.base + path, body, self.auth, timeout=REQUEST_TIMEOUT_S)
-        return data, (time.perf_counter() - t0) * 1000
-
-    def tokenize(self, text: str, add_special: bool) -> list[int]:
-        data, _ = self.post("/tokenize", {"content": text, "add_special": add_special})
-        return [int(t) for t in cast("list[int]", data["tokens"])]
-
-    def slot(self, action: str, filename: str | None = None) -> tuple[SlotActionAnswer, float]:
-        """A slot action on slot 0: (the server's answer, wall ms)."""
-        body = {"filename": filename} if filename else {}
-        data, ms = self.post(f"/slots/0?action={action}", body)
-        # The server's JSON as sent, read as core.server.client reads it.
-        return cast(SlotActionAnswer, data), ms
-
-    def completion(self, body: Mapping[str, object]) -> tuple[CompletionAnswer, float]:
-        """`POST /completion`: (the server's answer, wall ms)."""
-        data, ms = self.post("/completion", body)
-        return cast(CompletionAnswer, data), ms  # as sent, read as the client reads it
-
-    def complete(self, tokens: list[int], n_predict: int) -> tuple[CompletionAnswer, float]:
-        """A greedy completion of `tokens` in slot 0, its cache reused."""
-        return self.completion(
-            {
-                "prompt": tokens,
-                "n_predict": n_predict,
-                "temperature": 0.0,
-                "top_k": 1,
-                "samplers": ["top_k"],
-                "id_slot": 0,
-                "cache_prompt": True,
-                "seed": 0,
-            },
-        )
-
-
-def prompt_tokens(server: Server, n: int, seed: int) -> list[int]:
-    """`n` tokens of code-like text (its own words per seed, so no two sizes share a
-    prefix the server could reuse), tokenized by the model, beginning with its BOS."""
-    rng = random.Random(seed)
-    words = max(64, n)
-    while True:
-        lines = []
-        for i in range(words // 8):
-            body = " ".join(rng.choice(_WORDS) for _ in range(7))
-            lines.append(f"{i:05d} {body} = {rng.randrange(10**6)}")
-        toks = server.tokenize("\n".join(lines), add_special=True)
-        if len(toks) >= n:
-            return toks[:n]
-        words *= 2
 
 
 def _ms(timings: Mapping[str, object] | None, key: str) -> float | None:
@@ -290,8 +131,8 @@ def run_size(
         probe={"prefix": tokens, "suffix": suffix, **probe_reference(ref_resp)},
     )
     store.add(rec)
-    read_cold = _file_read(path, cold=True)
-    read_warm = _file_read(path, cold=False)
+    read_cold = file_read(path, cold=True)
+    read_warm = file_read(path, cold=False)
     trials = {
         cache: restore_once(
             server,
@@ -325,13 +166,6 @@ def run_size(
     }
     (server.slot_dir / name).unlink(missing_ok=True)
     return result
-
-
-def _file_read(path: Path, *, cold: bool) -> FileRead:
-    if cold:
-        drop_cache(path)
-    left = cached_fraction(path)
-    return {"ms": round(read_file_ms(path), 2), "cached_fraction_before": left}
 
 
 def _probe(server: Server, prefix: list[int], suffix: list[int]) -> tuple[CompletionAnswer, float]:

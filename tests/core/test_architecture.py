@@ -258,7 +258,6 @@ OVERSIZE = {
     "core/cache/retention.py",
     "core/status.py",
     "core/cache/conversations.py",
-    "core/bench/restore.py",
     "core/chat.py",
     "app/settings_dialog.py",
 }
