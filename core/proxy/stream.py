@@ -11,6 +11,8 @@ from typing import Any
 
 from core import chat as apis
 from core.proxy.headers import HOLD_MAX_BYTES, Reuse, reuse_from
+from core.proxy.split import split_line
+from core.server.client import Timings
 
 # The events of a stream's last result, which carry `timings` even without
 # ``timings_per_token``: a chat chunk with a finish reason, or the usage chunk after it
@@ -43,11 +45,15 @@ class SSEScanner:
 
     Noted: the first reuse numbers (`opening`, for the headers; `ready` once a chunk
     completed an event or `HOLD_MAX_BYTES` are held), the last line with `timings`
-    (parsed when asked: `timings`, `id_slot`), the last `usage` lines and an error event.
+    (parsed when asked: `timings`, `id_slot`), the last `usage` lines and an error event
+    — all as llama-server sent them. With `split` (the part of the prompt the cache read
+    just before the request, `ProxyRequest.split`) the numbers passed on count it as
+    prefill (`core.proxy.split`), as the headers do.
     """
 
-    def __init__(self, *, strip_timings: bool = False) -> None:
+    def __init__(self, *, strip_timings: bool = False, split: Timings | None = None) -> None:
         self._strip = strip_timings
+        self._split = split
         self._tail = b""
         self._last = b""  # the last event line with `timings`, unparsed
         self._parsed: tuple[bytes, dict[str, Any]] | None = None
@@ -99,6 +105,8 @@ class SSEScanner:
                     self.opening = reuse_from(json.loads(line[6:]))
             if has_timings and self._strip and not _FINAL.search(line):
                 lines[k] = _without_timings(line)
+            if self._split is not None:
+                lines[k] = split_line(lines[k], self._split)
         self.ready = self.ready or complete or self.held >= HOLD_MAX_BYTES
         return b"\n".join(lines) + b"\n"
 
@@ -154,14 +162,6 @@ def timings_from_json(data: bytes) -> tuple[dict[str, Any] | None, int | None]:
             timings = parsed if isinstance(parsed, dict) else None
     m = _ID_SLOT_RE.search(data)
     return timings, int(m.group(1)) if m else None
-
-
-def usage_in_body(data: bytes) -> dict[str, Any] | None:
-    """Reuse numbers from the `usage` of a whole Anthropic or Responses answer."""
-    try:
-        return apis.usage_timings(json.loads(data))
-    except ValueError:
-        return None
 
 
 def stream_usage(input_line: bytes, output_line: bytes) -> dict[str, Any] | None:
