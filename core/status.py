@@ -413,7 +413,8 @@ class Divergence(TypedDict):
 
 
 class Shortfall(TypedDict):
-    """A restore or re-warm that the next request did not use (issue 16, 0c)."""
+    """A restore or re-warm that the next request did not use: said in the headers, the status
+    and an event, with the likely cause."""
 
     ts: float
     request_id: str

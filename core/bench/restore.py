@@ -21,8 +21,8 @@ The ratio is cold ÷ (check + restore + verify + first token), computed from tho
 measured parts. The disk's read bandwidth is measured in the same run on a
 scratch file beside the slot files (at least 256 MiB, cold and cached), and each
 restore is compared with the time the file alone takes to read at that bandwidth.
-The issue's goals (issue 16): cold ÷ restored ≥ 150× at 32k tokens, and restore ≤
-3 × file size ÷ bandwidth.
+The goals (docs/benchmarks.md#restore): cold ÷ restored ≥ 150× at 32k tokens, and
+restore ≤ 3 × file size ÷ bandwidth.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ GOAL_RATIO_AT = 32768
 GOAL_BANDWIDTH_FACTOR = 3.0
 BANDWIDTH_FILE_MIB = 256
 TURN = "\n\nUser: Summarise what the code above does, in one sentence.\nAssistant:"
-# A shorter probe (issue 16): timed beside the current one on the same restored state. It
-# missed an 8-byte flip on Gemma 3 (docs/cache.md#verification), so it only is measured.
+# A shorter probe: timed beside the current one on the same restored state. It missed an
+# 8-byte flip on Gemma 3 (docs/cache.md#verification), so it only is measured.
 SHORT_PROBE_SUFFIX = "\n"
 SHORT_PROBE_TOKENS = 2
 Log = Callable[[str], None]
@@ -388,7 +388,7 @@ def _slot_ctx(server: Server, fallback: int) -> int:
 
 
 def goals(models: list[ModelReport]) -> list[Goal]:
-    """The issue's two goals, per model and size, from the reported numbers."""
+    """The two goals (docs/benchmarks.md#restore), per model and size, from the reported numbers."""
     out: list[Goal] = []
     for m in models:
         for r in m["sizes"]:

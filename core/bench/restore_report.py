@@ -125,7 +125,8 @@ class ModelReport(TypedDict):
 
 
 class Goal(TypedDict):
-    """The issue's two goals judged on one model, size and page-cache state (`goals`)."""
+    """The two goals (docs/benchmarks.md#restore) judged on one model, size and page-cache
+    state (`goals`)."""
 
     model: str
     tokens: int

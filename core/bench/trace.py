@@ -260,7 +260,8 @@ def iter_agent_turns(trace: list[TraceRequest]) -> Iterator[TraceRequest]:
 
 
 def interleave(trace: list[TraceRequest]) -> list[TraceRequest]:
-    """The same requests with the sessions taking turns (issue 16, 3): every session's
+    """The same requests with the sessions taking turns (two agents on one server, never worse
+    off than on a bare llama-server with the same memory): every session's
     title call, then turn 1 of each session, turn 2 of each, …; no restart. Two agents
     working side by side on one server send their turns like this."""
     order = {sid: i for i, sid in enumerate(dict.fromkeys(r.session for r in trace))}

@@ -1,4 +1,5 @@
-"""A context checkpoint at the stable prefix's end, on models that rewind (issue 16, 0d).
+"""A context checkpoint at the stable prefix's end, on models that rewind
+(docs/cache.md#a-checkpoint-at-the-stable-boundary).
 
 On a sliding-window model (without ``--swa-full``) or a recurrent/hybrid one, llama-server
 can go back into a slot's cache only to a context checkpoint, and it makes checkpoints

@@ -2,7 +2,7 @@
 
 Agent sessions on fewer agent slots take turns: each turn's conversation is saved from
 the slot it leaves and restored when its session returns (where that pays), which costs
-more than a slot of its own (issue 16; docs/cache.md#crowding). `warmslot status` and
+more than a slot of its own (docs/cache.md#crowding). `warmslot status` and
 the dashboard's Sessions tab say so.
 """
 

@@ -50,7 +50,7 @@ PROBE_VERSION = 2  # 2: top-k log-prob vectors per position ("top"); 1 had only 
 # own suffix and token count (`probe_request_for`).
 PROBE_SUFFIX = "\n\nWarmslot verification probe. The capital of France is"
 PROBE_TOKENS = 4
-LEGACY_PROBE_TOKENS = 2  # what references taken with the short probe (issue 16) generated
+LEGACY_PROBE_TOKENS = 2  # what references taken with the older 2-token probe generated
 PROBE_TOP_K = 16  # log-probs compared per position (docs/cache.md#verification)
 # Measured: a dense model's restored state reproduces every log-prob bit for bit (same
 # binary, same threads, docs/cache.md#verification), so any difference is a wrong state.
@@ -360,7 +360,8 @@ class ProbeGate:
     docs/cache.md#verification). Two of Warmslot's own probes in different slots did
     exactly that to each other — a conversation's reference taken while a prefix's was
     taken in the side slot — and two probes agreeing proved nothing, since both had shared
-    their batches (the rejected correct states of issue 16's alternating-sessions test).
+    their batches (correct states were rejected so in
+    tests/integration/test_alternating_sessions.py).
     So probes queue here, and each reports whether the other slots did any work while it
     ran: idle, on the same task, before and after (a task that started and ended in between
     changes its slot's task id).

@@ -9,8 +9,8 @@ slot holding it, else — when the prefix is not saved on disk to be restored in
 empty slot — the idle slot of another session that holds it. That session's
 conversation is saved before it is displaced (core.cache.manager) and comes back,
 restored, into a slot of its own on its next turn: a save and a restore instead of
-prefilling the whole shared prefix again (issue 16, 3: a bare llama-server routes the
-new session to the slot with the longest common prefix).
+prefilling the whole shared prefix again (never worse than a bare llama-server with the
+same memory, which routes the new session to the slot with the longest common prefix).
 
 With API keys per user (docs/security.md#serving-a-team) each slot's session has an
 owner, and slots are shared fairly: a new session may take an idle slot only when it is
@@ -45,7 +45,8 @@ class SlotState:
     session_of_last: str = ""  # session of the last request that ran here
     prompt_n_last: int = 0  # its prompt length
     # What the next request here should reuse because Warmslot just restored (or
-    # re-warmed) it, and what was done: checked once in `completed` (issue 16, 0c).
+    # re-warmed) it, and what was done: checked once in `completed`, so that a restore
+    # that did not pay is said.
     promised: tuple[int, str] = (0, "")
 
 

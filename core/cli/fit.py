@@ -29,7 +29,7 @@ __all__ = ["cmd_fit", "doctor_lines", "register"]
 
 def doctor_lines(settings: config_mod.Settings, model_path: Path, paths: Paths) -> list[str]:
     """What `warmslot doctor` says about the fit plan: slots and context per slot, why,
-    and any note that an agent will hit the context (issue 16, 0e)."""
+    and any note that an agent will hit the context (hitting it is never silent)."""
     try:
         facts = read_facts(model_path)
         p = plan(

@@ -3,7 +3,7 @@
 PySide6's wheels bring Qt but not the X11 libraries its xcb platform plugin links
 against. When one is missing, Qt aborts at start with "could not load the Qt
 platform plugin xcb" and names the wrong library (found on a fresh Debian 12 without
-libxcb-icccm4 and libxcb-keysyms1: issue 18). So `warmslot doctor` and the tray,
+libxcb-icccm4 and libxcb-keysyms1). So `warmslot doctor` and the tray,
 before Qt loads its plugin, ask the dynamic loader (``ldd`` on the plugin) what is
 missing and name the package that brings it.
 """

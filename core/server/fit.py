@@ -25,9 +25,10 @@ and docs/llama-server-facts.md#slot-file-contents):
 
 Unless pinned, the planner aims for every slot holding the model's trained
 context (at most `MAX_AUTO_CTX`): an agent that declares 32k and gets 8k has its
-third turn truncated (issue 16). It aims for `FitRequest.agent_slots` agent slots
-plus one for side calls, so agents that alternate each keep their own slot instead
-of re-reading their conversation every turn. When that does not fit, it steps
+third turn truncated (a real agent's was, at 8,191 tokens). It aims for
+`FitRequest.agent_slots` agent slots plus one for side calls, so agents that
+alternate each keep their own slot instead of re-reading their conversation every
+turn. When that does not fit, it steps
 down a ladder — fewer slots at the trained context, a q8_0 KV cache, a shorter
 context (never below 32k before fewer agent slots and q8_0 were tried), a
 partial GPU offload — and says in `gave_up` what it reduced; values the user

@@ -370,7 +370,7 @@ class Queries:
         """Medians for warm (mostly cached) and cold requests: prefill time (`prompt_ms`,
         keys ``warm_prefill``/``cold_prefill``) and the time to first byte of streamed
         requests (``warm``/``cold``). A non-streamed response's first byte comes after
-        the whole generation, which hides what the cache saved (issue 18)."""
+        the whole generation, which hides what the cache saved."""
         since = 0.0 if since is None else since
         out: dict[str, float | int | None] = {}
         for name, cond in (("warm", "cache_n > prompt_n"), ("cold", "cache_n <= prompt_n")):

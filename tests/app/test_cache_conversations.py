@@ -1,4 +1,4 @@
-"""The Cache view lists saved conversations and pins / evicts them (issue 16, item 4).
+"""The Cache view lists saved conversations and pins / evicts them (docs/cache.md).
 
 A real Core (tiny model, real llama-server, real SQLite index) serves two sessions whose
 conversations are saved; the Cache view, over the core's public API (`CoreBackend`:

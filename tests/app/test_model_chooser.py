@@ -139,7 +139,7 @@ def test_client_setup_dialog_shows_snippets_with_the_url(qtbot: Any) -> None:
     assert dlg.url == "http://127.0.0.1:18123/v1"
     assert dlg.tabs.count() == 4
     titles = [dlg.tabs.tabText(i) for i in range(4)]
-    assert titles == ["opencode", "aider", "Claude Code", "Codex CLI"]  # all four work (issue 15)
+    assert titles == ["opencode", "aider", "Claude Code", "Codex CLI"]  # all four work
     oc = json.loads(dlg.snippets["opencode"].toPlainText())
     assert oc["provider"]["warmslot"]["options"]["baseURL"] == dlg.url
     assert "aider --model openai/qwen3-coder" in dlg.snippets["aider"].toPlainText()

@@ -195,7 +195,7 @@ def test_rules_between_settings_are_checked_on_the_whole_edit(
 
 
 def test_a_new_proxy_port_applies_at_once(qtbot: Any, core: Core, tasks: Tasks) -> None:
-    """Changing the proxy's port moved nothing until Warmslot restarted (issue 18): now the
+    """Changing the proxy's port moved nothing until Warmslot restarted: now the
     proxy listens on the new port when the settings are saved, and the change is an event."""
     import json
     import socket
@@ -397,7 +397,7 @@ def test_each_setting_says_when_it_takes_effect(qtbot: Any, core: Core, tasks: T
 def test_the_tray_with_an_invalid_file_starts_on_the_files_settings_once_fixed(
     qtbot: Any, tmp_path: Path, start_app: Any
 ) -> None:
-    """As the issue saw it: ``ttl_short_s = "two minutes"``, the tray in error, Settings…,
+    """As a user saw it: ``ttl_short_s = "two minutes"``, the tray in error, Settings…,
     Save — which moved the proxy to 8089 and emptied binary and model. Now Start does not
     run on the stand-in defaults, Save writes the fix alone, and the core then starts on
     the file's own settings."""

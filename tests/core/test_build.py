@@ -572,7 +572,7 @@ def test_cmake_args_per_backend() -> None:
         "-DGGML_NATIVE=ON",
         "-DBUILD_SHARED_LIBS=OFF",
         "-DLLAMA_USE_PREBUILT_UI=OFF",
-        "-DGGML_RPC=ON",  # llama-server --rpc and the ggml-rpc-server worker (issue 17)
+        "-DGGML_RPC=ON",  # llama-server --rpc and the ggml-rpc-server worker (docs/scale.md)
     ):
         assert flag in base
     assert not any("GGML_CUDA" in a or "GGML_METAL" in a for a in base)

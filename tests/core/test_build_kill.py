@@ -1,4 +1,4 @@
-"""A signal to `warmslot build` stops everything the build started (issue 19, item 10).
+"""A signal to `warmslot build` stops everything the build started.
 
 Before, SIGTERM ended Python at once: cmake and ninja kept compiling under PID 1 and the
 temp folder stayed. And even a cancelled build left ninja's commands running once ninja

@@ -1,4 +1,4 @@
-"""Cache event kinds are `CacheEventKind` members, never free strings (issue 14, step 5).
+"""Cache event kinds are `CacheEventKind` members, never free strings.
 
 Read from the source with `ast`:
 

@@ -280,7 +280,7 @@ def test_probe_check_exact_ties_and_changes() -> None:
 
 
 def test_probe_on_a_flat_model_compares_whole_top_k_vectors() -> None:
-    """Issue 19: every margin under TIE_MARGIN; the old check compared token 0's
+    """Every margin under TIE_MARGIN; the old check compared token 0's
     log-prob within 1e-3 only and accepted 64 flipped bytes and another model's file."""
     from core.cache.probe import LOGPROB_TOLERANCE, PROBE_TOP_K, TIE_MARGIN, check_answer
 

@@ -54,7 +54,7 @@ def test_models_json_table_and_use(tree: Tree, tmp_path: Path) -> None:
     assert rows[str(tree.paths["swa"])]["needs_patched_server"] is True
     assert "not a readable GGUF" in rows[str(tree.paths["broken"])]["error"]
     assert rows[str(tree.paths["hf"])]["fits"] is True  # a tiny model fits anywhere
-    # The fit plan chooses (issue 16): 3 agent slots + the side slot, each the model's
+    # The fit plan chooses: 3 agent slots + the side slot, each the model's
     # trained context (4,096 for this generated model).
     assert rows[str(tree.paths["hf"])]["fit"].startswith("fits: 4 slots × 4,096 tokens")
 
@@ -80,7 +80,7 @@ def test_models_json_table_and_use(tree: Tree, tmp_path: Path) -> None:
         "opencode",
         "aider",
         "claude-code",
-        "codex",  # all four work (issue 15)
+        "codex",  # all four work
     ]
 
     # A damaged file or a wrong number is refused and the setting stays.

@@ -53,7 +53,7 @@ def test_what_works_today_follows_the_proxy_routes(monkeypatch: pytest.MonkeyPat
     assert "/v1/chat/completions" in JSON_ROUTES
     s = by_id()
     assert s["opencode"].works and s["aider"].works
-    # The proxy forwards Anthropic's Messages and OpenAI's Responses API (issue 15).
+    # The proxy forwards Anthropic's Messages and OpenAI's Responses API.
     assert "/v1/messages" in JSON_ROUTES and "/v1/responses" in JSON_ROUTES
     assert s["claude-code"].works and "patch 0004" in s["claude-code"].status
     assert s["codex"].works and "Responses API" in s["codex"].status

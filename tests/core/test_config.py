@@ -299,7 +299,7 @@ def test_a_migrated_value_is_still_validated(tmp_path: Path, two_migrations: lis
     assert e.value.key == "proxy.port" and e.value.got == 123456
 
 
-# ------------------------------------------------------------------ network exposure (issue 19)
+# ------------------------------------------------------------------ network exposure
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5"])
 def test_a_network_proxy_without_an_api_key_is_an_error(tmp_path: Path, host: str) -> None:
     path = write(tmp_path / "w.toml", f'[proxy]\nhost = "{host}"\n')
@@ -338,7 +338,7 @@ def test_loopback_needs_no_key(tmp_path: Path, host: str) -> None:
 
 def test_allowed_origins(tmp_path: Path) -> None:
     assert Settings().proxy.allowed_origins == []
-    assert Settings().proxy.max_body_mb == 8  # issue 19: docs/security.md#body-size
+    assert Settings().proxy.max_body_mb == 8  # docs/security.md#body-size
     path = write(
         tmp_path / "w.toml",
         '[proxy]\nallowed_origins = ["http://127.0.0.1:3000", "https://ui.example"]\n',

@@ -1,4 +1,4 @@
-"""Requests that hit their slot's context are named (core.proxy.context_limit, issue 16 0e)."""
+"""Requests that hit their slot's context are named (core.proxy.context_limit): never silent."""
 
 from __future__ import annotations
 

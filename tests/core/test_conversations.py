@@ -1,4 +1,4 @@
-"""Conversation states: which saved conversation a request gets back (issue 16).
+"""Conversation states: which saved conversation a request gets back.
 
 The selection rules of `core.cache.conversations.choose` (longest match, session vs
 token-prefix match, the gain over the stable prefix, the time budget from measured

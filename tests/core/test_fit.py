@@ -440,7 +440,7 @@ def test_fit_command(
     assert "4096/slot" in out  # --auto: the model's trained context
 
 
-# --- slots and context from memory (issue 16, 0e and 3) --------------------------------
+# --- slots and context from memory: the context agents need, a slot per agent ----------
 
 DENSE_8B_32K = facts(
     "dense-8b-32k",

@@ -288,7 +288,7 @@ async def test_a_restore_whose_probe_cannot_run_is_cleared_not_served(tmp_path: 
 
 
 async def test_a_restore_that_did_not_pay_is_said(tmp_path: Path) -> None:
-    """Issue 16 (0c): the request after a restore should reuse what was restored; when it
+    """The request after a restore should reuse what was restored; when it
     reused far less, an event and the status say so, with the likely cause."""
     from core.proxy.app import ProxyRequest
     from core.proxy.types import SlotPlan

@@ -244,7 +244,7 @@ def test_timings_from_json() -> None:
     assert timings_from_json(b'{"id_slot": -1, "timings": 5}') == (None, None)
 
 
-# ------------------------------------------------------------------ strict JSON (issue 19)
+# ------------------------------------------------------------------ strict JSON
 def bad_json(raw: bytes) -> str:
     with pytest.raises(Invalid) as e:
         parse_json(raw)
@@ -292,7 +292,7 @@ def test_nesting_up_to_the_limit_parses() -> None:
         b'{"a": 1,}',
         b"{'a': 1}",
         b'{"a": "\\x"}',
-        b'{"a": "\\ud800"}',  # half a surrogate pair: not text (issue 19)
+        b'{"a": "\\ud800"}',  # half a surrogate pair: not text
         b'{"\\udcff": 1}',
         b'{"a": ["x", {"b": "\\ude00\\ud83d"}]}',  # low half first: no pair
     ],
@@ -301,7 +301,7 @@ def test_malformed_json(raw: bytes) -> None:
     assert bad_json(raw).startswith("malformed JSON")
 
 
-# ------------------------------------------------------------------ shapes (issue 19)
+# ------------------------------------------------------------------ shapes
 def msg(content: Any = "hi", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content, **extra}]}
 

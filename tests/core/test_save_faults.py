@@ -1,4 +1,4 @@
-"""Failed saves: what the check after a save says, and the per-prefix backoff (issue 19).
+"""Failed saves: what the check after a save says, and the per-prefix backoff.
 
 The real faults (a full disk during a real save, an undeletable file, kill -9 during a
 save) are in tests/integration/test_disk_faults.py; these pin the pieces down.

@@ -1,4 +1,5 @@
-"""Where a new agent session goes (core.cache.slots, issue 16 item 3)."""
+"""Where a new agent session goes (core.cache.slots): a slot of its own
+where there is one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The file check before a restore (issue 16, item 6): an unchanged file is not hashed
+"""The file check before a restore: an unchanged file is not hashed
 again, and any change a stat can show still sends it through the sha256.
 
 Hashing reads the whole file, as long again as the server's own read of it

@@ -388,7 +388,7 @@ def test_core_query_uses_the_same_whitelist(make_core: Any) -> None:
         core.query("prune", retention_days=0)
 
 
-# ------------------------------------------------------------ one bad row (issue 19)
+# ------------------------------------------------------------ one bad row
 def undecodable(raw: bytes) -> str:
     """A header value as aiohttp decodes non-UTF-8 bytes (surrogateescape)."""
     return raw.decode("utf-8", "surrogateescape")
@@ -396,7 +396,7 @@ def undecodable(raw: bytes) -> str:
 
 def test_text_that_is_not_unicode_is_stored_as_replacement_characters(tel: Telemetry) -> None:
     """aiohttp hands non-UTF-8 header bytes on as lone surrogates, which sqlite3 cannot
-    encode: such a row once failed every later flush (issue 19)."""
+    encode: such a row once failed every later flush."""
     bad = undecodable(b"agent\xff\xfe\xfd/1")
     tel.record(req(T + 1, client=bad, session=undecodable(b"s\xff")))
     for i in range(3):

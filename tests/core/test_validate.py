@@ -156,7 +156,7 @@ def test_a_patched_build_outranks_unpatched_binaries_of_its_revision_or_older() 
 
 
 def test_a_higher_slot_api_level_outranks_an_older_patched_build() -> None:
-    """issue 19: slot-api-v2 answers a truncated slot file with a 400 where v1 aborted, so a
+    """slot-api-v2 answers a truncated slot file with a 400 where v1 aborted, so a
     v2 build goes first even when a v1 build of the same revision is newer on disk."""
     old = binary("build-cache", 11434, True, "v1-build")  # newest first: old build listed first
     new = replace(

@@ -1,4 +1,4 @@
-"""Two agent sessions taking turns are never worse off than on a bare llama-server (issue 16).
+"""Two agent sessions taking turns are never worse off than on a bare llama-server.
 
 With the default settings the fit plan gives every agent session a slot of its own (up
 to 3 agent slots and one for side calls, as memory allows): from its second turn on,

@@ -1,4 +1,4 @@
-"""Several backends behind one proxy (issue 17, item 2; docs/scale.md#several-backends).
+"""Several backends behind one proxy (docs/scale.md#several-backends).
 
 Two real llama-servers (the primary 'main' and a launched backend 'b1', the tiny
 model, loopback, the patched build) behind one Core with the cache manager on. Four

@@ -1,4 +1,5 @@
-"""A new agent session on a sliding-window model reuses the whole shared prefix (issue 16, 0d).
+"""A new agent session on a sliding-window model reuses the whole shared prefix
+(docs/cache.md#a-checkpoint-at-the-stable-boundary).
 
 Gemma 3 270M (sliding window, no --swa-full) with the tools template agents use on it, on
 a real llama-server through Warmslot: a first session reads its ~1,500-token system text,
@@ -82,7 +83,7 @@ def test_a_second_session_goes_back_to_the_stable_boundary(
     first = [system, {"role": "user", "content": "Fix the parser bug."}]
     h1 = _chat(port, first, "s1")
     prefix = int(h1["X-Warmslot-Prefix"].split(":")[1])
-    assert prefix >= 1200  # the system text (issue 16, 0b: the first session's boundary)
+    assert prefix >= 1200  # the system text: without a profile marker, the first session's boundary
     # The first request read everything, the split included: none of it is reuse.
     assert h1["X-Warmslot-Cached-Tokens"] == "0"
     rng = random.Random(5)
@@ -109,7 +110,7 @@ def test_a_client_that_hangs_up_stops_the_prefix_read(
     """The prefix read alone runs before the request is forwarded, where the proxy's
     watch of the client's socket does not reach: a client that gave up would leave
     llama-server reading the whole prefix (minutes for a large model on a CPU). The read
-    stops with the client, as the request's own prefill does (issue 19)."""
+    stops with the client, as the request's own prefill does."""
     core = _gemma_core(make_core, gemma_model)
     assert core.proxy is not None and core.supervisor is not None
     sup = core.supervisor

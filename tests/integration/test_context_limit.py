@@ -1,4 +1,4 @@
-"""Hitting the slot's context is never silent (issue 16, 0e): a real llama-server with a
+"""Hitting the slot's context is never silent: a real llama-server with a
 small slot refuses a long prompt and cuts an answer short; the response says so in
 ``X-Warmslot-Warning``/``X-Warmslot-Context``, a ``context_limit`` event is recorded and
 the status text has the line."""

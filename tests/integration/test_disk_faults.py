@@ -1,4 +1,5 @@
-"""Disk faults on the save path, against a real llama-server (issue 19, item 9).
+"""Disk faults on the save path, against a real llama-server: a failed save
+backs off per prefix and leaves no partial file.
 
 - **Disk full during a real save**: the slot directory is a small tmpfs (mounted by the
   test: it needs root), filled so that the next slot file does not fit. llama-server's

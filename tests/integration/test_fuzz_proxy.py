@@ -1,4 +1,4 @@
-"""The proxy against bad input, on a real llama-server (tiny model): issue 19.
+"""The proxy against bad input, on a real llama-server (tiny model).
 
 - Header bytes that are not UTF-8 (aiohttp hands them on as lone surrogates) once
   made every later telemetry write fail: status 500, nothing recorded.
@@ -84,7 +84,7 @@ def forwarded(core: Core) -> int:
     return core.proxy.counters.requests
 
 
-# ------------------------------------------------------------ one header (issue 19 item 1)
+# ------------------------------------------------------------ one header poisons nothing
 def test_undecodable_header_bytes_poison_nothing(make_core: Any) -> None:
     """A request whose User-Agent and session header hold non-UTF-8 bytes is served;
     every later request is recorded; status answers 200; nothing was dropped."""

@@ -115,7 +115,7 @@ def test_keepalive_brings_back_a_displaced_pinned_prefix_and_costs_one_token_whe
 def test_a_rewarmed_prefix_without_a_saved_state_is_saved_from_its_slot(tmp_path: Path) -> None:
     """Keep-alive re-prefilled a displaced prefix whose state was gone, and the next
     displacement prefilled it again. On the patched server (0004) it is now saved from
-    the slot the re-warm filled: a disk write, no prefill (issue 16)."""
+    the slot the re-warm filled: a disk write, no prefill."""
     from core.bench.trace import make_trace
 
     model = make_tiny_model(model_cache() / "tiny-32k.gguf", n_ctx=32768)

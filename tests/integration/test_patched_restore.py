@@ -2,7 +2,8 @@
 
 Slow and opt-in: set ``WARMSLOT_SLOW_TESTS=1``. Gemma 3 270M (15 sliding-window layers, n_swa
 512, plus 3 full-attention layers) is the model: the case where upstream slot files are
-useless (no reuse after a restore) or wrong (with --swa-full). It checks issue 6's "Done when":
+useless (no reuse after a restore) or wrong (with --swa-full). It checks what the patches
+promise (docs/patches.md):
 
 * save a ~2,000-token slot, restart the server, restore, then
   (a) the same prompt reuses ≥ 1,990 tokens;

@@ -1,7 +1,9 @@
-"""A stable prefix reaches the disk without being computed again (issue 16, item 0).
+"""A stable prefix reaches the disk without being computed again: the live
+slot is saved, never a prefix prefilled again in a scratch slot.
 
-The issue's head-to-head scenario, scaled to the tiny dense model: a long system prompt
-without any client-profile marker (its end is the stable prefix, item 0b), a 3-turn
+A head-to-head scenario against peers that save the slot after each response, scaled
+to the tiny dense model: a long system prompt without any client-profile marker (its
+end is the stable prefix: a boundary without a marker), a 3-turn
 conversation, the Core stopped and started, then the conversation's 4th turn and a new
 conversation under the same system prompt.
 
@@ -41,7 +43,7 @@ WORDS = SHARED_WORDS[:11]
 SYSTEM = "You are a careful coding assistant. Project notes follow.\n" + " ".join(
     WORDS[(i * 7 + i // 5) % len(WORDS)] for i in range(1500)
 )
-BACKGROUND_SHARE = 0.05  # the issue's target: cache management prefill ≤ 5 % of the client's
+BACKGROUND_SHARE = 0.05  # the target: cache management prefill ≤ 5 % of the client's
 
 
 def _text(seed: int, n: int) -> str:
@@ -90,7 +92,8 @@ def _events(core: Core, kind: str) -> list[dict[str, Any]]:
 
 
 def _built_in_scratch(core: Core) -> list[dict[str, Any]]:
-    """Prefills Warmslot did to build a prefix it then saved (the path item 0 removes)."""
+    """Prefills Warmslot did to build a prefix it then saved (a path that saving the live
+    slot removed)."""
     return [
         e
         for kind in ("prewarm_cold", "prewarm_hit")
@@ -165,7 +168,7 @@ def test_prefix_reaches_disk_without_a_prefill_and_serves_after_a_restart(
     assert _events(second, "restore_ok"), "nothing was restored (and verified)"
     assert not _events(second, "restore_rejected")
     assert not _built_in_scratch(second)
-    # Over the whole scenario, as the issue measures it (after the restart the client
+    # Over the whole scenario, as the target is measured (after the restart the client
     # prefills little — that is the point — so that phase alone says little).
     total_background, total_visible = map(sum, zip(*phases, strict=True))
     assert total_background <= BACKGROUND_SHARE * total_visible, phases

@@ -1,5 +1,5 @@
-"""Probe references are taken alone, so correct states verify (issue 16, the alternating-
-sessions flake).
+"""Probe references are taken alone, so correct states verify (they were rejected
+now and then in tests/integration/test_alternating_sessions.py).
 
 A probe's log-probs are bit-exact only when no other slot's tokens share its batches. Two
 of Warmslot's own saves in different slots — in the flaky runs, a displaced conversation's

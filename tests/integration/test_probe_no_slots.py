@@ -1,4 +1,4 @@
-"""Probe references on a llama-server without ``GET /slots`` (issue 16; core.cache.probe).
+"""Probe references on a llama-server without ``GET /slots`` (core.cache.probe).
 
 A reference is taken from a probe that ran alone, which the `ProbeGate` reads from
 ``GET /slots``. A server started with ``--no-slots`` answers that with 501 (save and

@@ -192,7 +192,7 @@ def test_a_request_that_crashes_the_server_is_refused_after_once(served: Served)
     after = served.status()["server"]
     assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"] + 1
     print(f"\nserved again {took:.2f} s after the crash")
-    # The same body again, as a retrying client sends it (the issue: 6 in 21 s).
+    # The same body again, as a retrying client sends it (one was seen sending it 6 times in 21 s).
     for _ in range(6):
         r = served.post("/v1/chat/completions", body)
         assert r.status_code == 422, r.text

@@ -1,4 +1,4 @@
-"""A restart of Warmslot is warm without a disk tier (issue 13, item 4).
+"""A restart of Warmslot is warm without a disk tier (docs/cache.md).
 
 Two Cores share one home folder, as two runs of `warmslot serve` do. The first
 learns an opencode-shaped prefix through the proxy (two sessions of one project:

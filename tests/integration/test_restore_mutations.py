@@ -1,4 +1,4 @@
-"""A wrong KV state with a matching index row is never served (issue 19).
+"""A wrong KV state with a matching index row is never served (docs/cache.md#verification).
 
 The store's size and sha256 checks catch a file that changed after its row was written;
 they cannot catch a file that was wrong when the row was written (a bug, or a crash

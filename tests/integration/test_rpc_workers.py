@@ -1,4 +1,4 @@
-"""A model split over llama.cpp RPC workers (issue 17, item 1): real processes on loopback.
+"""A model split over llama.cpp RPC workers (docs/scale.md): real processes on loopback.
 
 Two `warmslot worker` processes (each supervising a real ``ggml-rpc-server`` on CPU)
 hold layers of a real tiny model; the main host's llama-server reaches them with

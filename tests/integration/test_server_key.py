@@ -1,4 +1,4 @@
-"""llama-server's own port answers only Warmslot (issue 19, item 7).
+"""llama-server's own port answers only Warmslot (docs/security.md#llama-servers-port).
 
 Each launch gets a random key that only Warmslot knows (docs/security.md#llama-servers-port).
 Probed from another local process, as any program on the machine would: without the

@@ -1,4 +1,5 @@
-"""Live conversations at shutdown, with a real `warmslot serve` (issue 16, done-when 5).
+"""Live conversations at shutdown, with a real `warmslot serve`: the staged stop
+saves them in time and a kill -9 during a save leaves nothing that is adopted.
 
 - **A graceful stop saves every live conversation in time**: three agent sessions, each in
   its own slot and well past the shared stable prefix; SIGINT. `warmslot serve` exits 0

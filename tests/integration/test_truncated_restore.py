@@ -1,4 +1,4 @@
-"""A truncated slot file is a 400 that leaves the slot alone, not an abort (issue 19, item 4).
+"""A truncated slot file is a 400 that leaves the slot alone, not an abort (docs/patches.md).
 
 llama.cpp's buffered file reader reads short at the end of a file without an error, so a
 slot file cut inside its KV state made the server parse bytes it never read and abort on
