@@ -51,6 +51,7 @@ from core.proxy.checks import (
 )
 from core.proxy.errors import (
     auth_response,
+    context_error_response,
     error_response,
     history_error,
     invalid_response,
@@ -945,6 +946,12 @@ class Proxy:
                 # A prompt or answer that hit the slot's context is named (issue 16, 0e).
                 if (hit := context_limit.warning_for(up.status, data, req.body)) is not None:
                     context_limit.note(req.response_headers, hit)
+                    if hit.refused and hit.n_ctx:  # in the API's own words, with the sizes
+                        headers = safe_headers(req.response_headers)
+                        response = context_error_response(
+                            req.endpoint, hit.tokens, hit.n_ctx, headers
+                        )
+                        return _Outcome(response, 400, None, ttfb, error)
                 if up.status == 200 and req.split is not None:  # its numbers as the headers'
                     data = await _off_loop(functools.partial(split_body, split=req.split), data)
                 response = web.Response(

@@ -123,3 +123,47 @@ def stream_error_event(endpoint: str, message: str, status: int) -> bytes:
         return f"\nevent: error\ndata: {json.dumps(payload)}\n\n".encode()
     payload = {"error": {"message": message, "type": "server_error", "code": status}}
     return f"\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+# A prompt longer than its slot. Each API's own words, which the agents recognise as
+# "compact and retry" rather than a failure: Anthropic's "prompt is too long: N tokens
+# > M maximum" (Claude Code reads both numbers out of it), OpenAI's error code
+# context_length_exceeded and "maximum context length is M tokens" (Codex, opencode),
+# and llama-server's own phrase (clients that know llama.cpp look for it).
+CONTEXT_HINT = (
+    "compact or shorten the conversation, or give each slot more context "
+    "(server.ctx_per_slot); `warmslot clients` sets each agent to compact before its "
+    "slot is full (docs/clients.md#context-size)"
+)
+
+
+def context_error_response(
+    endpoint: str, tokens: int, n_ctx: int, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """400 for a prompt of `tokens` that llama-server refused because its slot holds
+    `n_ctx`, in the API's own error shape, with both numbers and what to do — instead
+    of llama-server's OpenAI-shaped error on every route."""
+    if endpoint in ("messages", "messages-count"):
+        message = (
+            f"prompt is too long: {tokens} tokens > {n_ctx} maximum (Warmslot: the "
+            f"llama-server slot holds {n_ctx} tokens; {CONTEXT_HINT})"
+        )
+        body: dict[str, object] = {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": message},
+        }
+        return web.json_response(body, status=400, headers=headers)
+    message = (
+        f"This model's maximum context length is {n_ctx} tokens (its llama-server slot), "
+        f"but the request has {tokens} tokens: the request exceeds the available context "
+        f"size. Warmslot: {CONTEXT_HINT}"
+    )
+    error = {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": "input" if endpoint == "responses" else "messages",
+        "code": "context_length_exceeded",
+        "n_prompt_tokens": tokens,
+        "n_ctx": n_ctx,
+    }
+    return web.json_response({"error": error}, status=400, headers=headers)
