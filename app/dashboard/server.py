@@ -12,7 +12,8 @@ from app.dashboard.base import Request, Tab, ViewContext, fill, table
 from app.qt import Qt, QtGui, QtWidgets
 from core.events import BuildProgress, LogLine
 from core.models.backends import backend_lines
-from core.status import ExitInfo, ServerStatus, Status
+from core.status import Status
+from core.status.server import ExitInfo, ServerStatus
 from core.telemetry.rows import ServerRunRow
 
 LOG_BLOCKS = 2000

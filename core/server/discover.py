@@ -30,7 +30,7 @@ from pathlib import Path
 from core.errors import BinaryNotFound
 from core.paths import Paths
 from core.server import validate
-from core.status import BinaryInfo
+from core.status.server import BinaryInfo
 
 _VERSION_RE = re.compile(
     r"version:\s*(?P<version>\S+)(?:\s*\(build\s*(?P<build>\d+),\s*commit\s*"

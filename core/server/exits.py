@@ -9,7 +9,7 @@ from collections import deque
 
 from core.events import ServerExited
 from core.machine import process
-from core.status import ExitInfo
+from core.status.server import ExitInfo
 
 __all__ = ["CRASH_SIGNALS", "ExitLog", "wait_exited"]
 

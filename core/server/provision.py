@@ -32,7 +32,7 @@ from core.events import BuildProgress, Event, Notice
 from core.paths import Paths
 from core.server import discover
 from core.server.discover import Checker, Discovery, ServerBinary
-from core.status import BuildStatus
+from core.status.server import BuildStatus
 
 __all__ = ["NO_BINARY_PURPOSE", "PATCHED_PURPOSE", "Provisioner", "needs_checkpoint_patch"]
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from core.config import WorkerSettings
 from core.errors import WarmslotError
-from core.status import WorkerCheckRow, WorkerRow, WorkersStatus
+from core.status.server import WorkerCheckRow, WorkerRow, WorkersStatus
 
 __all__ = [
     "RPC_SERVER_NAME",

@@ -64,7 +64,7 @@ from core.server.model import ModelFile
 from core.server.output import ServerOutput
 from core.server.quarantine import CrashQuarantine
 from core.server.quirks import BinaryQuirks
-from core.status import ServerSnapshot
+from core.status.server import ServerSnapshot
 
 log = logging.getLogger("warmslot.server")
 

@@ -256,7 +256,6 @@ OVERSIZE = {
     "core/cache/manager.py",
     "core/engine.py",
     "core/cache/retention.py",
-    "core/status.py",
     "core/cache/conversations.py",
     "core/chat.py",
 }
