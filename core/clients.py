@@ -153,8 +153,8 @@ def _opencode(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
                "request after 300,000 ms; Warmslot waits for llama-server as long as this "
                f"(proxy.upstream_timeout_s), and {PREFILL_NOTE}"),
         Option((*provider, "options", "headerTimeout"), timeout_ms, "opencode waits "
-               "300,000 ms for the response headers; Warmslot sends them with the first "
-               "token, after the whole prefill"),
+               "300,000 ms for the response headers; Warmslot sends a stream's with its first "
+               "keep-alive (after 20 s of prefill), a whole answer's only at its end"),
         Option((*provider, "models", model, "name"), model, "the model, by the name "
                "Warmslot answers to"),
         Option(("model",), f"warmslot/{model}", "use it"),
@@ -218,8 +218,9 @@ def _claude_code(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetu
         Option(("API_TIMEOUT_MS",), timeout_ms, "how long one request may take: as long "
                "as Warmslot waits for llama-server (proxy.upstream_timeout_s)"),
         Option(("CLAUDE_STREAM_IDLE_TIMEOUT_MS",), timeout_ms, "Claude Code drops a stream "
-               "silent for max(this, 300,000 ms) and sends the request again; a stream is "
-               f"silent for the whole prefill, and {PREFILL_NOTE}"),
+               "without an event for max(this, 300,000 ms) and sends the request again; "
+               "Warmslot's keep-alive pings do not count (its SDK drops them), so a stream "
+               f"has no event for the whole prefill, and {PREFILL_NOTE}"),
     ]  # fmt: skip
     lines = [f"export {o.name}={o.value}" for o in options] + ["claude"]
     status = (
@@ -261,8 +262,9 @@ def _codex(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
         *([Option((*provider, "env_key"), API_KEY_ENV, f"{_KEY_ONLY} (Codex refuses "
                   "to start when the variable named here is unset)")] if key else []),
         Option((*provider, "stream_idle_timeout_ms"), timeout_ms, "Codex drops a stream "
-               "silent for 300,000 ms and retries it (\"Reconnecting 5/5\"); a stream is "
-               f"silent for the whole prefill, and {PREFILL_NOTE}"),
+               "without an event for 300,000 ms and retries it (\"Reconnecting 5/5\"); "
+               "Warmslot's keep-alive comments are no events, so a stream has none for the "
+               f"whole prefill, and {PREFILL_NOTE}"),
         Option(("features", "plugins"), False, "Codex contacts its plugin hosts at every "
                "start, even with a local provider"),
     ]  # fmt: skip

@@ -70,6 +70,7 @@ from core.proxy.headers import (
 from core.proxy.metrics import CONTENT_TYPE as METRICS_TYPE
 from core.proxy.split import split_body
 from core.proxy.stream import (
+    Heartbeat,
     SSEScanner,
     error_text,
     stream_usage,
@@ -714,6 +715,8 @@ class Proxy:
             return invalid_response(req.endpoint, crashed_before(hit, quarantine.clock()))
         if checked := await self._check_token_ids(req):
             return checked
+        if generation and req.stream:  # silent until llama-server's first event: kept alive
+            req.heartbeat = Heartbeat(request, req.endpoint, lambda: self._early_headers(req))
         if generation:
             body.setdefault("cache_prompt", True)
             if req.policy is not None:
@@ -791,6 +794,8 @@ class Proxy:
                     quarantine.end(token, failed=broke)
                 if ex.watch is not None:
                     self._watchdog(upstream).end(ex.watch)
+        if req.heartbeat is not None:
+            out = await self._after_heartbeat(req, out)
         total_ms = (time.perf_counter() - t0) * 1000
         parsed = Timings.parse(out.timings)
         if parsed is not None:
@@ -1001,8 +1006,14 @@ class Proxy:
 
         The client's headers wait for the stream's first reuse numbers (`_open_stream`):
         llama-server sends its first event only once the prompt is read."""
-        response = web.StreamResponse(
-            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        hb = req.heartbeat
+        response = (
+            hb.response
+            if hb is not None
+            else web.StreamResponse(
+                status=200,
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+            )
         )
         # llama-server closes the connection after a stream (docs/llama-server-facts.md
         # #keep-alive), but aiohttp hands it back to the pool at the stream's last byte,
@@ -1020,6 +1031,9 @@ class Proxy:
                 ex.moved()
                 if ttfb is None:
                     ttfb = (time.perf_counter() - t0) * 1000
+                    if hb is not None:  # llama-server speaks now: no more keep-alives
+                        await hb.stop()
+                        ex.stream = response if hb.opened else None
                 out = scanner.feed(chunk)
                 try:
                     if not response.prepared:
@@ -1069,6 +1083,26 @@ class Proxy:
         self._add_cache_headers(req, reuse)
         response.headers.update(safe_headers(req.response_headers))
         await response.prepare(request)
+
+    def _early_headers(self, req: ProxyRequest) -> dict[str, str]:
+        """A kept-alive stream's headers, sent before its reuse numbers are known."""
+        self._add_cache_headers(req, None)
+        return safe_headers(req.response_headers)
+
+    async def _after_heartbeat(self, req: ProxyRequest, out: _Outcome) -> _Outcome:
+        """Stop a stream's keep-alives; an outcome that is not that stream (an error,
+        a stall's 504) is told in it when its status and headers went out already."""
+        hb = req.heartbeat
+        assert hb is not None
+        await hb.stop()
+        if not hb.opened or out.response is hb.response:
+            return out
+        if out.status != 499:  # a client that hung up reads nothing
+            message = f"Warmslot: {out.error or f'status {out.status}'}"
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await hb.response.write(stream_error_event(req.endpoint, message, out.status))
+                await hb.response.write_eof()
+        return dataclasses.replace(out, response=hb.response)
 
     def _add_cache_headers(self, req: ProxyRequest, reuse: Reuse | None) -> None:
         """The X-Warmslot-* cache headers from the server's reuse numbers (core.proxy.headers);

@@ -1,13 +1,18 @@
 """Reading llama-server's answers as they pass through the proxy, without buffering or
 parsing them whole: the `timings` and slot of a stream (`SSEScanner`) or of a complete
-body, the reuse numbers of an Anthropic or Responses `usage`, an upstream error's text."""
+body, the reuse numbers of an Anthropic or Responses `usage`, an upstream error's text;
+and the keep-alives of a stream that waits for its first event (`Heartbeat`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from aiohttp import web
 
 from core import chat as apis
 from core.proxy.headers import HOLD_MAX_BYTES, Reuse, reuse_from
@@ -196,3 +201,79 @@ def error_text(data: bytes) -> str:
         return str(obj["error"]["message"])[:500]
     except (ValueError, KeyError, TypeError):
         return data[:500].decode("utf-8", errors="replace")
+
+
+# Seconds of silence before a waiting stream gets its first keep-alive, and between
+# keep-alives: well under every agent's idle watchdog (Claude Code and Codex drop a
+# stream silent for 300 s, opencode waits 300 s for the headers: docs/clients.md
+# #timeouts), long enough that a stream whose prefill takes less still gets its
+# headers with its reuse numbers.
+KEEPALIVE_S = 20.0
+
+
+def keepalive_event(endpoint: str) -> bytes:
+    """What a stream waiting for llama-server's first event sends to show it is alive:
+    Anthropic's own ``ping`` event on the Messages API (which its SDKs read and skip), an
+    SSE comment line elsewhere (which every SSE parser skips: the OpenAI SDKs, Codex's)."""
+    if endpoint == "messages":
+        return b'event: ping\ndata: {"type": "ping"}\n\n'
+    return b": keep-alive\n\n"
+
+
+class Heartbeat:
+    """Keeps a streamed request's client from giving up while the request waits before
+    llama-server's first event — a restore and its verification, the stable prefix
+    read alone, a long prefill.
+
+    After `interval` seconds without a byte the response is opened (status 200 and the
+    headers known then: `headers()`) and a `keepalive_event` is written, and again every
+    `interval` s, until `stop` (the first upstream event, or an outcome). A stream opened
+    this way has no reuse numbers in its headers (they come with the first event): the
+    answer's own `timings`/`usage`, telemetry and `warmslot explain` still have them."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        endpoint: str,
+        headers: Callable[[], Mapping[str, str]],
+        interval: float | None = None,
+    ) -> None:
+        self.response = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        self.pings = 0
+        self._request = request
+        self._event = keepalive_event(endpoint)
+        self._headers = headers
+        self._interval = KEEPALIVE_S if interval is None else interval
+        self._stopped = asyncio.Event()
+        self._task: asyncio.Task[None] | None = asyncio.ensure_future(self._beat())
+
+    async def _beat(self) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):  # the client is gone
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), self._interval)
+                    return
+                if not self.response.prepared:
+                    self.response.headers.update(self._headers())
+                    await self.response.prepare(self._request)
+                await self.response.write(self._event)
+                self.pings += 1
+
+    async def stop(self) -> None:
+        """No more keep-alives (the response stays open when it was opened)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._stopped.set()  # a keep-alive being written is finished first, never cut
+        done, _ = await asyncio.wait({task}, timeout=self._interval)
+        if not done:  # its write is stuck (a client that reads nothing)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @property
+    def opened(self) -> bool:
+        """Whether the client has the response's status and headers already."""
+        return self.response.prepared

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core import chat as apis
 from core.chat import ChatView
@@ -14,6 +14,9 @@ from core.routing.router import Decision, Kind
 from core.server.client import Timings
 from core.server.upstream import Upstream
 from core.status import CacheStatus, EvictResult, PinResult, RewarmResult
+
+if TYPE_CHECKING:  # stream.py reads the headers, which read these types
+    from core.proxy.stream import Heartbeat
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class ProxyRequest:
     # Returns once the client has hung up (the proxy's watch of its socket): long work
     # done for the request before it is forwarded stops then.
     gone: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
+    # A streamed generation's keep-alives while it waits before llama-server's first
+    # event (core.proxy.stream.Heartbeat); its response is the stream's once opened.
+    heartbeat: Heartbeat | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.chat is None and self.endpoint == "chat":
