@@ -26,9 +26,11 @@ class ClientSetupDialog(QtWidgets.QDialog):
         parent: QtWidgets.QWidget | None = None,
         *,
         key_required: bool | None = None,
+        context: int | None = None,
     ) -> None:
         """`key_required`: whether clients must send a key (core.keys.key_required: named
-        keys or proxy.api_key); None reads proxy.api_key alone."""
+        keys or proxy.api_key); None reads proxy.api_key alone. `context`: the agent's
+        slot in tokens (core.clients.slot_context), for the compaction settings."""
         super().__init__(parent)
         self.setWindowTitle("Warmslot — Client setup")
         self.resize(760, 640)
@@ -38,7 +40,9 @@ class ClientSetupDialog(QtWidgets.QDialog):
         key = bool(settings.proxy.api_key) if key_required is None else key_required
         # Each agent waits as long as Warmslot waits for llama-server (docs/clients.md#timeouts).
         timeout = settings.proxy.upstream_timeout_s
-        self.setups = client_setups(address, self.model, api_key=key, timeout_s=timeout)
+        self.setups = client_setups(
+            address, self.model, api_key=key, timeout_s=timeout, context=context
+        )
         self.snippets: dict[str, QtWidgets.QPlainTextEdit] = {}
         self.reasons: dict[str, QtWidgets.QLabel] = {}
         self.copy_buttons: dict[str, QtWidgets.QPushButton] = {}

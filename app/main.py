@@ -48,6 +48,7 @@ from app.single import SingleInstance, server_name
 from app.tasks import Tasks
 from app.tray import Tray
 from core import config as config_mod
+from core.clients import slot_context
 from core.config.keys import key_required
 from core.errors import ConfigError
 from core.paths import Paths
@@ -255,6 +256,7 @@ class App(QObject):
                 settings,
                 parent=self.dashboard,
                 key_required=key_required(self.paths.config_file, settings.proxy.api_key),
+                context=slot_context(self.controller.status, settings),
             )
             dlg.finished.connect(lambda _r: self._client_setup_closed())
             self.client_setup = dlg

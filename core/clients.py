@@ -7,11 +7,13 @@ client section (`readme_section`) and the settings table in docs/clients.md
 (`options_section`). tests/core/test_clients.py checks both documents against this
 module; ``warmslot clients --markdown`` prints the two sections to paste.
 
-Pure functions of the proxy's URL, a model name, whether a key is required and how
+Pure functions of the proxy's URL, a model name, whether a key is required, how
 long Warmslot waits for llama-server (``proxy.upstream_timeout_s``: each agent is set
-to wait as long). Whether a client works follows from the routes the proxy forwards
-(`core.proxy.app.JSON_ROUTES`): opencode and aider speak OpenAI chat completions, Claude
-Code Anthropic's Messages API (``POST /v1/messages``) and Codex CLI OpenAI's
+to wait as long) and the context of the slot the agent gets (`slot_context`: each
+agent is set to compact its conversation before the slot is full,
+docs/clients.md#context-size). Whether a client works follows from the routes the
+proxy forwards (`core.proxy.app.JSON_ROUTES`): opencode and aider speak OpenAI chat
+completions, Claude Code Anthropic's Messages API (``POST /v1/messages``) and Codex CLI OpenAI's
 Responses API (``POST /v1/responses``); the proxy manages all three alike
 (`core.chat`), /v1/messages with slot pinning only on a server with patch 0004.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 from core.config import Settings
 from core.models import profiles
 from core.proxy.app import JSON_ROUTES
+from core.status import Status, cache_of
 
 __all__ = [
     "API_KEY_ENV",
@@ -39,6 +42,7 @@ __all__ = [
     "options_section",
     "proxy_address",
     "readme_section",
+    "slot_context",
 ]
 
 API_KEY_ENV = "WARMSLOT_API_KEY"
@@ -48,6 +52,7 @@ RESPONSES_ROUTE = "/v1/responses"
 DOC_URL = "http://127.0.0.1:8089"
 DOC_MODEL = "gemma-3-270m"
 DOC_TIMEOUT_S = 600.0
+DOC_CONTEXT = 32768  # the default model's slot (docs/clients.md#context-size)
 # A cold prefill on a CPU, measured (docs/clients.md#timeouts): why the agents' own
 # limits are raised to Warmslot's.
 PREFILL_NOTE = "a cold 19.6k-token prefill took 434–503 s on 2 CPU cores"
@@ -121,6 +126,49 @@ def client_model_name(settings: Settings) -> str:
     return DOC_MODEL
 
 
+def slot_context(status: Status | None, settings: Settings) -> int | None:
+    """The context of the slot an agent gets, in tokens: the running server's (its
+    launch plan's, else the context the proxy read from llama-server), else the
+    configured one (the primary model's ``ctx_per_slot``, else ``server.ctx_per_slot``);
+    None when the fit plan chooses it at launch and no server runs."""
+    if status is not None:
+        fit = status["server"].get("fit")
+        planned = fit["plan"].get("ctx_per_slot") if fit else None
+        if isinstance(planned, int) and planned > 0:
+            return planned
+        cache = cache_of(status)
+        seen = cache["context_limits"]["n_ctx_slot"] if cache is not None else None
+        if seen:
+            return seen
+    server = profiles.server_settings(settings, profiles.primary(settings))
+    return server.ctx_per_slot or None
+
+
+# What each agent keeps free of its conversation: room for its answer and the next
+# turn's tool results (a quarter of the slot, at most Claude Code's and opencode's
+# own 32,000-token output cap). It compacts when the rest is full.
+def _reserve(ctx: int) -> int:
+    return min(ctx // 4, 32000)
+
+
+_CTX_WHY = "the slot's context in tokens ({ctx}, `warmslot status`; docs/clients.md#context-size)"
+
+
+# Claude Code's own prompt (24 tools and the system text) before any conversation,
+# measured with Gemma 3's tokenizer (docs/clients.md#context-size).
+CLAUDE_BASE_TOKENS = 19600
+
+
+def _claude_room(ctx: int | None) -> str:
+    if ctx is None or ctx >= 4 * CLAUDE_BASE_TOKENS:
+        return ""
+    return (
+        f" Its own prompt is about {CLAUDE_BASE_TOKENS:,} tokens before any conversation: "
+        f"a {ctx:,}-token slot leaves room for a few turns between compactions "
+        "(server.ctx_per_slot = 81920 or more gives it room)."
+    )
+
+
 def _key_value(key: bool, placeholder: str) -> str:
     return f"${API_KEY_ENV}" if key else placeholder
 
@@ -139,8 +187,9 @@ def _key_why(key: bool, without: str) -> str:
 
 
 # ------------------------------------------------------------ the declaration
-def _opencode(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
+def _opencode(url: str, model: str, key: bool, timeout_ms: int, ctx: int | None) -> ClientSetup:
     provider = ("provider", "warmslot")
+    limit = (*provider, "models", model, "limit")
     options = [
         Option(("$schema",), "https://opencode.ai/config.json", "opencode's config schema"),
         Option((*provider, "npm"), "@ai-sdk/openai-compatible", "opencode's provider for "
@@ -157,6 +206,12 @@ def _opencode(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
                "keep-alive (after 20 s of prefill), a whole answer's only at its end"),
         Option((*provider, "models", model, "name"), model, "the model, by the name "
                "Warmslot answers to"),
+        *([Option((*limit, "context"), ctx, "opencode compacts the session when it no "
+                  "longer fits in this less the output limit; without a limit a custom "
+                  "model has none and never compacts: " + _CTX_WHY.format(ctx=ctx)),
+           Option((*limit, "output"), _reserve(ctx), "the longest answer (opencode's "
+                  "max_tokens, 32,000 otherwise, which a small slot cannot hold) and what "
+                  "opencode keeps free: a quarter of the slot")] if ctx else []),
         Option(("model",), f"warmslot/{model}", "use it"),
     ]  # fmt: skip
     return ClientSetup(
@@ -174,7 +229,7 @@ def _opencode(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
     )
 
 
-def _aider(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
+def _aider(url: str, model: str, key: bool, timeout_ms: int, ctx: int | None) -> ClientSetup:
     options = [
         Option(("OPENAI_API_BASE",), base_url(url), "Warmslot's proxy (`--openai-api-base`)"),
         Option(("OPENAI_API_KEY",), _key_value(key, "warmslot"),
@@ -202,7 +257,7 @@ def _aider(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
     )
 
 
-def _claude_code(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
+def _claude_code(url: str, model: str, key: bool, timeout_ms: int, ctx: int | None) -> ClientSetup:
     works = ANTHROPIC_ROUTE in JSON_ROUTES
     options = [
         Option(("ANTHROPIC_BASE_URL",), url.rstrip("/"), "Warmslot's proxy, without /v1 "
@@ -221,6 +276,15 @@ def _claude_code(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetu
                "without an event for max(this, 300,000 ms) and sends the request again; "
                "Warmslot's keep-alive pings do not count (its SDK drops them), so a stream "
                f"has no event for the whole prefill, and {PREFILL_NOTE}"),
+        *([Option(("CLAUDE_CODE_AUTO_COMPACT_WINDOW",), ctx, "Claude Code compacts from "
+                  "the window it assumes, its cloud models' 200,000 tokens otherwise: "
+                  + _CTX_WHY.format(ctx=ctx)),
+           Option(("CLAUDE_AUTOCOMPACT_PCT_OVERRIDE",), 75, "compact at 75 % of that "
+                  "window (about 95 % otherwise), leaving a quarter for the answer and "
+                  "the next tool results"),
+           Option(("CLAUDE_CODE_MAX_OUTPUT_TOKENS",), _reserve(ctx), "the longest answer "
+                  "(32,000 otherwise, which a small slot cannot hold): a quarter of the "
+                  "slot")] if ctx else []),
     ]  # fmt: skip
     lines = [f"export {o.name}={o.value}" for o in options] + ["claude"]
     status = (
@@ -230,7 +294,7 @@ def _claude_code(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetu
         "(`warmslot build`); on a stock server requests are forwarded and accounted, "
         "unmanaged (`warmslot status` says so). The proxy takes Claude Code's per-session "
         "attribution line out of the system text, so CLAUDE_CODE_ATTRIBUTION_HEADER=0 is "
-        "not needed. Use a model with a tool-capable chat template."
+        "not needed. Use a model with a tool-capable chat template." + _claude_room(ctx)
         if works
         else f"Does not work: Claude Code speaks Anthropic's Messages API (POST "
         f"{ANTHROPIC_ROUTE}), which this proxy does not forward."
@@ -249,12 +313,18 @@ def _claude_code(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetu
     )
 
 
-def _codex(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
+def _codex(url: str, model: str, key: bool, timeout_ms: int, ctx: int | None) -> ClientSetup:
     works = RESPONSES_ROUTE in JSON_ROUTES
     provider = ("model_providers", "warmslot")
     options = [
         Option(("model",), model, "the model, by the name Warmslot answers to"),
         Option(("model_provider",), "warmslot", "use the provider below"),
+        *([Option(("model_context_window",), ctx, "Codex assumes a cloud model's window "
+                  "for a model it does not know: " + _CTX_WHY.format(ctx=ctx)),
+           Option(("model_auto_compact_token_limit",), ctx - _reserve(ctx), "Codex "
+                  "compacts the conversation once it holds this many tokens: three "
+                  "quarters of the slot, leaving room for the answer and the next tool "
+                  "results")] if ctx else []),
         Option((*provider, "name"), "Warmslot", "the provider's name in Codex"),
         Option((*provider, "base_url"), base_url(url), "Warmslot's proxy"),
         Option((*provider, "wire_api"), "responses", "the Responses API, the only one "
@@ -293,7 +363,12 @@ def _codex(url: str, model: str, key: bool, timeout_ms: int) -> ClientSetup:
 
 
 def client_setups(
-    proxy_url: str, model: str, *, api_key: bool = False, timeout_s: float = DOC_TIMEOUT_S
+    proxy_url: str,
+    model: str,
+    *,
+    api_key: bool = False,
+    timeout_s: float = DOC_TIMEOUT_S,
+    context: int | None = None,
 ) -> list[ClientSetup]:
     """The setups of opencode, aider, Claude Code and Codex CLI, working ones first.
 
@@ -301,11 +376,14 @@ def client_setups(
     that the proxy requires a key (named keys or ``proxy.api_key``): the snippets then
     read it from the environment variable ``WARMSLOT_API_KEY`` instead of containing
     it. `timeout_s` is how long Warmslot waits for llama-server
-    (``proxy.upstream_timeout_s``): each agent is told to wait as long.
+    (``proxy.upstream_timeout_s``): each agent is told to wait as long. `context` is
+    the slot's context in tokens (`slot_context`): opencode, Codex and Claude Code are
+    told to compact before it is full; None leaves their own assumption (a cloud
+    model's window) and says so.
     """
     timeout_ms = int(timeout_s * 1000)
     setups = [
-        make(proxy_url, model, api_key, timeout_ms)
+        make(proxy_url, model, api_key, timeout_ms, context)
         for make in (_opencode, _aider, _claude_code, _codex)
     ]
     return sorted(setups, key=lambda s: not s.works)
@@ -348,6 +426,12 @@ def format_setups(setups: list[ClientSetup], proxy_url: str, *, api_key: bool = 
             f"The proxy requires an API key: export {API_KEY_ENV}=<your key from "
             "`warmslot keys add NAME`, or proxy.api_key>"
         )
+    if not any(o.name == "model_context_window" for s in setups for o in s.options):
+        out.append(
+            "The slot's context is not known yet (the fit plan chooses it when Warmslot "
+            "starts): run this again while Warmslot runs for the settings that make each "
+            "agent compact before its slot is full (docs/clients.md#context-size)."
+        )
     for s in setups:
         mark = "" if s.works else "  [does not work]"
         out += ["", f"== {s.title}{mark} — {s.where}", s.status, "", s.snippet]
@@ -357,7 +441,9 @@ def format_setups(setups: list[ClientSetup], proxy_url: str, *, api_key: bool = 
 
 
 def _doc_setups(*, api_key: bool) -> list[ClientSetup]:
-    return client_setups(DOC_URL, DOC_MODEL, api_key=api_key, timeout_s=DOC_TIMEOUT_S)
+    return client_setups(
+        DOC_URL, DOC_MODEL, api_key=api_key, timeout_s=DOC_TIMEOUT_S, context=DOC_CONTEXT
+    )
 
 
 def readme_section() -> str:

@@ -27,6 +27,7 @@ from core.clients import (
     options_section,
     proxy_address,
     readme_section,
+    slot_context,
 )
 from core.config.keys import key_required
 from core.errors import ConfigError, ModelNotFound
@@ -150,13 +151,6 @@ def cmd_use(args: argparse.Namespace) -> int:
     return 0
 
 
-def _proxy_url(paths: Paths, settings: config_mod.Settings) -> str:
-    from core.cli.main import fetch_status
-
-    st = fetch_status(paths)
-    return proxy_address(st["warmslot"]["proxy"] if st is not None else "", settings)
-
-
 def cmd_clients(args: argparse.Namespace) -> int:
     """Print setup snippets for opencode, aider, Claude Code and Codex CLI."""
     if getattr(args, "markdown", False):  # the documents' sections (core.clients)
@@ -167,16 +161,24 @@ def cmd_clients(args: argparse.Namespace) -> int:
         return 0
     paths = Paths.default(getattr(args, "dev_dir", None))
     settings = config_mod.load(paths.config_file)
-    url = _proxy_url(paths, settings)
+    from core.cli.main import fetch_status
+
+    st = fetch_status(paths)
+    url = proxy_address(st["warmslot"]["proxy"] if st is not None else "", settings)
     model = args.model or client_model_name(settings)
     # Named keys (core.keys) or proxy.api_key: the snippets then read the key.
     key = key_required(paths.config_file, settings.proxy.api_key)
     # Each agent waits as long as Warmslot waits for llama-server (docs/clients.md#timeouts).
-    setups = client_setups(url, model, api_key=key, timeout_s=settings.proxy.upstream_timeout_s)
+    # Each agent compacts before its slot is full (docs/clients.md#context-size).
+    context = slot_context(st, settings)
+    setups = client_setups(
+        url, model, api_key=key, timeout_s=settings.proxy.upstream_timeout_s, context=context
+    )
     if args.json:
         doc: dict[str, object] = {
             "base_url": base_url(url),
             "model": model,
+            "context": context,
             "clients": [dataclasses.asdict(s) for s in setups],
         }
         print(json.dumps(doc, indent=2))

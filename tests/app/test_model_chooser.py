@@ -153,6 +153,11 @@ def test_client_setup_dialog_shows_snippets_with_the_url(qtbot: Any) -> None:
     slow = ClientSetupDialog("http://127.0.0.1:18123", s)
     qtbot.addWidget(slow)
     assert "API_TIMEOUT_MS=1800000" in slow.snippets["claude-code"].toPlainText()
+    # The slot's context (core.clients.slot_context): each agent compacts before it is full.
+    sized = ClientSetupDialog("http://127.0.0.1:18123", s, context=65536)
+    qtbot.addWidget(sized)
+    assert "model_context_window = 65536" in sized.snippets["codex"].toPlainText()
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" in sized.reasons["claude-code"].text()
     # Not running yet: the configured address.
     s.proxy.port = 18999
     later = ClientSetupDialog("", s)

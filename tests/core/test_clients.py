@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+from typing import cast
 
 import pytest
 
@@ -22,6 +23,7 @@ from core.clients import (
 from core.config import ModelProfile, Settings
 from core.proxy.app import JSON_ROUTES
 from core.routing.router import SESSION_HEADERS
+from core.status import Status
 from tests.helpers import REPO
 
 URL = "http://127.0.0.1:18089"
@@ -150,3 +152,45 @@ def test_claude_code_and_codex_setups_say_what_is_read() -> None:
     assert "session-id" in s["codex"].status and "session-id" in SESSION_HEADERS
     text = format_setups(client_setups(URL, "m"), URL)
     assert "features.plugins: Codex contacts its plugin hosts" in text
+
+
+def test_each_agent_compacts_before_its_slot_is_full() -> None:
+    """With the slot's context known, opencode, Codex and Claude Code are told it (each
+    assumes a cloud model's window otherwise) and keep a quarter of it free
+    (docs/clients.md#context-size); without it nothing is guessed, and the text says so."""
+    s = {x.id: x for x in client_setups(URL, "m", context=32768)}
+    limit = json.loads(s["opencode"].snippet)["provider"]["warmslot"]["models"]["m"]["limit"]
+    assert limit == {"context": 32768, "output": 8192}
+    codex = tomllib.loads(s["codex"].snippet)
+    assert codex["model_context_window"] == 32768
+    assert codex["model_auto_compact_token_limit"] == 24576
+    claude = s["claude-code"].snippet
+    assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=32768" in claude
+    assert "export CLAUDE_AUTOCOMPACT_PCT_OVERRIDE=75" in claude
+    assert "export CLAUDE_CODE_MAX_OUTPUT_TOKENS=8192" in claude
+    assert "19,600 tokens" in s["claude-code"].status  # a 32k slot is tight for it
+    big = {x.id: x for x in client_setups(URL, "m", context=262144)}
+    assert "19,600" not in big["claude-code"].status
+    assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS=32000" in big["claude-code"].snippet  # its own cap
+    assert "not known yet" not in format_setups(list(s.values()), URL)
+    unknown = by_id()
+    assert (
+        "limit"
+        not in json.loads(unknown["opencode"].snippet)["provider"]["warmslot"]["models"][
+            "qwen3-coder"
+        ]
+    )
+    assert "model_context_window" not in tomllib.loads(unknown["codex"].snippet)
+    assert "AUTO_COMPACT" not in unknown["claude-code"].snippet
+    assert "not known yet" in format_setups(list(unknown.values()), URL)
+
+
+def test_the_slot_context_is_the_running_servers_else_the_configured_one() -> None:
+    s = Settings()
+    assert clients.slot_context(None, s) is None  # the fit plan chooses it at launch
+    s.server.ctx_per_slot = 16384
+    assert clients.slot_context(None, s) == 16384
+    s.models = [ModelProfile(name="coder", ctx_per_slot=65536), ModelProfile(name="s", role="side")]
+    assert clients.slot_context(None, s) == 65536  # the primary model's own
+    running = cast(Status, {"server": {"fit": {"plan": {"ctx_per_slot": 40960}, "text": ""}}})
+    assert clients.slot_context(running, s) == 40960

@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 
 from core.cache.manager import policy_factory
+from core.clients import slot_context
+from core.config import Settings
 from core.engine import Core
 from core.server.tinymodel import make_tiny_model
 from tests.conftest import MakeCore
@@ -73,6 +75,8 @@ def test_a_conversation_past_its_slot_gets_the_sized_error_in_its_apis_shape(
 ) -> None:
     core = _core(make_core)
     assert core.upstream.base_url is not None
+    # `warmslot clients` sizes each agent's compaction for this slot: it reads it here.
+    assert slot_context(core.status().result(30), Settings()) == SLOT
     # llama-server itself: OpenAI's shape even on the Anthropic route.
     path, body, _ = _grown("claude-code")
     r = post_chat(
