@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from core import fmt
-from core.cache.deps import CacheHost
 from core.cache.retention import human_age
 from core.cache.store import StateRecord, safe_name
 from core.config import Settings
@@ -44,11 +43,14 @@ if TYPE_CHECKING:
     from core.cache import prefix as pfx
     from core.cache.keepalive import KeepAlive
     from core.cache.retention import Retention
+    from core.cache.state import CacheState
 
 
-class Managed(CacheHost, Protocol):
-    """A model's cache manager with its keep-alive and retention sweeps."""
+class Managed(Protocol):
+    """A model's cache manager as the sweeps see it: its name, keep-alive and retention."""
 
+    @property
+    def model(self) -> str: ...  # the model profile's name; "" for the primary server
     @property
     def keepalive(self) -> KeepAlive: ...
     @property
@@ -137,7 +139,7 @@ class Background:
         return await managers[0].retention.sweep_disk(peers=managers[1:])
 
 
-def model_label(mgr: CacheHost) -> str:
+def model_label(mgr: Managed) -> str:
     """How a model is named in sweep details: its profile name, or "primary"."""
     return mgr.model or "primary"
 
@@ -165,26 +167,28 @@ async def _each(
 
 
 # ---------------------------------------------------------------------------- commands
-def _emit(mgr: CacheHost, kind: CacheEventKind, reason: str, **kw: Any) -> None:
+def _emit(state: CacheState, kind: CacheEventKind, reason: str, **kw: Any) -> None:
     details = kw.pop("details", {})
-    mgr.publish(CacheEvent(kind=kind, reason=reason, details=details, ts=mgr.clock.time(), **kw))
+    state.publish(
+        CacheEvent(kind=kind, reason=reason, details=details, ts=state.clock.time(), **kw)
+    )
 
 
-def _record(mgr: CacheHost, filename: str) -> StateRecord:
+def _record(state: CacheState, filename: str) -> StateRecord:
     if not safe_name(filename):
         raise CacheError(f"refusing {filename!r}: not the name of a state Warmslot saved")
-    rec = mgr.store.get(filename)
+    rec = state.store.get(filename)
     if rec is None:
         raise CacheError(f"no saved state named {filename}")
     return rec
 
 
-async def pin(mgr: CacheHost, filename: str, pinned: bool) -> PinResult:
+async def pin(state: CacheState, filename: str, pinned: bool) -> PinResult:
     """Pin (never expires, never swept, kept warm) or unpin a saved state."""
-    rec = _record(mgr, filename)
-    mgr.store.set_pinned(filename, pinned)
+    rec = _record(state, filename)
+    state.store.set_pinned(filename, pinned)
     _emit(
-        mgr,
+        state,
         CacheEventKind.PINNED if pinned else CacheEventKind.UNPINNED,
         "pinned by the user: never expires, never swept, kept warm by keep-alive"
         if pinned
@@ -197,15 +201,15 @@ async def pin(mgr: CacheHost, filename: str, pinned: bool) -> PinResult:
     return {"file": filename, "fingerprint": rec.fingerprint[:16], "pinned": pinned}
 
 
-async def evict(mgr: CacheHost, filename: str) -> EvictResult:
+async def evict(state: CacheState, filename: str) -> EvictResult:
     """Delete a saved state (file and index row) now."""
-    rec = _record(mgr, filename)
+    rec = _record(state, filename)
     try:
-        freed = mgr.store.delete(rec)
+        freed = state.store.delete(rec)
     except OSError as e:
         raise CacheError(f"cannot delete {filename}: {e}") from e
     _emit(
-        mgr,
+        state,
         CacheEventKind.EVICTED,
         "deleted by the user",
         fingerprint=rec.fingerprint[:16],
@@ -215,7 +219,7 @@ async def evict(mgr: CacheHost, filename: str) -> EvictResult:
             "file": filename,
             "identity": rec.identity,
             "rule": "user",
-            "age_s": round(mgr.clock.time() - rec.last_used, 1),
+            "age_s": round(state.clock.time() - rec.last_used, 1),
             "ttl_class": rec.ttl_class,
             "pinned": rec.pinned,
         },
@@ -223,11 +227,11 @@ async def evict(mgr: CacheHost, filename: str) -> EvictResult:
     return {"file": filename, "bytes": freed}
 
 
-def _find_prefix(mgr: CacheHost, fingerprint: str) -> pfx.PrefixInfo:
+def _find_prefix(state: CacheState, fingerprint: str) -> pfx.PrefixInfo:
     fp = fingerprint.strip().lower()
     if len(fp) < 8:
         raise CacheError("give at least 8 characters of the fingerprint")
-    matches = [i for k, i in mgr.by_fp.items() if k.startswith(fp)]
+    matches = [i for k, i in state.by_fp.items() if k.startswith(fp)]
     if not matches:
         raise CacheError(f"no known prefix with fingerprint {fingerprint}")
     if len(matches) > 1:
@@ -235,15 +239,15 @@ def _find_prefix(mgr: CacheHost, fingerprint: str) -> pfx.PrefixInfo:
     return matches[0]
 
 
-async def rewarm(mgr: Managed, fingerprint: str) -> RewarmResult:
+async def rewarm(state: CacheState, keepalive: KeepAlive, fingerprint: str) -> RewarmResult:
     """Bring a prefix into its slot now: re-warm it there, or restore it into a free slot."""
-    if mgr.client is None or mgr.identity is None:
+    if state.client is None or state.identity is None:
         raise CacheError("llama-server is not ready")
-    info = _find_prefix(mgr, fingerprint)
-    aux = mgr.slots.aux_slot
-    holding = [s.id for s in mgr.slots.slots if s.prefix_fp == info.fingerprint]
+    info = _find_prefix(state, fingerprint)
+    aux = state.slots.aux_slot
+    holding = [s.id for s in state.slots.slots if s.prefix_fp == info.fingerprint]
     holding.sort(key=lambda i: i == aux)  # a primary slot first
-    ka = mgr.keepalive
+    ka = keepalive
     reason = "re-warm requested by the user"
     if holding:
         slot = holding[0]

@@ -11,7 +11,7 @@ first one's 7,420-token system text and tools therefore went back to the checkpo
 
 So where a request is about to read its stable prefix into a slot (an empty slot, or one
 holding another session's conversation), the cache manager first sends the prefix alone
-(`core.cache.keepalive.prewarm_body`): the server reads it as the request would have,
+(`core.cache.slot_ops.prewarm_body`): the server reads it as the request would have,
 and takes its n − 4 checkpoint right at the boundary. The request then continues from
 there. Later sessions with the same prefix go back at most 4 tokens. What the split
 costs: one more HTTP round trip and a batch cut at n − 4; what the request reads is

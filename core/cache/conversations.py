@@ -27,7 +27,7 @@ the slot is left as the conversation left it.
 When a request's rendered prompt shares more with a saved conversation than its stable
 prefix gives — found by session id, or by token prefix among conversations that started
 with the same stable prefix (a client that resumes with a new session id) — the longest
-match is restored and verified (`CacheManager.restore`) before the request runs. A state
+match is restored and verified (`SlotOps.restore`) before the request runs. A state
 whose restore is predicted, from the times measured when it was saved, to cost more than
 the prefill it saves is skipped. Any failure leaves the request to the prefix path.
 """
@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from core import fmt
 from core.cache import prefix as pfx
-from core.cache.deps import CacheHost
 from core.cache.fingerprint import fingerprint
 from core.cache.learner import chat_of, render_body, renderable
 from core.cache.probe import probe_reference, probe_request, wait_quiet
@@ -59,6 +58,8 @@ from core.proxy.types import ProxyRequest
 
 if TYPE_CHECKING:
     from core.cache.retention import Retention
+    from core.cache.slot_ops import SlotOps
+    from core.cache.state import CacheState
 
 log = logging.getLogger("warmslot.cache")
 
@@ -242,11 +243,13 @@ class Conversations:
 
     def __init__(
         self,
-        mgr: CacheHost,
+        state: CacheState,
+        ops: SlotOps,
         retention: Retention,
         spawn: Callable[[Coroutine[Any, Any, Any]], object],
     ) -> None:
-        self.mgr = mgr
+        self.state = state
+        self.ops = ops
         self.retention = retention
         self._spawn = spawn  # runs a background job (the manager's, cancelled at close)
         self._saved: dict[int, _Saved] = {}  # slot → its conversation's last save
@@ -260,7 +263,7 @@ class Conversations:
 
     def _usable(self) -> str:
         """Why conversations cannot be saved or restored now ("" when they can)."""
-        m = self.mgr
+        m = self.state
         if not m.settings.cache.enabled or not m.settings.cache.persist:
             return "persistence is off"
         if not m.disk.usable:
@@ -273,8 +276,8 @@ class Conversations:
 
     def unsaved(self, slot: int) -> int:
         """Tokens the slot's conversation holds beyond its last save (0: nothing to save)."""
-        st = self.mgr.slots.slots[slot]
-        info = self.mgr.by_fp.get(st.prefix_fp) if st.prefix_fp else None
+        st = self.state.slots.slots[slot]
+        info = self.state.by_fp.get(st.prefix_fp) if st.prefix_fp else None
         if not st.session_of_last or info is None or st.last_kind == "aux":
             return 0
         if st.tokens_hint < info.n_tokens + MIN_GAIN_TOKENS:
@@ -286,7 +289,7 @@ class Conversations:
     # ------------------------------------------------------------ save
     def after_response(self, slot: int) -> bool:
         """Note a finished request in `slot`; True when a debounced save was started."""
-        every = self.mgr.settings.cache.conversation_save_tokens
+        every = self.state.settings.cache.conversation_save_tokens
         if every <= 0 or self._usable() or self.unsaved(slot) < every:
             return False
         self._spawn(self.save(slot, "grew", wait=False))
@@ -299,13 +302,13 @@ class Conversations:
         or another slot busy — is left for the next response, the idle release or the
         shutdown, so no client waits for it.
         """
-        m = self.mgr
+        m = self.state
         problem = self._usable()
         if problem:
             return problem
         if not m.pressure.allows_persist():
             return f"not saved: {m.pressure.paused().get('persist', '')}"
-        lock = m.lock(slot)
+        lock = self.ops.lock(slot)
         if not wait and lock.locked():
             return "not saved now: the slot is busy"
         async with lock:
@@ -357,7 +360,7 @@ class Conversations:
         return f"saved its {rec.n_tokens}-token conversation ({fmt.size(rec.bytes)})"
 
     async def _save_in(self, slot: int, why: str, name: str) -> StateRecord:
-        m = self.mgr
+        m = self.state
         client, ident, suffix = m.client, m.identity, m.probe_suffix
         assert client is not None and ident is not None and suffix is not None
         st = m.slots.slots[slot]
@@ -395,7 +398,7 @@ class Conversations:
             restores.append((time.perf_counter() - t) * 1000)
 
         try:
-            answer, times = await m.probe_gate.reference(
+            answer, times = await self.ops.probe_gate.reference(
                 client, probe_request(tokens, suffix, slot), slot, restore
             )
         finally:
@@ -475,7 +478,7 @@ class Conversations:
     def supersede(self, new: StateRecord) -> list[str]:
         """Drop older states of the same conversation (same session and stable prefix),
         then all but the newest ``cache.conversations_per_session`` of the session."""
-        m = self.mgr
+        m = self.state
         keep = max(1, m.settings.cache.conversations_per_session)
         mine = [
             r
@@ -503,7 +506,7 @@ class Conversations:
         recent first, until `timeout` passes or the next would not fit under the disk cap."""
         if self._usable():
             return {"saved": 0, "reason": self._usable()}
-        m = self.mgr
+        m = self.state
         deadline = time.monotonic() + timeout
         order = sorted(
             (s for s in m.slots.slots if self.unsaved(s.id) > 0),
@@ -567,7 +570,7 @@ class Conversations:
         """The newest saved conversation that starts with all of `info`'s tokens: where
         no prefix state was saved (core.cache.prefix_save), restoring it brings the
         prefix back for any request that extends it."""
-        m = self.mgr
+        m = self.state
         if not m.has_db or m.identity is None:
             return None
         rows = m.store.table.rows_where(
@@ -590,8 +593,8 @@ class Conversations:
 
         The slot then holds the prefix for any request and the conversation for its own
         session: a request of another conversation should reuse the prefix, no more."""
-        m = self.mgr
-        await m.restore(rec, slot)
+        m = self.state
+        await self.ops.restore(rec, slot)
         st = m.slots.slots[slot]
         st.prefix_fp = info.fingerprint
         st.tokens_hint = rec.n_tokens
@@ -601,7 +604,7 @@ class Conversations:
 
     def candidates(self, session: str, base: str) -> list[StateRecord]:
         """Saved conversations of this session, or that started with the same prefix."""
-        m = self.mgr
+        m = self.state
         rows = m.store.table.rows_where(
             "identity = ? AND kind = ? AND (session = ? OR base = ?)",
             [m.launch_id, KIND, session, base],
@@ -621,7 +624,7 @@ class Conversations:
             return False  # recorded (restore_rejected) and deleted by `restore`
         except Exception as e:  # fail open: the request goes on as it would have
             log.exception("restoring a conversation for slot %d failed", slot)
-            self.mgr.emit(
+            self.state.emit(
                 CacheEventKind.BYPASS,
                 f"conversation restore failed, served without it: {e!r}",
                 fp=info.fingerprint,
@@ -633,7 +636,7 @@ class Conversations:
     async def _restore_for(
         self, req: ProxyRequest, info: pfx.PrefixInfo, slot: int, session: str
     ) -> bool:
-        m = self.mgr
+        m = self.state
         st = m.slots.slots[slot]
         if self._usable() or st.inflight or not renderable(req):
             return False
@@ -652,7 +655,9 @@ class Conversations:
         # (core.cache.prefix_save), so any state that extends it then counts.
         has_prefix = st.prefix_fp == info.fingerprint or m.store.for_fingerprint(info.fingerprint)
         base_n = info.n_tokens if has_prefix else 0
-        choice, skipped = choose(cands, prompt, session, base_n, self.mgr.prefill_rate(), quickest)
+        choice, skipped = choose(
+            cands, prompt, session, base_n, self.state.prefill_rate(), quickest
+        )
         if choice is None:
             if skipped is not None:
                 m.emit(
@@ -664,10 +669,10 @@ class Conversations:
                 )
                 req.response_headers["X-Warmslot-Conversation"] = skipped.header
             return False
-        async with m.lock(slot):
+        async with self.ops.lock(slot):
             if st.inflight:
                 return False
-            await m.restore(choice.rec, slot)
+            await self.ops.restore(choice.rec, slot)
         # The slot now holds the conversation, which starts with the stable prefix.
         st.prefix_fp = info.fingerprint
         st.tokens_hint = choice.rec.n_tokens

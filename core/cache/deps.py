@@ -7,35 +7,24 @@ the machine's pressure monitor and the scheduler — so the manager never holds 
 engine (`core.engine.Core`).
 `deps_from` builds it from anything shaped like the engine (`EngineParts`).
 
-`CacheHost` is the manager's public surface that warm-up, keep-alive, retention,
-the background commands and the boot re-warm work through (slot locks, prewarm,
-restore + verify, background saves, cache events): they type against it, never
-against the manager, so no module imports the manager back and none reaches into
-its private members.
+The modules split out of the manager work on its `CacheState` (core.cache.state)
+and `SlotOps` (core.cache.slot_ops), handed to them explicitly, never on the
+manager: no module imports the manager back.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from core.cache.boot import BootRewarm, Emit
-from core.cache.definitions import DefinitionStore
-from core.cache.fingerprint import ServerIdentity
-from core.cache.learner import PrefixLearner
-from core.cache.prefix import PrefixInfo
-from core.cache.probe import LOGPROB_TOLERANCE, ProbeGate
-from core.cache.slots import SlotMap
-from core.cache.store import StateRecord, StateStore
+from core.cache.probe import LOGPROB_TOLERANCE
 from core.clock import Clock
 from core.config import Settings
 from core.events import Event
 from core.machine.pressure import PressureMonitor
 from core.machine.sweeps import Sweeps
-from core.server.client import LlamaClient, Timings
 from core.server.upstream import Upstream
 from core.telemetry.rates import PrefillRates
 
@@ -189,77 +178,3 @@ def deps_from(
         model=model,
         prefill_rate=prefill_rate,
     )
-
-
-class CacheHost(Protocol):
-    """The cache manager as warm-up, keep-alive, retention and the commands use it."""
-
-    model: str
-    clock: Clock
-    slots: SlotMap
-    identity: ServerIdentity | None
-    disk: DiskTier
-    by_fp: dict[str, PrefixInfo]
-    probe_suffix: list[int] | None  # the known-answer probe's tokens (learned at start)
-    pressure: PressureMonitor
-    boot: BootRewarm
-    probe_gate: ProbeGate  # one known-answer probe at a time (docs/cache.md#verification)
-    learner: PrefixLearner  # the known prefixes by request shape, and what they belong to
-
-    @property
-    def prefixes(self) -> dict[str, PrefixInfo]: ...  # shape key → prefix
-    @property
-    def settings(self) -> Settings: ...
-    @property
-    def client(self) -> LlamaClient | None: ...
-    @property
-    def server(self) -> ServerHandle | None: ...
-    @property
-    def store(self) -> StateStore: ...
-    @property
-    def definitions(self) -> DefinitionStore | None: ...
-    @property
-    def has_db(self) -> bool: ...
-    @property
-    def launch_id(self) -> str: ...
-    @property
-    def persisting(self) -> frozenset[str]: ...
-    @property
-    def sweeps(self) -> Sweeps | None: ...
-
-    def lock(self, slot: int) -> asyncio.Lock:
-        """Held while Warmslot itself uses `slot`; a request for it waits."""
-        ...
-
-    @property
-    def emit(self) -> Emit:
-        """Emit a cache event (fingerprint shortened); the signature is `boot.Emit`'s."""
-        ...
-
-    def publish(self, event: Event) -> None:
-        """Emit any event as it is."""
-        ...
-
-    def prefill_rate(self) -> float | None:
-        """This model's measured cold prefill rate (ms per token); None until measured."""
-        ...
-
-    def remember(self, info: PrefixInfo) -> None: ...
-
-    async def prewarm(
-        self, info: PrefixInfo, slot: int, *, reason: str, chunk: int = 0
-    ) -> Timings | None: ...
-
-    async def restore(self, rec: StateRecord, slot: int) -> None:
-        """Restore `rec` into `slot` and verify it; raise VerificationFailed."""
-        ...
-
-    def persist_soon(self, info: PrefixInfo, slot: int | None = None) -> bool:
-        """Save the prefix in the background unless a save of it is under way (from
-        `slot`, which holds it, where that needs no prefill)."""
-        ...
-
-    async def save_conversation(self, slot: int, why: str) -> str:
-        """Save the conversation `slot` holds beyond its stable prefix (core.cache.conversations);
-        what happened, in words."""
-        ...

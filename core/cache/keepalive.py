@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from core.cache import prefix as pfx
 from core.cache.prefix_save import PATCH_PREFIX_SAVE
+from core.cache.slot_ops import prewarm_body
 from core.cache.slots import SlotState
-from core.chat import JsonObject
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEvent, CacheEventKind
 from core.machine.sweeps import Outcome
@@ -49,9 +49,10 @@ from core.server.client import SlotInfo, Timings
 from core.status import KeepaliveDecision
 
 if TYPE_CHECKING:
-    from core.cache.deps import CacheHost
+    from core.cache.slot_ops import SlotOps
+    from core.cache.state import CacheState
 
-__all__ = ["IDLE_SHARE", "KeepAlive", "Residency", "prewarm_body", "residency"]
+__all__ = ["IDLE_SHARE", "KeepAlive", "Residency", "residency"]
 
 log = logging.getLogger("warmslot.cache")
 
@@ -63,22 +64,6 @@ FAILED = {
 
 IDLE_SHARE = 0.8  # re-warm a resident prefix idle this share of the short TTL
 HINT_SLACK = 2  # the slot holds prompt + output − 1 tokens; our hint counts the last one
-
-
-def prewarm_body(tokens: list[int], slot: int) -> JsonObject:
-    """The ``/completion`` body that (re-)warms `slot` with exactly `tokens`.
-
-    ``n_predict`` 0 keeps only the prompt in the slot's KV (no generated token after
-    it), ``cache_prompt`` reuses what the slot already holds, and only the timings
-    and cached-token count come back. Every prewarm and keep-alive sends this.
-    """
-    return {
-        "prompt": tokens,
-        "n_predict": 0,
-        "id_slot": slot,
-        "cache_prompt": True,
-        "response_fields": ["timings", "tokens_cached"],
-    }
 
 
 @dataclass(frozen=True)
@@ -108,53 +93,54 @@ def residency(prefix_n: int, expected: int, live: int) -> Residency:
 class KeepAlive:
     """The keep-alive sweep of one cache manager."""
 
-    def __init__(self, mgr: CacheHost) -> None:
-        self.mgr = mgr
-        self.clock = mgr.clock
+    def __init__(self, state: CacheState, ops: SlotOps) -> None:
+        self.state = state
+        self.ops = ops
+        self.clock = state.clock
         self.rewarmed_at: dict[int, float] = {}  # slot → monotonic time of our last re-warm
         self.last: list[KeepaliveDecision] = []  # the last sweep's decisions (status)
 
     def _emit(self, kind: CacheEventKind, reason: str, **kw: Any) -> None:
         details = kw.pop("details", {})
-        self.mgr.publish(
+        self.state.publish(
             CacheEvent(kind=kind, reason=reason, details=details, ts=self.clock.time(), **kw)
         )
 
     def pinned(self, fp: str) -> bool:
-        rec = self.mgr.store.for_fingerprint(fp)
+        rec = self.state.store.for_fingerprint(fp)
         return rec is not None and rec.pinned
 
     def idle_threshold(self) -> float:
-        return IDLE_SHARE * self.mgr.settings.cache.ttl_short_s
+        return IDLE_SHARE * self.state.settings.cache.ttl_short_s
 
     def _busy(self, st: SlotState) -> bool:
-        return st.inflight > 0 or self.mgr.lock(st.id).locked()
+        return st.inflight > 0 or self.ops.lock(st.id).locked()
 
     async def sweep(self) -> Outcome:
-        mgr = self.mgr
-        client = mgr.client
+        state = self.state
+        client = state.client
         decisions: list[KeepaliveDecision] = []
         self.last = decisions
-        if client is None or mgr.identity is None or not mgr.settings.cache.enabled:
+        if client is None or state.identity is None or not state.settings.cache.enabled:
             return Outcome(0, {"skipped": "server not ready or cache management off"})
-        aux = mgr.slots.aux_slot
+        aux = state.slots.aux_slot
         targets: list[tuple[SlotState, pfx.PrefixInfo, bool]] = []
         held: set[str] = set()
-        for st in mgr.slots.slots:
+        for st in state.slots.slots:
             if not st.prefix_fp or st.id == aux or st.prefix_fp in held:
                 continue
-            info = mgr.by_fp.get(st.prefix_fp)
+            info = state.by_fp.get(st.prefix_fp)
             if info is None or not info.tokens:
                 continue
             held.add(st.prefix_fp)
             pinned = self.pinned(st.prefix_fp)
-            if not mgr.pressure.allows_keepalive(pinned):
+            if not state.pressure.allows_keepalive(pinned):
                 decisions.append(
                     {
                         "slot": st.id,
                         "prefix": st.prefix_fp[:16],
                         "action": "skipped",
-                        "why": mgr.pressure.paused().get("keepalive", ""),
+                        "why": state.pressure.paused().get("keepalive", ""),
                     }
                 )
                 continue
@@ -236,12 +222,12 @@ class KeepAlive:
         kind: CacheEventKind = CacheEventKind.KEEPALIVE,
     ) -> Timings | None:
         """Prewarm `info` into `slot` under the slot's lock; record the cost."""
-        mgr = self.mgr
-        client = mgr.client
+        state = self.state
+        client = state.client
         if client is None:
             return None
-        async with mgr.lock(slot):
-            st = mgr.slots.slots[slot]
+        async with self.ops.lock(slot):
+            st = state.slots.slots[slot]
             if st.inflight:
                 return None
             try:
@@ -279,37 +265,37 @@ class KeepAlive:
     def _save_from_live(self, info: pfx.PrefixInfo, slot: int) -> bool:
         """Start saving `info` from `slot`, which now holds exactly it, when it has no saved
         state and the server can save part of a slot (no prefill); whether it started."""
-        mgr = self.mgr
-        ident = mgr.identity
-        if ident is None or PATCH_PREFIX_SAVE not in ident.patches or not mgr.disk.usable:
+        state = self.state
+        ident = state.identity
+        if ident is None or PATCH_PREFIX_SAVE not in ident.patches or not state.disk.usable:
             return False
-        if mgr.store.for_fingerprint(info.fingerprint) is not None:
+        if state.store.for_fingerprint(info.fingerprint) is not None:
             return False
-        return mgr.persist_soon(info, slot)
+        return self.ops.persist_soon(info, slot)
 
     def _homeless_pinned(self, held: set[str]) -> list[pfx.PrefixInfo]:
         """Pinned prefixes of this server that no slot holds."""
-        mgr = self.mgr
-        if mgr.identity is None:
+        state = self.state
+        if state.identity is None:
             return []
         out = []
-        for rec in mgr.store.all(mgr.launch_id):
+        for rec in state.store.all(state.launch_id):
             if rec.pinned and rec.kind == "prefix" and rec.fingerprint not in held:
-                info = mgr.by_fp.get(rec.fingerprint)
+                info = state.by_fp.get(rec.fingerprint)
                 if (
                     info is not None
                     and info.tokens
-                    and not any(s.prefix_fp == rec.fingerprint for s in mgr.slots.slots)
+                    and not any(s.prefix_fp == rec.fingerprint for s in state.slots.slots)
                 ):
                     out.append(info)
         return out
 
     def free_slot(self) -> int | None:
         """A primary slot no session holds and no request uses, least recently used first."""
-        mgr = self.mgr
+        state = self.state
         free = [
             s
-            for s in mgr.slots.primary_slots
+            for s in state.slots.primary_slots
             if not s.session and not self._busy(s) and not self._pinned_prefix_in(s)
         ]
         if not free:
@@ -341,14 +327,14 @@ class KeepAlive:
         kind: CacheEventKind = CacheEventKind.KEEPALIVE,
     ) -> bool:
         """Restore the prefix from disk (verified) into `slot`, else prewarm it there."""
-        mgr = self.mgr
-        rec = mgr.store.for_fingerprint(info.fingerprint)
-        if rec is not None and mgr.disk.usable:
-            async with mgr.lock(slot):
-                if mgr.slots.slots[slot].inflight:
+        state = self.state
+        rec = state.store.for_fingerprint(info.fingerprint)
+        if rec is not None and state.disk.usable:
+            async with self.ops.lock(slot):
+                if state.slots.slots[slot].inflight:
                     return False
                 try:
-                    await mgr.restore(rec, slot)
+                    await self.ops.restore(rec, slot)
                 except (VerificationFailed, UpstreamError):
                     pass
                 else:

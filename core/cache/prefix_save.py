@@ -30,11 +30,10 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from core.cache import prefix as pfx
 from core.cache.conversations import read_tokens
-from core.cache.deps import CacheHost
 from core.cache.fingerprint import state_filename
 from core.cache.probe import REFERENCE_TRIES, probe_reference, probe_request
 from core.cache.retention import save_problem
@@ -46,6 +45,8 @@ from core.status import PrefixSaveStatus
 if TYPE_CHECKING:
     from core.cache.conversations import Conversations
     from core.cache.retention import Retention
+    from core.cache.slot_ops import SlotOps
+    from core.cache.state import CacheState
     from core.server.client import LlamaClient
 
 log = logging.getLogger("warmslot.cache")
@@ -55,23 +56,18 @@ SCRATCH_WAIT_S = 30.0  # longest a saved prefix waits for an idle slot to be ver
 BUILD_WAIT_S = 120.0  # longest a prefix to build waits for the scratch slot to be idle
 
 
-class PrefixHost(CacheHost, Protocol):
-    """The cache manager as the prefix saver uses it."""
-
-    prefix_owners: dict[str, str]  # fingerprint → the user whose request brought it
-
-    def scratch_slot(self, exclude: int | None = None) -> int | None: ...
-
-    async def wait_idle(self, exclude: int, timeout: float = 30.0) -> None:
-        """Wait (up to `timeout`) until no slot but `exclude` serves a request."""
-        ...
-
-
 class PrefixSaver:
     """Writes prefix states from live slots for one cache manager."""
 
-    def __init__(self, mgr: PrefixHost, retention: Retention, conversations: Conversations):
-        self.mgr = mgr
+    def __init__(
+        self,
+        state: CacheState,
+        ops: SlotOps,
+        retention: Retention,
+        conversations: Conversations,
+    ) -> None:
+        self.state = state
+        self.ops = ops
         self.retention = retention
         self.conversations = conversations
         # Why this server cannot save part of a slot ("" while it may): learned from its
@@ -85,7 +81,7 @@ class PrefixSaver:
 
     def can_save_prefix(self) -> bool:
         """Whether the running server can save the first N tokens of a slot."""
-        ident = self.mgr.identity
+        ident = self.state.identity
         return ident is not None and PATCH_PREFIX_SAVE in ident.patches and not self.refused
 
     async def save(self, info: pfx.PrefixInfo, slot: int) -> bool:
@@ -105,7 +101,7 @@ class PrefixSaver:
         """Get the prefix state onto disk: from the `live` slot that holds it (no prefill),
         or as the last resort built in a scratch slot; saved, then its probe answer
         recorded. A failure is recorded (core.cache.retention), never raised."""
-        m = self.mgr
+        m = self.state
         try:
             if not m.pressure.allows_persist():
                 why = m.pressure.paused().get("persist", "")
@@ -115,12 +111,12 @@ class PrefixSaver:
                 return  # saved, covered by the conversation's state, or left for later
             if not self._room(info):
                 return  # not built for a save that would not fit under the disk cap
-            slot = m.scratch_slot()
+            slot = self.ops.scratch_slot()
             deadline = time.monotonic() + BUILD_WAIT_S
             while slot is None and time.monotonic() < deadline:
                 # The scratch slot is busy (a side call): wait for it rather than give up.
                 await asyncio.sleep(0.25)
-                slot = m.scratch_slot()
+                slot = self.ops.scratch_slot()
             client = m.client
             if slot is None or client is None or m.identity is None:
                 m.emit(
@@ -130,7 +126,7 @@ class PrefixSaver:
                     fp=info.fingerprint,
                 )
                 return
-            async with m.lock(slot):
+            async with self.ops.lock(slot):
                 await self._build(info, slot, client)
         except (UpstreamError, OSError) as e:
             # After an answer (an HTTP error) the server no longer writes: its partial file
@@ -143,8 +139,8 @@ class PrefixSaver:
 
     async def _build(self, info: pfx.PrefixInfo, slot: int, client: LlamaClient) -> None:
         """3. The last resort: read the prefix into the idle `slot`, save and index it."""
-        m = self.mgr
-        await m.prewarm(info, slot, reason="building the state to save")
+        m = self.state
+        await self.ops.prewarm(info, slot, reason="building the state to save")
         name = state_filename(info.fingerprint)
         self.retention.journal.begin(m.launch_id, name)  # a save that never ends is swept
         saved = await client.slot_action(slot, "save", name)
@@ -179,11 +175,11 @@ class PrefixSaver:
     ) -> None:
         """Index the just-saved prefix file `name` with its probe reference, taken in
         `slot` (idle, under its lock) after restoring that very file."""
-        m = self.mgr
+        m = self.state
         client = m.client
         assert client is not None and m.probe_suffix is not None
         path = m.store.dir_for(m.launch_id) / name
-        await m.wait_idle(exclude=slot)
+        await self.ops.wait_idle(exclude=slot)
         # The reference comes from the file as a restore lays it out, so that a later
         # restore reproduces it bit for bit, sliding-window ring included
         # (docs/cache.md#verification).
@@ -192,7 +188,7 @@ class PrefixSaver:
         # with prefixes saved from a live slot while the session's next request started, and
         # beside a conversation's own reference): it must come from a probe that ran alone
         # (core.cache.probe.ProbeGate); a state without such a reference is not indexed.
-        answer, _ = await m.probe_gate.reference(
+        answer, _ = await self.ops.probe_gate.reference(
             client,
             probe_request(info.tokens, m.probe_suffix, slot),
             slot,
@@ -241,15 +237,15 @@ class PrefixSaver:
     # ------------------------------------------------------------ 1. part of the slot
     async def _save_prefix(self, info: pfx.PrefixInfo, slot: int) -> bool | None:
         """True: saved and indexed, or left for later; None: the server cannot (501)."""
-        m = self.mgr
+        m = self.state
         client = m.client
         assert client is not None
-        probe_slot = m.scratch_slot(exclude=slot)
+        probe_slot = self.ops.scratch_slot(exclude=slot)
         if probe_slot is None and m.slots.n_slots < 2:
             return None  # nowhere to verify it but the live slot: save the conversation
         name = state_filename(info.fingerprint)
         path = m.store.dir_for(m.launch_id) / name
-        async with m.lock(slot):
+        async with self.ops.lock(slot):
             st = m.slots.slots[slot]
             if st.inflight or st.prefix_fp != info.fingerprint or st.tokens_hint < info.n_tokens:
                 self.counts["deferred"] += 1
@@ -306,12 +302,12 @@ class PrefixSaver:
         deadline = time.monotonic() + SCRATCH_WAIT_S
         while probe_slot is None and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
-            probe_slot = m.scratch_slot(exclude=slot)
+            probe_slot = self.ops.scratch_slot(exclude=slot)
         if probe_slot is None:
             why = f"no idle slot to verify it in within {SCRATCH_WAIT_S:.0f} s"
             self.retention.save_failed(info.fingerprint, why, filename=name, slot=slot)
             return True
-        async with m.lock(probe_slot):
+        async with self.ops.lock(probe_slot):
             await self._record(
                 info,
                 probe_slot,

@@ -68,7 +68,7 @@ import contextlib
 import errno
 import logging
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
@@ -84,7 +84,9 @@ from core.machine.sweeps import Outcome
 from core.status import BackoffRow, CacheStatus
 
 if TYPE_CHECKING:
-    from core.cache.deps import CacheHost, HasRetention
+    from core.cache.deps import HasRetention
+    from core.cache.slot_ops import SlotOps
+    from core.cache.state import CacheState
 
 __all__ = [
     "TTL_CLASSES",
@@ -278,17 +280,22 @@ class Retention:
 
     def __init__(
         self,
-        mgr: CacheHost,
+        state: CacheState,
+        ops: SlotOps,
+        save_conversation: Callable[[int, str], Awaitable[str]],
         *,
         slot_dir: Path,
         free_disk_cap: int | None = None,
         peers: Callable[[], Sequence[HasRetention]] = lambda: (),
     ) -> None:
-        self.mgr = mgr
+        self.state = state
+        self.ops = ops
+        # Saves the conversation a slot holds (core.cache.conversations): what happened.
+        self._save_conversation = save_conversation
         # Every model's cache manager (this one's too, or not): their states share the
         # index and the cap (`make_room` protects what they hold, as the sweep does).
         self._peers = peers
-        self.clock = mgr.clock
+        self.clock = state.clock
         self._default_cap = (
             free_disk_cap if free_disk_cap is not None else default_cap_bytes(slot_dir)
         )
@@ -301,7 +308,7 @@ class Retention:
 
     @property
     def settings(self) -> CacheSettings:
-        return self.mgr.settings.cache
+        return self.state.settings.cache
 
     @property
     def cap_bytes(self) -> int:
@@ -317,7 +324,7 @@ class Retention:
     @property
     def journal(self) -> WriteJournal:
         if self._journal is None:
-            self._journal = WriteJournal(self.mgr.store.db, self.clock.time)
+            self._journal = WriteJournal(self.state.store.db, self.clock.time)
         return self._journal
 
     def ttl(self, ttl_class: str) -> float:
@@ -325,31 +332,31 @@ class Retention:
 
     def current_identity(self) -> str | None:
         """The running (or last resolved) server's slot directory name."""
-        sup = self.mgr.server
+        sup = self.state.server
         if sup is None or sup.resolved is None or sup.resolved.slot_dir is None:
             return None
         return sup.resolved.slot_dir.name
 
     def in_use(self) -> set[str]:
-        held = {s.prefix_fp for s in self.mgr.slots.slots if s.prefix_fp}
-        return held | set(self.mgr.persisting)
+        held = {s.prefix_fp for s in self.state.slots.slots if s.prefix_fp}
+        return held | set(self.ops.persisting)
 
     def _emit(self, kind: CacheEventKind, reason: str, **kw: Any) -> None:
         details = kw.pop("details", {})
-        self.mgr.publish(
+        self.state.publish(
             CacheEvent(kind=kind, reason=reason, details=details, ts=self.clock.time(), **kw)
         )
 
     def _record_size(self, rec: StateRecord) -> int:
         """Bytes of the state's record beside its file (0 when there is none)."""
         try:
-            return self.mgr.store.path(rec).with_name(card_name(rec.filename)).stat().st_size
+            return self.state.store.path(rec).with_name(card_name(rec.filename)).stat().st_size
         except (OSError, ValueError):
             return 0
 
     def _file_size(self, rec: StateRecord) -> int | None:
         try:
-            path = self.mgr.store.path(rec)
+            path = self.state.store.path(rec)
         except ValueError:
             return None  # an unsafe name in the index: treat the row as stale
         try:
@@ -394,7 +401,7 @@ class Retention:
     def discard_partial(self, filename: str) -> int:
         """Delete the file a failed save left (journaled, not indexed); returns its bytes.
         The journal entry goes with it; one that cannot be deleted stays journaled."""
-        store = self.mgr.store
+        store = self.state.store
         row = next((r for r in self.journal.pending() if str(r["filename"]) == filename), None)
         if row is None or store.get(filename) is not None or not safe_name(filename):
             return 0  # not a save of ours in flight, or an indexed file (never ours to drop)
@@ -418,7 +425,7 @@ class Retention:
 
         A file that cannot be deleted is quarantined: its row is dropped all the same (the
         file is never offered to a server again) and one ``undeletable`` event says so."""
-        store = self.mgr.store
+        store = self.state.store
         try:
             return store.delete(rec)
         except OSError as e:
@@ -495,7 +502,7 @@ class Retention:
         everyone = [self, *(p.retention for p in peers if p.retention is not self)]
         identities = {i for r in everyone if (i := r.current_identity()) is not None}
         return plan_disk_sweep(
-            self.mgr.store.all(),
+            self.state.store.all(),
             now=now,
             ttl=self.ttl,
             keep_recent=self.settings.keep_recent,
@@ -513,7 +520,7 @@ class Retention:
         """About what a saved state of `n_tokens` tokens takes on the running server's
         disk with its record: its saved states' bytes per token (before its first one
         only the record: the state's real size is checked once it is written)."""
-        recs = [r for r in self.mgr.store.all(self.mgr.launch_id) if r.n_tokens > 0]
+        recs = [r for r in self.state.store.all(self.state.launch_id) if r.n_tokens > 0]
         tokens = sum(r.n_tokens for r in recs)
         state = int(sum(r.bytes for r in recs) * n_tokens / tokens) if tokens else 0
         return state + self.record_bytes(n_tokens)
@@ -525,7 +532,7 @@ class Retention:
 
     def _under_way(self, exclude: str = "") -> int:
         """Bytes of the saves under way (journaled, not indexed yet) on disk now."""
-        store = self.mgr.store
+        store = self.state.store
         total = 0
         for row in self.journal.pending():
             name = str(row["filename"])
@@ -574,9 +581,9 @@ class Retention:
         """Delete one indexed file (or only its row) and record the eviction; `by`: the
         retention sweep, a save making room under the cap ("save"), or on the spot ("now")."""
         try:
-            freed = self.mgr.store.delete(rec)
+            freed = self.state.store.delete(rec)
         except ValueError:  # unsafe name: drop the row, never touch a path
-            self.mgr.store.table.delete_where("filename = ?", [rec.filename])
+            self.state.store.table.delete_where("filename = ?", [rec.filename])
             freed = 0
         except OSError:  # cannot be deleted: quarantined (one event), the sweep goes on
             return self.discard(rec, reason)
@@ -601,7 +608,7 @@ class Retention:
     def _sweep_unfinished(self, now: float) -> tuple[int, int]:
         """Delete partial files of saves that never finished (journaled, never indexed)."""
         count = freed = 0
-        store = self.mgr.store
+        store = self.state.store
         for row in self.journal.pending():
             name, identity = str(row["filename"]), str(row["identity"])
             if store.get(name) is not None:
@@ -641,10 +648,10 @@ class Retention:
 
     def _count_unknown(self) -> int:
         """Files in our slot directories that no index row claims (left alone)."""
-        root = self.mgr.store.root
+        root = self.state.store.root
         if not root.is_dir():
             return 0
-        records = self.mgr.store.all()
+        records = self.state.store.all()
         known = {(r.identity, r.filename) for r in records}
         known |= {(r.identity, card_name(r.filename)) for r in records}  # their records
         n = 0
@@ -656,22 +663,22 @@ class Retention:
 
     # ------------------------------------------------------------------ idle sessions
     def session_class(self, slot_id: int, kind: str) -> str:
-        aux = slot_id == self.mgr.slots.aux_slot or kind == "aux"
+        aux = slot_id == self.state.slots.aux_slot or kind == "aux"
         return class_for(self.settings, "aux" if aux else "conversation")
 
     def session_limit(self, ttl_class: str) -> float:
         """Idle seconds after which a session is released (short TTL under critical)."""
         limit = self.ttl(ttl_class)
-        if self.mgr.pressure.release_idle_first:
+        if self.state.pressure.release_idle_first:
             limit = min(limit, self.ttl("short"))
         return limit
 
     async def sweep_idle(self) -> Outcome:
-        mgr = self.mgr
+        state = self.state
         now = self.clock.monotonic()
         released: list[str] = []
-        for st in mgr.slots.slots:
-            if not st.session or st.inflight or mgr.lock(st.id).locked():
+        for st in state.slots.slots:
+            if not st.session or st.inflight or self.ops.lock(st.id).locked():
                 continue
             cls = self.session_class(st.id, st.last_kind)
             limit = self.session_limit(cls)
@@ -682,17 +689,17 @@ class Retention:
             # The conversation beyond the prefix too, before another session may take
             # the slot (under the slot's lock; milliseconds, core.cache.conversations).
             session = st.session
-            conversation = await mgr.save_conversation(st.id, "idle release")
+            conversation = await self._save_conversation(st.id, "idle release")
             if st.inflight or st.session != session:
                 continue  # the session came back while it was being saved
             if conversation:
                 saved = f"{saved}; {conversation}"
-            mgr.slots.release(session)
+            state.slots.release(session)
             why = (
                 f"conversation idle {human_age(idle)} ≥ {cls} TTL {human_age(self.ttl(cls))}"
                 if limit == self.ttl(cls)
                 else f"conversation idle {human_age(idle)} and memory pressure is critical "
-                f"({mgr.pressure.why}): idle sessions are released first"
+                f"({state.pressure.why}): idle sessions are released first"
             )
             self._emit(
                 CacheEventKind.EVICTED,
@@ -715,21 +722,21 @@ class Retention:
     def _save_for_release(self, fp: str, slot: int) -> str:
         """Make sure the session's stable prefix is on disk (from `slot`, which holds it,
         where that needs no prefill: core.cache.prefix_save); say what happened."""
-        mgr = self.mgr
-        info = mgr.by_fp.get(fp) if fp else None
+        state = self.state
+        info = state.by_fp.get(fp) if fp else None
         if info is None:
             return "no stable prefix to save"
-        if not mgr.disk.usable:
-            return f"not saved: {mgr.disk.reason}"
-        if mgr.store.for_fingerprint(fp) is not None:
+        if not state.disk.usable:
+            return f"not saved: {state.disk.reason}"
+        if state.store.for_fingerprint(fp) is not None:
             return "its prefix is already saved on disk"
-        if fp in mgr.persisting:
+        if fp in self.ops.persisting:
             return "its prefix is being saved"
-        if not mgr.pressure.allows_persist():
-            return f"not saved: {mgr.pressure.paused()['persist']}"
+        if not state.pressure.allows_persist():
+            return f"not saved: {state.pressure.paused()['persist']}"
         if not self.save_backoff.allows(fp):
             return "not saved: its last save failed, the next try waits (save backoff)"
-        mgr.persist_soon(info, slot)
+        self.ops.persist_soon(info, slot)
         return "saving its prefix to disk"
 
     # ------------------------------------------------------------------ status
@@ -742,7 +749,7 @@ class Retention:
     def annotate(self, out: CacheStatus) -> None:
         """Add TTL classes and time to expiry to a `CacheManager.status()` dict."""
         now, mono = self.clock.time(), self.clock.monotonic()
-        by_name = {r.filename: r for r in self.mgr.store.all()}
+        by_name = {r.filename: r for r in self.state.store.all()}
         for entry in out["saved"]:
             rec = by_name.get(entry["file"])
             if rec is not None:
@@ -750,7 +757,7 @@ class Retention:
                 entry["expires_in_s"] = None if exp is None else round(exp, 1)
                 entry["age_s"] = round(now - rec.last_used, 1)
         for slot in out["slots"]:
-            held = self.mgr.slots.slots
+            held = self.state.slots.slots
             st = held[slot["id"]] if slot["id"] < len(held) else None
             if st is None or not st.session:
                 continue

@@ -4,7 +4,9 @@ the index of saved prefixes, and bring the most recently used ones back —
 restored and verified, or prewarmed from their tokens (the boot re-warm,
 `core.cache.boot`).
 
-Functions of the `CacheManager` they serve (split out of `core.cache.manager`).
+Each works on the explicit `CacheState` of the server (core.cache.state) and, where it
+fills slots, its `SlotOps` (core.cache.slot_ops); `read_server` only reads, and the
+manager hands its answer to `CacheState.server_ready`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import sqlite3
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from core.cache import prefix as pfx
 from core.cache.boot import BootStep
@@ -21,7 +23,7 @@ from core.cache.definitions import PrefixDefinition
 from core.cache.deps import DiskTier as DiskTier
 from core.cache.fingerprint import ServerIdentity, fingerprint, template_hash
 from core.cache.probe import PROBE_SUFFIX, SWA_LOGPROB_TOLERANCE
-from core.cache.slots import SlotMap
+from core.cache.state import ServerFacts
 from core.cache.store import StateRecord
 from core.errors import VerificationFailed
 from core.events import CacheEventKind
@@ -29,15 +31,11 @@ from core.server.argv import kv_relevant
 from core.server.client import Props
 
 if TYPE_CHECKING:
+    from core.cache.boot import BootRewarm
     from core.cache.conversations import Conversations
-    from core.cache.deps import CacheHost
-
-    class WarmHost(CacheHost, Protocol):
-        """The cache manager with its conversation states (a prefix that was never saved
-        on its own comes back from a saved conversation that starts with it)."""
-
-        @property
-        def conversations(self) -> Conversations: ...
+    from core.cache.learner import PrefixLearner
+    from core.cache.slot_ops import SlotOps
+    from core.cache.state import CacheState
 
 
 log = logging.getLogger("warmslot.cache")
@@ -89,45 +87,54 @@ def disk_tier_for(
     return DiskTier(True, "dense model")
 
 
-async def learn_identity(mgr: CacheHost) -> None:
-    """Read the running server's identity, disk-tier validity and saved prefixes."""
-    client = mgr.client
-    sup = mgr.server
+async def read_server(state: CacheState) -> ServerFacts:
+    """Read the running server's identity, slot count, disk-tier validity and the
+    known-answer probe's tokens."""
+    client = state.client
+    sup = state.server
     assert client is not None and sup is not None and sup.resolved is not None
     props = await client.props()
     patches = tuple(str(p) for p in props.get(PATCH_FIELD, []) or [])
-    mgr.identity = ServerIdentity(
+    identity = ServerIdentity(
         model=sup.resolved.model.identity,
         binary=sup.resolved.binary.identity,
         kv_flags=kv_relevant(sup.argv),
         chat_template=template_hash(str(props.get("chat_template", ""))),
         patches=patches,
     )
-    n = int(props.get("total_slots", mgr.settings.server.launch_slots))
-    if n != mgr.slots.n_slots:
-        mgr.slots = SlotMap(n, reserve_aux=mgr.slots.reserve_aux, clock=mgr.clock.monotonic)
-    mgr.disk = disk_tier(mgr, sup.resolved.model.path, patches)
-    mgr.probe_suffix = await client.tokenize(PROBE_SUFFIX)
+    return ServerFacts(
+        identity=identity,
+        n_slots=int(props.get("total_slots", state.settings.server.launch_slots)),
+        disk=disk_tier(state, sup.resolved.model.path, patches),
+        probe_suffix=await client.tokenize(PROBE_SUFFIX),
+        n_ctx=slot_context(props),
+    )
+
+
+def know_prefixes(state: CacheState, learner: PrefixLearner, facts: ServerFacts) -> None:
+    """After `CacheState.server_ready`: know the prefixes and saved states that fit the
+    server, and say it is ready (a ``server_identity`` event)."""
+    ident = facts.identity
     # Prefixes learned under an older identity of the same model and template are
     # re-fingerprinted for this one; another model's are forgotten (`PrefixLearner.adopt`):
     # its definitions and saved states stay on disk for when it runs again.
-    mgr.learner.adopt(mgr.identity)
-    for info in list(mgr.prefixes.values()):
-        info.fingerprint = fingerprint(mgr.identity, info.tokens)
-    mgr.by_fp = {i.fingerprint: i for i in mgr.prefixes.values()}
+    learner.adopt(ident)
+    for info in list(learner.prefixes.values()):
+        info.fingerprint = fingerprint(ident, info.tokens)
+    state.by_fp = {i.fingerprint: i for i in learner.prefixes.values()}
     try:
-        loaded = load_definitions(mgr, slot_context(props))
+        loaded = load_definitions(state, learner.prefixes, facts.n_ctx)
     except sqlite3.Error:  # the index is damaged: serve on, cold, and say so in the log
         log.exception("could not read the stored prefix definitions")
         loaded = 0
-    load_saved(mgr)
-    mgr.emit(
+    load_saved(state)
+    state.emit(
         CacheEventKind.SERVER_IDENTITY,
         "server ready",
-        identity=mgr.identity.short,
-        disk_tier=mgr.disk.usable,
-        disk_reason=mgr.disk.reason,
-        patches=list(patches),
+        identity=ident.short,
+        disk_tier=state.disk.usable,
+        disk_reason=state.disk.reason,
+        patches=list(ident.patches),
         definitions_loaded=loaded,
     )
 
@@ -139,22 +146,24 @@ def slot_context(props: Props) -> int | None:
     return n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
 
 
-def load_definitions(mgr: CacheHost, n_ctx: int | None) -> int:
+def load_definitions(
+    state: CacheState, prefixes: dict[str, pfx.PrefixInfo], n_ctx: int | None
+) -> int:
     """Know again the prefixes learned before (by an earlier run of Warmslot too).
 
     Only definitions for this model file and chat template are loaded, the most
     recently used first, and only those that fit a slot. Each gets the fingerprint
     of the running server; prefixes already known (same tokens) are kept as they
     are. Per request shape the longest prefix answers, as when it was learned.
-    Returns how many became known.
+    `prefixes` are the learner's, by request shape. Returns how many became known.
     """
-    book = mgr.definitions
-    ident = mgr.identity
+    book = state.definitions
+    ident = state.identity
     if book is None or ident is None:
         return 0
     defs = book.load(ident.model, ident.chat_template, LOAD_AT_START)
     if book.ignored:
-        mgr.emit(
+        state.emit(
             CacheEventKind.DEFINITIONS_IGNORED,
             f"{book.ignored} stored prefix definitions were damaged; deleted",
         )
@@ -163,13 +172,13 @@ def load_definitions(mgr: CacheHost, n_ctx: int | None) -> int:
         if n_ctx is not None and d.n_tokens >= n_ctx:
             continue  # longer than a slot of this server; kept for a server that fits it
         info = info_for(d, fingerprint(ident, d.tokens))
-        if info.fingerprint in mgr.by_fp:
+        if info.fingerprint in state.by_fp:
             continue
-        mgr.by_fp[info.fingerprint] = info
+        state.by_fp[info.fingerprint] = info
         loaded += 1
-        known = mgr.prefixes.get(d.shape_key) if d.shape_key else None
+        known = prefixes.get(d.shape_key) if d.shape_key else None
         if d.shape_key and (known is None or known.n_tokens < info.n_tokens):
-            mgr.prefixes[d.shape_key] = info
+            prefixes[d.shape_key] = info
     return loaded
 
 
@@ -199,37 +208,20 @@ def _meta(d: PrefixDefinition) -> pfx.PrefixMeta:
     return meta
 
 
-def definition_of(info: pfx.PrefixInfo, ident: ServerIdentity) -> PrefixDefinition:
-    """The definition to store for a prefix learned on a server of identity `ident`."""
-    meta = info.meta
-    return PrefixDefinition(
-        model=ident.model,
-        template=ident.chat_template,
-        tokens=tuple(int(t) for t in info.tokens),
-        client=info.client[:256],
-        source=info.source[:256],
-        shape_key=info.key,
-        first_seen=info.first_seen,
-        last_used=max(info.last_used, info.first_seen),
-        rendered_tokens=int(meta.get("rendered_tokens") or 0),
-        head_n=int(meta.get("head_n") or 0),
-    )
-
-
-def load_saved(mgr: CacheHost) -> None:
+def load_saved(state: CacheState) -> None:
     """Know the prefixes saved for this server; drop those its identity invalidates."""
-    assert mgr.identity is not None
-    for rec in mgr.store.all(mgr.launch_id):
+    assert state.identity is not None
+    for rec in state.store.all(state.launch_id):
         tokens = rec.probe.get("prefix")
         if not isinstance(tokens, list):
             tokens = []
-        fp = fingerprint(mgr.identity, tokens) if tokens else ""
+        fp = fingerprint(state.identity, tokens) if tokens else ""
         if fp != rec.fingerprint:
             try:
-                freed = mgr.store.delete(rec)
+                freed = state.store.delete(rec)
             except OSError as e:  # undeletable: forget its row (never offered again), say so
-                mgr.store.table.delete_where("filename = ?", [rec.filename])
-                mgr.emit(
+                state.store.table.delete_where("filename = ?", [rec.filename])
+                state.emit(
                     CacheEventKind.UNDELETABLE,
                     f"could not delete {rec.filename} ({e}); it is never used again",
                     fp=rec.fingerprint,
@@ -237,7 +229,7 @@ def load_saved(mgr: CacheHost) -> None:
                     error=str(e),
                 )
                 freed = 0
-            mgr.emit(
+            state.emit(
                 CacheEventKind.INVALIDATED,
                 "saved for a different server identity (chat "
                 "template, build or flags changed); it will be rebuilt once",
@@ -248,7 +240,7 @@ def load_saved(mgr: CacheHost) -> None:
             continue
         if rec.kind != "prefix":
             continue  # a conversation state (core.cache.conversations), not a prefix
-        if fp not in mgr.by_fp:
+        if fp not in state.by_fp:
             info = pfx.PrefixInfo(
                 key="",
                 tokens=tokens,
@@ -258,15 +250,15 @@ def load_saved(mgr: CacheHost) -> None:
                 fingerprint=fp,
                 first_seen=rec.created,
             )
-            mgr.by_fp[fp] = info
+            state.by_fp[fp] = info
             # A state saved before definitions were kept: keep its definition too, so
             # it can still be prewarmed when its file is gone or fails verification.
-            mgr.remember(info)
+            state.remember(info)
 
 
-def disk_tier(mgr: CacheHost, model_path: Path, patches: tuple[str, ...]) -> DiskTier:
+def disk_tier(state: CacheState, model_path: Path, patches: tuple[str, ...]) -> DiskTier:
     """Whether slot files can be valid for this model on the running server."""
-    if not mgr.settings.cache.persist:
+    if not state.settings.cache.persist:
         return DiskTier(False, "persistence is off (cache.persist)")
     try:
         from core.server.gguf_facts import read_facts
@@ -275,7 +267,7 @@ def disk_tier(mgr: CacheHost, model_path: Path, patches: tuple[str, ...]) -> Dis
     except Exception as e:  # unknown metadata: trust only the verification
         log.warning("could not read model metadata (%r); relying on verification", e)
         return DiskTier(True, "model type unknown; every restore is verified")
-    swa_full = mgr.server is not None and "--swa-full" in mgr.server.argv
+    swa_full = state.server is not None and "--swa-full" in state.server.argv
     return disk_tier_for(
         swa=any(facts.swa_layers) and facts.n_swa > 0,
         recurrent=any(facts.recurrent_layers),
@@ -284,59 +276,73 @@ def disk_tier(mgr: CacheHost, model_path: Path, patches: tuple[str, ...]) -> Dis
     )
 
 
-def boot_steps(mgr: WarmHost) -> list[BootStep]:
+def boot_steps(state: CacheState, conversations: Conversations) -> list[BootStep]:
     """Which prefix goes into which slot after a start: pinned first, then the most
     recently used (by request, or by its saved state), one per primary slot. A prefix
     with no state of its own is restored from a saved conversation that starts with it
     (core.cache.prefix_save), where there is one."""
-    targets = [s.id for s in mgr.slots.primary_slots][:RESTORE_AT_START]
-    saved = {r.fingerprint: r for r in mgr.store.all(mgr.launch_id)}
+    targets = [s.id for s in state.slots.primary_slots][:RESTORE_AT_START]
+    saved = {r.fingerprint: r for r in state.store.all(state.launch_id)}
     infos = sorted(
-        mgr.by_fp.values(),
+        state.by_fp.values(),
         key=lambda i: (
             not getattr(saved.get(i.fingerprint), "pinned", False),
             -max(i.last_used, getattr(saved.get(i.fingerprint), "last_used", 0)),
         ),
     )[: len(targets)]
-    covering = mgr.conversations.covering if mgr.disk.usable else (lambda _: None)
+    covering = conversations.covering if state.disk.usable else (lambda _: None)
     return [
         BootStep(slot, info, saved.get(info.fingerprint) or covering(info))
         for slot, info in zip(targets, infos, strict=False)
     ]
 
 
-async def warm_known(mgr: WarmHost) -> None:
+async def warm_known(
+    state: CacheState, ops: SlotOps, boot: BootRewarm, conversations: Conversations
+) -> None:
     """After a (re)start: bring back the most recently used prefixes (the boot re-warm).
 
     Restored from disk and verified where the disk tier is valid, else (and for
     sliding-window models on a stock server, or prefixes never saved) prewarmed
     from their tokens. Client requests go first (`core.cache.boot`).
     """
-    assert mgr.identity is not None
-    await mgr.boot.run(boot_steps(mgr), partial(warm_step, mgr))
+    assert state.identity is not None
+    await boot.run(boot_steps(state, conversations), partial(warm_step, state, ops, conversations))
 
 
-async def warm_step(mgr: WarmHost, step: BootStep) -> bool:
+async def warm_step(
+    state: CacheState, ops: SlotOps, conversations: Conversations, step: BootStep
+) -> bool:
     """Warm one boot step under its slot's lock; False when skipped (busy, pressure)."""
-    if mgr.slots.slots[step.slot].inflight:
+    if state.slots.slots[step.slot].inflight:
         return False  # a request runs there already
-    async with mgr.lock(step.slot):
+    async with ops.lock(step.slot):
         if step.saved is not None:
             return await restore_or_prewarm(
-                mgr, step.saved, step.slot, chunk=BOOT_CHUNK_TOKENS, info=step.info
+                state,
+                ops,
+                conversations,
+                step.saved,
+                step.slot,
+                chunk=BOOT_CHUNK_TOKENS,
+                info=step.info,
             )
-        if not mgr.pressure.allows_prewarm(False):
-            why = mgr.pressure.paused().get("prewarm", "")
-            mgr.emit(CacheEventKind.PREWARM_SKIPPED, why, fp=step.info.fingerprint, slot=step.slot)
+        if not state.pressure.allows_prewarm(False):
+            why = state.pressure.paused().get("prewarm", "")
+            state.emit(
+                CacheEventKind.PREWARM_SKIPPED, why, fp=step.info.fingerprint, slot=step.slot
+            )
             return False
-        await mgr.prewarm(
+        await ops.prewarm(
             step.info, step.slot, reason="after server start", chunk=BOOT_CHUNK_TOKENS
         )
         return True
 
 
 async def restore_or_prewarm(
-    mgr: WarmHost,
+    state: CacheState,
+    ops: SlotOps,
+    conversations: Conversations,
     rec: StateRecord,
     slot: int,
     *,
@@ -344,26 +350,26 @@ async def restore_or_prewarm(
     info: pfx.PrefixInfo | None = None,
 ) -> bool:
     """Restore (verified) a saved prefix into `slot`, else prewarm it from its tokens
-    (`chunk` tokens per request into an empty slot, see `CacheManager.prewarm`).
+    (`chunk` tokens per request into an empty slot, see `SlotOps.prewarm`).
     `rec` may be a saved conversation that starts with the prefix `info`.
 
     Returns whether the slot now holds the prefix.
     """
-    if not mgr.pressure.allows_prewarm(rec.pinned):
-        why = mgr.pressure.paused().get("prewarm", "")
-        mgr.emit(CacheEventKind.PREWARM_SKIPPED, why, fp=rec.fingerprint, slot=slot)
+    if not state.pressure.allows_prewarm(rec.pinned):
+        why = state.pressure.paused().get("prewarm", "")
+        state.emit(CacheEventKind.PREWARM_SKIPPED, why, fp=rec.fingerprint, slot=slot)
         return False
-    info = info or mgr.by_fp.get(rec.fingerprint)
-    if mgr.disk.usable:
+    info = info or state.by_fp.get(rec.fingerprint)
+    if state.disk.usable:
         try:
             if rec.kind == "conversation" and info is not None:
-                await mgr.conversations.restore_prefix(rec, info, slot)
+                await conversations.restore_prefix(rec, info, slot)
             else:
-                await mgr.restore(rec, slot)
+                await ops.restore(rec, slot)
             return True
         except VerificationFailed:
             pass  # recorded; fall through to a cold prewarm when we know the tokens
     if info is not None:
-        await mgr.prewarm(info, slot, reason="after server start", chunk=chunk)
+        await ops.prewarm(info, slot, reason="after server start", chunk=chunk)
         return True
     return False

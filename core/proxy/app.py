@@ -1110,13 +1110,8 @@ class Proxy:
         rate = self.prefill_rates.ms_per_token(self._served(req))
         if reuse is not None and req.split is not None:
             reuse = reuse.with_split(req.split.prompt_n, req.split.prompt_ms)
-        restored = req.response_headers.get("X-Warmslot-Restored", "0")
         headers = cache_headers(
-            reuse,
-            slot=req.slot,
-            session=req.decision.session,
-            restored=int(restored) if restored.isdigit() else 0,
-            ms_per_token=rate,
+            reuse, slot=req.slot, session=req.decision.session, plan=req.plan, ms_per_token=rate
         )
         if req.response_headers.get("X-Warmslot-Cache") == "bypass":
             del headers["X-Warmslot-Cache"]

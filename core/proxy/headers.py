@@ -21,6 +21,7 @@ import json
 import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Protocol
 
 # Share of the prompt that must come from the cache for "hit" (else "partial"; none: "miss").
 HIT_SHARE = 0.9
@@ -117,17 +118,47 @@ def stream_body(endpoint: str, body: MutableMapping[str, object]) -> bool:
     return True
 
 
+class _Labelled(Protocol):
+    @property
+    def label(self) -> str: ...
+
+
+class Planned(Protocol):
+    """What the headers read of the cache's plan for a request (`core.proxy.types.SlotPlan`;
+    a protocol, since the types module reads this one's neighbours)."""
+
+    @property
+    def kind(self) -> _Labelled: ...
+    @property
+    def prefix_fp(self) -> str: ...
+    @property
+    def prefix_tokens(self) -> int: ...
+    @property
+    def restored(self) -> int: ...
+    @property
+    def warning(self) -> str: ...
+
+
 def cache_headers(
     reuse: Reuse | None,
     *,
     slot: int | None,
     session: str,
-    restored: int,
+    plan: Planned | None,
     ms_per_token: float | None,
 ) -> dict[str, str]:
     """The ``X-Warmslot-*`` headers of a managed response. Without numbers (an error, a
-    stream whose opening had none) the verdict is ``unknown`` and no counts are given."""
+    stream whose opening had none) the verdict is ``unknown`` and no counts are given.
+    The cache's `plan` (None: it left the request alone) names the request's kind, its
+    stable prefix, what was restored for it and the cache's warning."""
     out: dict[str, str] = {}
+    if plan is not None:
+        out["X-Warmslot-Kind"] = plan.kind.label
+        if plan.warning:
+            text = plan.warning.replace("…", "...")
+            out["X-Warmslot-Warning"] = text.encode("ascii", "replace").decode()[:200]
+        if plan.prefix_fp:
+            out["X-Warmslot-Prefix"] = f"{plan.prefix_fp[:16]}:{plan.prefix_tokens}"
     if reuse is None:
         out["X-Warmslot-Cache"] = "unknown"
     else:
@@ -136,7 +167,7 @@ def cache_headers(
         out["X-Warmslot-Prefilled-Tokens"] = str(reuse.prefilled)
         if ms_per_token is not None:
             out["X-Warmslot-Est-Saved-Ms"] = f"{reuse.cached * ms_per_token:.0f}"
-    out["X-Warmslot-Restored"] = str(restored)
+    out["X-Warmslot-Restored"] = str(plan.restored if plan is not None else 0)
     if slot is not None:
         out["X-Warmslot-Slot"] = str(slot)
     if session:

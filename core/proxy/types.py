@@ -22,15 +22,19 @@ if TYPE_CHECKING:  # stream.py reads the headers, which read these types
 @dataclass(frozen=True)
 class SlotPlan:
     """What a cache policy decided for one request (`CachePolicy.prepare`): the slot it
-    runs in and why. The proxy keeps it with the request and hands it back to
-    `completed` once the response is done, so nothing travels in an untyped side
-    channel."""
+    runs in and why, and what the response's ``X-Warmslot-*`` headers say of it
+    (`core.proxy.headers.cache_headers`). The proxy keeps it with the request and hands
+    it back to `completed` once the response is done, so nothing travels in an untyped
+    side channel."""
 
     slot: int
     why: str  # why this slot, in words
     session: str  # the session the slot is pinned to (the router's key)
     kind: Kind
     prefix_fp: str = ""  # the stable prefix's fingerprint, when one is known
+    prefix_tokens: int = 0  # its length in tokens
+    restored: int = 0  # tokens restored from disk (and verified) into the slot for it
+    warning: str = ""  # what the cache warns the client of (the chat template drops tools …)
 
 
 @dataclass

@@ -9,6 +9,7 @@ reuse (one token always re-evaluated), `/slots`, save/restore/erase of files.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from dataclasses import dataclass, field
@@ -17,10 +18,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from core.cache import prefix as pfx
-from core.cache.deps import deps_from
+from core.cache.deps import CacheDeps, DiskTier, deps_from
 from core.cache.fingerprint import ServerIdentity, fingerprint, state_filename
 from core.cache.index import CacheIndex
-from core.cache.manager import CacheManager, DiskTier
+from core.cache.manager import CacheManager
 from core.cache.store import StateRecord
 from core.clock import FakeClock
 from core.config import Settings
@@ -159,14 +160,33 @@ class FakeLlama:
         return {"n_erased": 1}
 
 
+class _FakeUpstream:
+    """Stands for the HTTP session to llama-server: its client is a `FakeLlama` (or None)."""
+
+    def __init__(self) -> None:
+        self.fake: FakeLlama | None = None
+
+    def client(self) -> Any:
+        return self.fake
+
+    def served_model(self) -> str:
+        return ""
+
+
 class FakeManager(CacheManager):
     """A CacheManager whose llama-server client is a `FakeLlama` (or None)."""
 
-    fake: FakeLlama | None = None
+    def __init__(self, deps: CacheDeps) -> None:
+        self._fake_upstream = _FakeUpstream()
+        super().__init__(dataclasses.replace(deps, upstream=self._fake_upstream))  # type: ignore[arg-type]
 
-    @property  # type: ignore[override]
-    def client(self) -> Any:
-        return self.fake
+    @property
+    def fake(self) -> FakeLlama | None:
+        return self._fake_upstream.fake
+
+    @fake.setter
+    def fake(self, fake: FakeLlama | None) -> None:
+        self._fake_upstream.fake = fake
 
 
 def make_manager(
@@ -178,9 +198,9 @@ def make_manager(
     mgr.retention._default_cap = 1 << 40
     if server:
         mgr.fake = FakeLlama(core.paths.slot_dir / IDENT, n_slots=slots)
-        mgr.identity = SERVER
-        mgr.disk = DiskTier(True, "dense model")
-        mgr.probe_suffix = [900, 901, 902]
+        mgr.state.identity = SERVER
+        mgr.state.disk = DiskTier(True, "dense model")
+        mgr.state.probe_suffix = [900, 901, 902]
     return core, mgr
 
 
@@ -236,5 +256,5 @@ def add_state(
         probe={},
         kind=kind,
     )
-    mgr.store.add(rec)
+    mgr.state.store.add(rec)
     return rec

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from core.cache import warmup
-from core.cache.deps import deps_from
+from core.cache.deps import DiskTier, deps_from
 from core.cache.fingerprint import ServerIdentity
 from core.cache.inventory import format_inventory
-from core.cache.manager import CacheManager, DiskTier
+from core.cache.manager import CacheManager
 from core.machine.pressure import Reading
 from core.proxy.app import ProxyRequest
 from core.routing.router import Decision, Router
@@ -91,8 +91,8 @@ def attach(core: FakeCore, identity: ServerIdentity = SERVER) -> tuple[FakeManag
     mgr = FakeManager(deps_from(core))  # type: ignore[arg-type]
     fake = RenderingLlama(core.paths.slot_dir / "x", n_slots=core.settings.server.slots)
     mgr.fake = fake
-    mgr.identity = identity
-    mgr.disk = DiskTier(False, "sliding-window model on a stock server")
+    mgr.state.identity = identity
+    mgr.state.disk = DiskTier(False, "sliding-window model on a stock server")
     return mgr, fake
 
 
@@ -101,12 +101,12 @@ async def learn_and_stop(tmp_path: Path, *projects: str, n_words: int = 60) -> t
     then stops. Returns the core and the last prefix's fingerprint."""
     core, first = make_manager(tmp_path)
     first.fake = RenderingLlama(core.paths.slot_dir / "x", n_slots=2)
-    first.disk = DiskTier(False, "sliding-window model on a stock server")
+    first.state.disk = DiskTier(False, "sliding-window model on a stock server")
     fp = ""
     for project in projects or ("alpha",):
         req = request(f"s-{project}", project, n_words)
         fp = await prepared_fp(first, req)
-        assert fp and fp in first.by_fp
+        assert fp and fp in first.state.by_fp
     await first.close()
     return core, fp
 
@@ -114,8 +114,8 @@ async def learn_and_stop(tmp_path: Path, *projects: str, n_words: int = 60) -> t
 async def boot(mgr: FakeManager, n_ctx: int | None = 4096) -> asyncio.Task[None]:
     """What happens after the server is ready: load definitions, start the re-warm.
     Returns once its first step runs (or it has nothing to do)."""
-    warmup.load_definitions(mgr, n_ctx)
-    task = asyncio.ensure_future(warmup.warm_known(mgr))
+    warmup.load_definitions(mgr.state, mgr.learner.prefixes, n_ctx)
+    task = asyncio.ensure_future(warmup.warm_known(mgr.state, mgr.ops, mgr.boot, mgr.conversations))
     await wait_until_async(
         lambda: task.done() or mgr.boot.snapshot()["current_slot"] is not None,
         5,
@@ -127,12 +127,12 @@ async def boot(mgr: FakeManager, n_ctx: int | None = 4096) -> asyncio.Task[None]
 async def test_a_learned_prefix_is_rewarmed_after_warmslot_restarts(tmp_path: Path) -> None:
     core, fp = await learn_and_stop(tmp_path)
     mgr, fake = attach(core)
-    assert mgr.by_fp == {}  # a new process knows nothing in memory
+    assert mgr.state.by_fp == {}  # a new process knows nothing in memory
     await (await boot(mgr))
-    info = mgr.by_fp[fp]
+    info = mgr.state.by_fp[fp]
     assert info.client == "opencode" and info.source == "profile:opencode"
     assert fake.contents[0] == info.tokens  # prewarmed into the primary slot
-    assert mgr.slots.slots[0].prefix_fp == fp
+    assert mgr.state.slots.slots[0].prefix_fp == fp
     snap = mgr.boot.snapshot()
     assert snap["state"] == "done" and (snap["done"], snap["total"], snap["warmed"]) == (1, 1, 1)
     assert snap["finished_at"] is not None
@@ -177,15 +177,20 @@ async def test_only_definitions_of_the_same_model_and_template_come_back(tmp_pat
         model=SERVER.model, binary="b2", kv_flags=SERVER.kv_flags, chat_template="t"
     )
     mgr, _ = attach(core, other_build)
-    assert warmup.load_definitions(mgr, 4096) == 1
-    (info,) = mgr.by_fp.values()
+    assert warmup.load_definitions(mgr.state, mgr.learner.prefixes, 4096) == 1
+    (info,) = mgr.state.by_fp.values()
     assert info.fingerprint != fp  # re-fingerprinted for the server that runs now
     for changed in ({"chat_template": "t2"}, {"model": "m2"}):
         fields = {**SERVER.__dict__, **changed}
         mgr2, _ = attach(core, ServerIdentity(**fields))
-        assert warmup.load_definitions(mgr2, 4096) == 0 and mgr2.by_fp == {}
+        assert (
+            warmup.load_definitions(mgr2.state, mgr2.learner.prefixes, 4096) == 0
+            and mgr2.state.by_fp == {}
+        )
     mgr3, _ = attach(core)
-    assert warmup.load_definitions(mgr3, n_ctx=64) == 0  # longer than a slot holds
+    assert (
+        warmup.load_definitions(mgr3.state, mgr3.learner.prefixes, n_ctx=64) == 0
+    )  # longer than a slot holds
 
 
 async def test_a_request_for_another_prefix_stops_the_running_rewarm(tmp_path: Path) -> None:
@@ -202,7 +207,7 @@ async def test_a_request_for_another_prefix_stops_the_running_rewarm(tmp_path: P
     assert (snap["state"], snap["warmed"], snap["skipped"]) == ("done", 0, 1)
     (skip,) = core.cache_events("boot_rewarm_skipped")
     assert "another prefix" in skip.reason and skip.slot == 0
-    assert mgr.slots.slots[0].prefix_fp != fp  # never marked as holding alpha
+    assert mgr.state.slots.slots[0].prefix_fp != fp  # never marked as holding alpha
 
 
 async def test_a_request_for_the_same_prefix_waits_for_its_rewarm(tmp_path: Path) -> None:
@@ -212,16 +217,16 @@ async def test_a_request_for_the_same_prefix_waits_for_its_rewarm(tmp_path: Path
     task = await boot(mgr)
     # The prewarm is prefilling (held at the gate) under the slot's lock.
     await wait_until_async(lambda: fake.sent == 1, 5, message="the prewarm was never sent")
-    assert mgr.lock(0).locked()
+    assert mgr.ops.lock(0).locked()
     locked_out = asyncio.Event()
-    lock = mgr.lock
+    lock = mgr.ops.lock
 
     def noting_lock(slot: int) -> asyncio.Lock:
         if lock(slot).locked():
             locked_out.set()  # the request is about to wait for the re-warm's lock
         return lock(slot)
 
-    mgr.lock = noting_lock  # type: ignore[method-assign]
+    mgr.ops.lock = noting_lock  # type: ignore[method-assign]
     req = request("s2")  # same system prompt: the prefix being re-warmed
     waiting = asyncio.ensure_future(prepared_fp(mgr, req))
     await asyncio.wait_for(locked_out.wait(), 5)
@@ -231,7 +236,7 @@ async def test_a_request_for_the_same_prefix_waits_for_its_rewarm(tmp_path: Path
     await asyncio.wait_for(waiting, 2.0)
     await asyncio.wait_for(task, 2.0)
     assert mgr.boot.snapshot()["warmed"] == 1
-    assert waiting.result() == fp and mgr.slots.slots[0].prefix_fp == fp
+    assert waiting.result() == fp and mgr.state.slots.slots[0].prefix_fp == fp
     assert not core.cache_events("boot_rewarm_skipped")
 
 
@@ -254,7 +259,7 @@ async def test_a_slot_claimed_before_its_rewarm_starts_is_skipped(tmp_path: Path
 async def test_under_memory_pressure_nothing_is_rewarmed(tmp_path: Path) -> None:
     core, _ = await learn_and_stop(tmp_path)
     mgr, fake = attach(core)
-    mgr.pressure.update(Reading(1000, 100, 0, 0, None, 1000, 500))  # RAM low
+    mgr.state.pressure.update(Reading(1000, 100, 0, 0, None, 1000, 500))  # RAM low
     await (await boot(mgr))
     snap = mgr.boot.snapshot()
     assert (snap["state"], snap["warmed"], snap["skipped"]) == ("done", 0, 1)
@@ -267,11 +272,11 @@ async def test_a_long_prefix_is_rewarmed_in_chunks_that_extend_each_other(
     core, fp = await learn_and_stop(tmp_path, n_words=300)  # ~2,100 one-char tokens
     mgr, fake = attach(core)
     await (await boot(mgr))
-    n = mgr.by_fp[fp].n_tokens
+    n = mgr.state.by_fp[fp].n_tokens
     chunks = -(-n // warmup.BOOT_CHUNK_TOKENS)
     assert chunks >= 4
     assert fake.calls == [("completion", 0)] * chunks
-    assert fake.contents[0] == mgr.by_fp[fp].tokens
+    assert fake.contents[0] == mgr.state.by_fp[fp].tokens
     (ev,) = core.cache_events("prewarm_cold")
     # Nothing was reused at the start, every token was computed once (each request
     # reused the one before).
@@ -294,7 +299,7 @@ async def test_a_request_stops_a_chunked_rewarm_between_chunks(tmp_path: Path) -
     others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     assert not others, others
     assert (fake.sent, len(fake.calls)) == (3, 2)
-    assert mgr.boot.snapshot()["skipped"] == 1 and mgr.slots.slots[0].prefix_fp != fp
+    assert mgr.boot.snapshot()["skipped"] == 1 and mgr.state.slots.slots[0].prefix_fp != fp
 
 
 @pytest.mark.parametrize("state", ["idle", "running", "done"])
@@ -358,16 +363,16 @@ async def test_first_sightings_and_uses_are_on_the_cores_clock(tmp_path: Path) -
     the request's response, not on its path."""
     core, mgr = make_manager(tmp_path)
     mgr.fake = RenderingLlama(core.paths.slot_dir / "x", n_slots=2)
-    mgr.disk = DiskTier(False, "sliding-window model on a stock server")
+    mgr.state.disk = DiskTier(False, "sliding-window model on a stock server")
     start = core.clock.time()
     assert abs(start - time.time()) > 86400  # the fake clock is nowhere near the wall clock
     first = request("s1")
     first.plan = await mgr.prepare(first)  # as the proxy does
     assert first.plan is not None
     fp = first.plan.prefix_fp
-    info = mgr.by_fp[fp]
+    info = mgr.state.by_fp[fp]
     assert info.first_seen == info.last_used == start
-    book = mgr.definitions
+    book = mgr.state.definitions
     assert book is not None
     assert book.table.count == 0  # nothing is written on the request's path
     await mgr.completed(first, None, 499)  # the index hears of it after the response

@@ -29,7 +29,7 @@ APP = ROOT / "app"
 KINDS = {k.value for k in CacheEventKind}
 
 # Calls that take a cache event kind, by the name called: the argument that is the kind.
-# `_emit(mgr, kind, …)` in core/cache/background.py takes the manager first.
+# `_emit(state, kind, …)` in core/cache/background.py takes the cache state first.
 EMITTERS = ("emit", "_emit", "rewarm_in", "restore_or_rewarm")
 # Words that are cache event kinds and also something else in app/: the status key
 # of a saved state ("pinned"), the Core command ("rewarm") and a request explanation's
@@ -76,8 +76,8 @@ def _kind_args(node: ast.Call) -> list[ast.expr]:
         out.append(node.args[0])
     elif name in ("emit", "_emit") and node.args:
         first = node.args[0]
-        if isinstance(first, ast.Name) and first.id == "mgr" and len(node.args) > 1:
-            out.append(node.args[1])  # background._emit(mgr, kind, …)
+        if isinstance(first, ast.Name) and first.id == "state" and len(node.args) > 1:
+            out.append(node.args[1])  # background._emit(state, kind, …)
         else:
             out.append(first)
     return out
@@ -110,16 +110,16 @@ def test_core_emits_no_kind_as_a_string() -> None:
 def test_the_scan_finds_string_kinds() -> None:
     """The check above would catch each way a string kind can be written."""
     src = (
-        'mgr.emit("save", "x")\n'
+        'mgr.state.emit("save", "x")\n'
         'self._emit(f"{kind}_failed", "x")\n'
-        '_emit(mgr, "pinned" if p else CacheEventKind.UNPINNED, "x")\n'
+        '_emit(state, "pinned" if p else CacheEventKind.UNPINNED, "x")\n'
         'CacheEvent(kind="bypass")\n'
         'ka.rewarm_in(info, 1, reason="r", kind="rewarm")\n'
     )
     calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)]
     found = [a for c in calls if _called(c) in (*EMITTERS, "CacheEvent") for a in _kind_args(c)]
     assert len(found) == 5 and all(_stringly(a) for a in found)
-    ok = ast.parse("mgr.emit(CacheEventKind.SAVE, 'saved')").body[0]
+    ok = ast.parse("mgr.state.emit(CacheEventKind.SAVE, 'saved')").body[0]
     assert isinstance(ok, ast.Expr) and isinstance(ok.value, ast.Call)
     assert not any(_stringly(a) for a in _kind_args(ok.value))
 

@@ -210,7 +210,7 @@ def test_dropped_tools_detected_but_json_escaping_is_not_a_drop() -> None:
 def test_disk_tier_needs_the_patch_for_sliding_window_and_hybrid_models(
     swa: bool, recurrent: bool, swa_full: bool, patches: tuple[str, ...], usable: bool
 ) -> None:
-    from core.cache.manager import disk_tier_for
+    from core.cache.warmup import disk_tier_for
 
     tier = disk_tier_for(swa=swa, recurrent=recurrent, swa_full=swa_full, patches=patches)
     assert tier.usable is usable and tier.reason
@@ -357,8 +357,8 @@ def test_sliding_window_ring_is_held_exact_too() -> None:
     """The reference is taken from a restored state, so a ring restored again matches it
     bit for bit (Gemma 3 270M, docs/cache.md#verification); 0.25 let 8 flipped bytes
     through that changed the answer."""
-    from core.cache.manager import disk_tier_for
     from core.cache.probe import LOGPROB_TOLERANCE, check_answer
+    from core.cache.warmup import disk_tier_for
 
     ring = disk_tier_for(
         swa=True, recurrent=False, swa_full=False, patches=("slot-checkpoints-v1",)

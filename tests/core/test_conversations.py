@@ -160,7 +160,7 @@ def test_candidates_are_this_servers_conversations_of_the_session_or_prefix(
         _rec("5", _conv(10), session="s1", base="b", kind="prefix", created=5),  # a prefix
     ]
     for r in recs:
-        mgr.store.add(r)
+        mgr.state.store.add(r)
     got = [r.filename for r in conv.candidates("s1", "b")]
     assert got == [recs[1].filename, recs[0].filename]  # newest first
 
@@ -169,20 +169,20 @@ def test_a_newer_state_supersedes_the_older_one_of_the_same_conversation(
     tmp_path: Path,
 ) -> None:
     core, mgr = make_manager(tmp_path)
-    mgr.settings.cache.conversations_per_session = 2
+    mgr.state.settings.cache.conversations_per_session = 2
     for i, (base, created) in enumerate([("b", 1), ("c", 2), ("d", 3)]):
         rec = _rec(str(i + 1), _conv(10), base=base, created=created)
-        path = mgr.store.path(rec)
+        path = mgr.state.store.path(rec)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * rec.bytes)
-        mgr.store.add(rec)
+        mgr.state.store.add(rec)
     newer = _rec("9", _conv(20), base="b", created=10)
-    mgr.store.add(newer)
+    mgr.state.store.add(newer)
     gone = mgr.conversations.supersede(newer)
     # The same conversation's older state goes; of the others the newest one stays
     # (2 per session, the new one included), the oldest goes.
     assert sorted(gone) == sorted([_rec("1", []).filename, _rec("2", []).filename])
-    assert {r.filename for r in mgr.store.all()} == {newer.filename, _rec("3", []).filename}
+    assert {r.filename for r in mgr.state.store.all()} == {newer.filename, _rec("3", []).filename}
     rules = sorted(e.details["rule"] for e in core.cache_events("evicted"))
     assert rules == ["per_session", "superseded"]
     assert all(e.bytes == 100 * (len(SYSTEM) + 10) for e in core.cache_events("evicted"))
@@ -193,8 +193,8 @@ def test_only_what_a_slot_holds_beyond_its_prefix_and_last_save_is_unsaved(
 ) -> None:
     _, mgr = make_manager(tmp_path)
     info = prefix(SYSTEM)
-    mgr.by_fp[info.fingerprint] = info
-    st = mgr.slots.slots[0]
+    mgr.state.by_fp[info.fingerprint] = info
+    st = mgr.state.slots.slots[0]
     st.prefix_fp, st.session_of_last, st.last_kind = info.fingerprint, "s1", "agent"
     st.tokens_hint = len(SYSTEM) + MIN_GAIN_TOKENS - 1
     assert mgr.conversations.unsaved(0) == 0  # just the prefix: the prefix machinery's
@@ -232,8 +232,8 @@ async def test_a_failed_save_backs_off_and_leaves_no_indexed_file(tmp_path: Path
     core, mgr = make_manager(tmp_path)
     assert mgr.fake is not None
     info = prefix(SYSTEM)
-    mgr.by_fp[info.fingerprint] = info
-    st = mgr.slots.slots[0]
+    mgr.state.by_fp[info.fingerprint] = info
+    st = mgr.state.slots.slots[0]
     st.prefix_fp, st.session_of_last, st.last_kind = info.fingerprint, "s1", "agent"
     st.tokens_hint = len(SYSTEM) + 500
     mgr.fake.contents[0] = list(range(st.tokens_hint))
@@ -242,7 +242,7 @@ async def test_a_failed_save_backs_off_and_leaves_no_indexed_file(tmp_path: Path
     assert said.startswith("conversation not saved"), said
     (failed,) = core.cache_events("save_failed")
     assert failed.details["failures"] == 1 and failed.fingerprint == info.fingerprint[:16]
-    assert mgr.store.all() == []  # journaled, never indexed: the retention sweep's to delete
+    assert mgr.state.store.all() == []  # journaled, never indexed: the retention sweep's to delete
     # The next response's save waits out the backoff: no second try, no second event.
     said = await mgr.conversations.save(0, "test")
     assert "next try waits" in said
@@ -254,8 +254,8 @@ def _live(mgr: FakeManager, slot: int, session: str, extra: int, last_used: floa
     """Slot `slot` holds session's conversation: the prefix and `extra` tokens."""
     assert mgr.fake is not None
     info = prefix(SYSTEM)
-    mgr.by_fp[info.fingerprint] = info
-    st = mgr.slots.slots[slot]
+    mgr.state.by_fp[info.fingerprint] = info
+    st = mgr.state.slots.slots[slot]
     st.prefix_fp, st.session_of_last, st.last_kind = info.fingerprint, session, "agent"
     st.tokens_hint, st.last_used = len(SYSTEM) + extra, last_used
     mgr.fake.contents[slot] = SYSTEM + [slot * 10_000 + i for i in range(extra)]
@@ -276,7 +276,7 @@ async def test_shutdown_saves_longest_unsaved_then_most_recent_within_its_time(
     saves = core.cache_events("save")
     assert [e.details["session"] for e in saves] == ["long-old", "short-recent", "short-old"]
     assert all(e.details["why"] == "shutdown" and e.details["state"] == KIND for e in saves)
-    recs = {r.session: r for r in mgr.store.all()}
+    recs = {r.session: r for r in mgr.state.store.all()}
     assert recs["long-old"].n_tokens == len(SYSTEM) + 2000
     assert recs["long-old"].probe["prefix"] == mgr.fake.contents[1][: len(SYSTEM) + 2000]
     assert all(r.kind == KIND and r.ttl_class == "long" for r in recs.values())
@@ -291,5 +291,5 @@ async def test_shutdown_saves_longest_unsaved_then_most_recent_within_its_time(
     assert words.startswith("already on disk: slot 0: its 500-token conversation;"), words
     assert "saved now" not in words
     # A saved state restores and verifies against its own reference.
-    await mgr.restore(recs["long-old"], 0)
+    await mgr.ops.restore(recs["long-old"], 0)
     assert [e.details.get("state") for e in core.cache_events("restore_ok")] == [None]

@@ -26,7 +26,7 @@ def test_a_save_makes_room_oldest_first(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path, settings(keep_recent=1, disk_cap_mb=5))
     recs = [add_state(core, mgr, name_seed=f"s{i}", size=STATE, age=60.0 * i) for i in range(4)]
     assert mgr.retention.make_room(2 * MIB, "the 4000-token conversation") is None
-    left = {r.filename for r in mgr.store.all()}
+    left = {r.filename for r in mgr.state.store.all()}
     assert left == {r.filename for r in recs[:3]}  # the oldest went: 3 + 2 MiB fit in 5
     (ev,) = core.cache_events("evicted")
     assert ev.details["rule"] == "cap" and ev.details["file"] == recs[3].filename
@@ -40,7 +40,7 @@ def test_a_save_that_cannot_fit_is_refused_and_deletes_nothing(tmp_path: Path) -
     why = mgr.retention.make_room(MIB, "the 2000-token prefix")
     assert why is not None and "the 2000-token prefix (1.0 MiB)" in why
     assert "disk cap of 3.0 MiB (cache.disk_cap_mb)" in why
-    assert {r.filename for r in mgr.store.all()} == {r.filename for r in recs}
+    assert {r.filename for r in mgr.state.store.all()} == {r.filename for r in recs}
     assert not core.cache_events("evicted")
 
 
@@ -50,11 +50,11 @@ def test_saves_under_way_count_but_not_the_one_checked(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path, settings(keep_recent=0, disk_cap_mb=3))
     old = add_state(core, mgr, name_seed="old", size=STATE, age=100.0)
     busy = add_state(core, mgr, name_seed="busy", size=2 * MIB, write_file=True)
-    mgr.store.table.delete_where("filename = ?", [busy.filename])  # written, not indexed
+    mgr.state.store.table.delete_where("filename = ?", [busy.filename])  # written, not indexed
     mgr.retention.journal.begin(IDENT, busy.filename)
     # Another save of 0.5 MiB: 1 + 2 (under way) + 0.5 > 3, so the old state goes.
     assert mgr.retention.make_room(MIB // 2, "another save") is None
-    assert mgr.store.get(old.filename) is None
+    assert mgr.state.store.get(old.filename) is None
     # The busy save, now written, checked with its own size: it fits alone.
     assert mgr.retention.make_room(2 * MIB, "the busy save", written=busy.filename) is None
 

@@ -307,7 +307,7 @@ def test_explain_names_the_system_section_and_the_date_token(
     rec = core.explain(rid).result(60)  # computed when asked, by the manager that served it
     assert rec is not None
     # What the date line's tokens are, asked of the server independently of explain.py.
-    client = manager.client
+    client = manager.state.client
     assert client is not None
     render = {k: v for k, v in claude_code_body("2026-12-01").items() if k in ("messages", "tools")}
     rendered = core.submit(client.apply_template(render)).result(30)
@@ -353,9 +353,10 @@ def test_explain_names_the_system_section_and_the_date_token(
 
 
 async def test_prepare_says_restored_only_for_a_verified_restore(tmp_path: Path) -> None:
-    """`restore` marks the slot with what it restored; `prepare` turns that into the
-    X-Warmslot-Restored header of the request that uses it (a re-warm is not a restore)
-    and forgets the slot's previous prompt for the explanation."""
+    """`restore` marks the slot with what it restored; `prepare` puts that into the plan
+    of the request that uses it, which the proxy renders as X-Warmslot-Restored (a
+    re-warm is not a restore), and forgets the slot's previous prompt for the explanation."""
+    from core.proxy.headers import cache_headers
     from tests.core.bg_support import make_manager
     from tests.core.test_boot_rewarm import attach, request
 
@@ -368,8 +369,8 @@ async def test_prepare_says_restored_only_for_a_verified_restore(tmp_path: Path)
         ((900, "restored prefix (from a saved conversation)"), "900"),
     ):
         req = request(f"s{promised[0]}{header}")
-        mgr.slots.slots[0].promised = promised
-        mgr.slots.slots[1].promised = promised
+        mgr.state.slots.slots[0].promised = promised
+        mgr.state.slots.slots[1].promised = promised
         for slot in (0, 1):
             mgr.explainer.record(
                 {"request_id": f"before{slot}", "client": "", "session": "", "slot": slot},
@@ -381,7 +382,9 @@ async def test_prepare_says_restored_only_for_a_verified_restore(tmp_path: Path)
             )
         plan = await mgr.prepare(req)
         assert plan is not None
-        assert req.response_headers.get("X-Warmslot-Restored") == header
+        assert plan.restored == (int(header) if header else 0)
+        rendered = cache_headers(None, slot=plan.slot, session="", plan=plan, ms_per_token=None)
+        assert rendered["X-Warmslot-Restored"] == (header or "0")
         assert (plan.slot in mgr.explainer.last) == (promised[0] == 0)
         await mgr.completed(req, None, 499)
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from core.cache.fingerprint import state_filename
-from core.cache.keepalive import IDLE_SHARE, prewarm_body, residency
+from core.cache.keepalive import IDLE_SHARE, residency
+from core.cache.slot_ops import prewarm_body
 from core.errors import CacheError
 from core.machine.pressure import Reading
 from tests.core.bg_support import (
@@ -34,10 +35,10 @@ def setup(tmp_path: Path, *, pinned: bool = False) -> tuple[FakeCore, FakeManage
     fake = mgr.fake
     assert fake is not None
     info = prefix(PREFIX)
-    mgr.by_fp[info.fingerprint] = info
+    mgr.state.by_fp[info.fingerprint] = info
     # The prefix was prewarmed into slot 0 (what Warmslot last sent there).
     fake.contents[0] = list(PREFIX)
-    st = mgr.slots.slots[0]
+    st = mgr.state.slots.slots[0]
     st.prefix_fp, st.tokens_hint, st.last_used = (
         info.fingerprint,
         len(PREFIX),
@@ -99,7 +100,7 @@ async def test_displaced_prefix_is_rewarmed_and_the_cost_recorded(tmp_path: Path
 async def test_a_conversation_on_top_of_the_prefix_is_not_cut(tmp_path: Path) -> None:
     core, mgr, fake, _ = setup(tmp_path)
     fake.contents[0] = PREFIX + list(range(5000, 5600))
-    mgr.slots.slots[0].tokens_hint = len(fake.contents[0]) + 1
+    mgr.state.slots.slots[0].tokens_hint = len(fake.contents[0]) + 1
     await core.clock.advance(3600)
     out = await mgr.keepalive.sweep()
     assert out.actions == 0 and len(fake.contents[0]) == 800
@@ -109,17 +110,17 @@ async def test_a_conversation_on_top_of_the_prefix_is_not_cut(tmp_path: Path) ->
 async def test_busy_slots_are_skipped(tmp_path: Path) -> None:
     _core, mgr, fake, _ = setup(tmp_path)
     fake.contents[0] = []
-    mgr.slots.slots[0].inflight = 1
+    mgr.state.slots.slots[0].inflight = 1
     assert (await mgr.keepalive.sweep()).actions == 0
-    mgr.slots.slots[0].inflight = 0
-    async with mgr.lock(0):  # Warmslot's own work on the slot (restore, persist)
+    mgr.state.slots.slots[0].inflight = 0
+    async with mgr.ops.lock(0):  # Warmslot's own work on the slot (restore, persist)
         assert (await mgr.keepalive.sweep()).actions == 0
     assert (await mgr.keepalive.sweep()).actions == 1
 
 
 async def test_under_pressure_only_pinned_prefixes_are_kept_alive(tmp_path: Path) -> None:
     _core, mgr, fake, _ = setup(tmp_path)
-    mgr.pressure.update(low_pressure())
+    mgr.state.pressure.update(low_pressure())
     fake.contents[0] = []
     out = await mgr.keepalive.sweep()
     assert out.actions == 0
@@ -128,7 +129,7 @@ async def test_under_pressure_only_pinned_prefixes_are_kept_alive(tmp_path: Path
     )
     assert fake.calls == []  # not even GET /slots (it would wake a sleeping server)
     _core2, mgr2, fake2, _ = setup(tmp_path / "pinned", pinned=True)
-    mgr2.pressure.update(low_pressure())
+    mgr2.state.pressure.update(low_pressure())
     fake2.contents[0] = []
     assert (await mgr2.keepalive.sweep()).actions == 1
 
@@ -137,20 +138,20 @@ async def test_a_pinned_prefix_in_no_slot_comes_back_into_a_free_slot(tmp_path: 
     core, mgr, fake, fp = setup(tmp_path, pinned=True)
     # Another session took slot 0 and replaced the prefix with its own.
     other = prefix(list(range(300, 400)))
-    mgr.by_fp[other.fingerprint] = other
-    st = mgr.slots.slots[0]
+    mgr.state.by_fp[other.fingerprint] = other
+    st = mgr.state.slots.slots[0]
     st.prefix_fp, st.session, st.tokens_hint = other.fingerprint, "ses-b", 100
     fake.contents[0] = list(other.tokens)
-    mgr.slots.sessions["ses-b"] = 0
+    mgr.state.slots.sessions["ses-b"] = 0
     out = await mgr.keepalive.sweep()
     # Slot 1 is the side-call slot; with two slots there is no free primary slot.
     assert out.actions == 0
     assert any("none is free" in d["why"] for d in out.details["decisions"])
-    mgr.slots.release("ses-b")
-    mgr.slots.slots[0].prefix_fp = ""
+    mgr.state.slots.release("ses-b")
+    mgr.state.slots.slots[0].prefix_fp = ""
     out = await mgr.keepalive.sweep()
     assert out.actions == 1 and fake.contents[0][:200] == PREFIX
-    assert mgr.slots.slots[0].prefix_fp == fp
+    assert mgr.state.slots.slots[0].prefix_fp == fp
     # Its file (zeros, not what was indexed) failed the check: prewarmed instead, and
     # saved afresh in the background.
     assert core.cache_events("restore_rejected")
@@ -163,12 +164,12 @@ async def test_pin_unpin_and_evict_commands(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path)
     rec = add_state(core, mgr, name_seed="x")
     assert (await mgr.pin(rec.filename, True))["pinned"] is True
-    stored = mgr.store.get(rec.filename)
+    stored = mgr.state.store.get(rec.filename)
     assert stored is not None and stored.pinned
     await mgr.pin(rec.filename, False)
     assert [e.kind for e in core.cache_events()] == ["pinned", "unpinned"]
     out = await mgr.evict(rec.filename)
-    assert out["bytes"] == rec.bytes and mgr.store.get(rec.filename) is None
+    assert out["bytes"] == rec.bytes and mgr.state.store.get(rec.filename) is None
     ev = core.cache_events("evicted")[0]
     assert ev.reason == "deleted by the user" and ev.details["rule"] == "user"
     assert not (core.paths.slot_dir / IDENT / rec.filename).exists()
@@ -212,17 +213,16 @@ async def saved_prefix(tmp_path: Path) -> tuple[Any, Any, Any, Any, Any]:
     fake = mgr.fake
     assert fake is not None
     info = prefix(PREFIX)
-    mgr.by_fp[info.fingerprint] = info
-    mgr._persisting.add(info.fingerprint)
-    await mgr._persist(info)
-    rec = mgr.store.get(state_filename(info.fingerprint))
+    mgr.state.by_fp[info.fingerprint] = info
+    await mgr.ops.persist_now(info)
+    rec = mgr.state.store.get(state_filename(info.fingerprint))
     assert rec is not None
     return core, mgr, fake, info, rec
 
 
 async def test_rewarm_restores_a_saved_prefix_into_a_free_slot(tmp_path: Path) -> None:
     core, mgr, fake, info, _ = await saved_prefix(tmp_path)
-    for st in mgr.slots.slots:
+    for st in mgr.state.slots.slots:
         st.prefix_fp, st.tokens_hint = "", 0
     fake.contents.clear()
     out = await mgr.rewarm(info.fingerprint[:12])
@@ -245,7 +245,7 @@ async def test_prewarm_and_keepalive_send_one_body(tmp_path: Path) -> None:
 
     fake.completion = recording  # type: ignore[method-assign]
     info = prefix(PREFIX)
-    await mgr.prewarm(info, 0, reason="test", chunk=64)  # an empty slot: 64 at a time
+    await mgr.ops.prewarm(info, 0, reason="test", chunk=64)  # an empty slot: 64 at a time
     await mgr.keepalive.rewarm_in(info, 1, reason="test")
 
     ends = [64, 128, 192, 200]
@@ -264,7 +264,7 @@ async def test_a_restore_whose_probe_cannot_run_is_cleared_not_served(tmp_path: 
     """An error while verifying (the server went away, a time-out) leaves no unverified
     state in the slot — llama-server's own slot choice could reuse it — and keeps the
     file, which may well be good."""
-    from core.cache.manager import VerificationFailed
+    from core.errors import VerificationFailed
     from core.server.client import UpstreamError
 
     core, mgr, fake, _, rec = await saved_prefix(tmp_path)
@@ -276,14 +276,14 @@ async def test_a_restore_whose_probe_cannot_run_is_cleared_not_served(tmp_path: 
 
     fake.completion = server_gone  # type: ignore[method-assign]
     with pytest.raises(VerificationFailed, match="could not verify"):
-        await mgr.restore(rec, 1)
+        await mgr.ops.restore(rec, 1)
     assert fake.calls[-1] == ("erase", 1) and fake.contents[1] == []
-    assert mgr.slots.slots[1].prefix_fp == ""
-    assert mgr.store.get(rec.filename) is not None  # kept for a later try
+    assert mgr.state.slots.slots[1].prefix_fp == ""
+    assert mgr.state.store.get(rec.filename) is not None  # kept for a later try
     (ev,) = core.cache_events("restore_rejected")
     assert "could not verify" in ev.reason
     fake.completion = answer  # type: ignore[method-assign]
-    await mgr.restore(rec, 1)  # the next try verifies and serves it
+    await mgr.ops.restore(rec, 1)  # the next try verifies and serves it
     assert fake.contents[1][: len(PREFIX)] == PREFIX
 
 
@@ -308,15 +308,15 @@ async def test_a_restore_that_did_not_pay_is_said(tmp_path: Path) -> None:
             has_tools=False, decision=decision,
         )  # fmt: skip
         req.plan = SlotPlan(1, "test", "s", Kind.AGENT, info.fingerprint)
-        mgr.slots.begin(1)
+        mgr.state.slots.begin(1)
         return req
 
-    await mgr.restore(rec, 1)
-    assert mgr.slots.slots[1].promised == (len(PREFIX), "restored prefix state")
+    await mgr.ops.restore(rec, 1)
+    assert mgr.state.slots.slots[1].promised == (len(PREFIX), "restored prefix state")
     await mgr.completed(request("r1"), Timings(len(PREFIX) - 1, 30, 3.0, 1, 1.0), 200)
     assert not core.cache_events("restore_unpaid")  # it paid (the last token is re-read)
-    assert mgr.slots.slots[1].promised == (0, "")  # checked once
-    await mgr.restore(rec, 1)
+    assert mgr.state.slots.slots[1].promised == (0, "")  # checked once
+    await mgr.ops.restore(rec, 1)
     await mgr.completed(request("r2"), Timings(0, 230, 30.0, 1, 1.0), 200)
     (ev,) = core.cache_events("restore_unpaid")
     assert "reused 0" in ev.reason and "reused nothing of the slot" in ev.reason

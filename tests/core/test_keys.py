@@ -233,16 +233,16 @@ async def test_a_flood_of_one_users_states_leaves_another_users_share_on_disk(
 
     def owned(owner: str, **kw: object) -> StateRecord:
         rec = dataclasses.replace(add_state(core, mgr, **kw), owner=owner)  # type: ignore[arg-type]
-        mgr.store.add(rec)
+        mgr.state.store.add(rec)
         return rec
 
     mib = MIB - 2048
     alice_pinned = owned("alice", name_seed="a-pin", size=mib, age=900, pinned=True)
     alice_prefix = owned("alice", name_seed="a-prefix", size=2 * mib, age=800)
     bob = [owned("bob", name_seed=f"b{i}", size=mib, age=100 - i) for i in range(6)]
-    assert {r.owner for r in mgr.store.all()} == {"alice", "bob"}  # stored with the state
+    assert {r.owner for r in mgr.state.store.all()} == {"alice", "bob"}  # stored with the state
     out = await mgr.retention.sweep_disk()
-    left = {r.filename for r in mgr.store.all()}
+    left = {r.filename for r in mgr.state.store.all()}
     assert {alice_pinned.filename, alice_prefix.filename} <= left
     assert left.isdisjoint(r.filename for r in bob[:3]) and {r.filename for r in bob[3:]} <= left
     assert 6 * mib < out.details["total_bytes"] <= 6 * MIB  # the states and their records

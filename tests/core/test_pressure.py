@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from core.cache import warmup
 from core.cache.fingerprint import state_filename
 from core.clock import FakeClock
 from core.config import PressureSettings
@@ -208,21 +209,20 @@ def test_gates_per_level() -> None:
 async def test_manager_honours_the_gates_and_status_says_why(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path)
     info = prefix(list(range(1, 41)))
-    mgr.by_fp[info.fingerprint] = info
-    mgr.pressure.update(reading(ram_pct=10))  # low
+    mgr.state.by_fp[info.fingerprint] = info
+    mgr.state.pressure.update(reading(ram_pct=10))  # low
     rec = add_state(core, mgr, name_seed="x", fp=info.fingerprint)
-    await mgr._restore_or_prewarm(rec, 0)
+    await warmup.restore_or_prewarm(mgr.state, mgr.ops, mgr.conversations, rec, 0)
     (skip,) = core.cache_events("prewarm_skipped")
     assert skip.reason == "prewarm paused except for pinned prefixes: RAM low"
     assert mgr.fake is not None and mgr.fake.calls == []
-    mgr.pressure.update(reading(ram_pct=3))  # critical
-    mgr.store.delete(rec)
-    mgr._persisting.add(info.fingerprint)
-    await mgr._persist(info)
+    mgr.state.pressure.update(reading(ram_pct=3))  # critical
+    mgr.state.store.delete(rec)
+    await mgr.ops.persist_now(info)
     (skip2,) = core.cache_events("persist_skipped")
     assert skip2.reason == "persisting new state paused: RAM critical"
-    assert mgr.store.get(state_filename(info.fingerprint)) is None
-    assert info.fingerprint not in mgr._persisting
+    assert mgr.state.store.get(state_filename(info.fingerprint)) is None
+    assert info.fingerprint not in mgr.ops.persisting
     mgr.fake = None
     st = await mgr.status()
     assert st["pressure"]["level"] == "critical"
@@ -266,13 +266,15 @@ def test_samples_are_recorded_and_old_ones_downsampled(tmp_path: Path) -> None:
 async def test_pressure_sweep_downsamples_every_ten_minutes(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path)
     ps = FakePsutil()
-    mgr.pressure.sampler = Sampler(tmp_path, lambda: None, ps=ps, gpus=False, disk_usage=disk())
+    mgr.state.pressure.sampler = Sampler(
+        tmp_path, lambda: None, ps=ps, gpus=False, disk_usage=disk()
+    )
     for _ in range(3):
-        await mgr.pressure.sample()
+        await mgr.state.pressure.sample()
     assert core.telemetry is not None
     assert len(core.telemetry.pressure_series(since=0)) == 3
     await core.clock.advance(2 * 3600)
-    await mgr.pressure.sample()  # thins everything older than an hour to 1/min
+    await mgr.state.pressure.sample()  # thins everything older than an hour to 1/min
     assert len(core.telemetry.pressure_series(since=0)) == 2
     assert any(isinstance(e, CacheEvent) for e in core.events) is False
 

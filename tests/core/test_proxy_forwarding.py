@@ -384,7 +384,7 @@ async def test_cache_manager_prepares_and_learns_over_the_same_upstream(
     the one the request runs in, and `completed` records what the slot now holds."""
     core = FakeCore(tmp_path)
     mgr = CacheManager(deps_from(core, upstream=rig.upstream))  # type: ignore[arg-type]
-    mgr.identity = SERVER  # what warm-up learns from /props after a start
+    mgr.state.identity = SERVER  # what warm-up learns from /props after a start
     rig.proxy.policy = mgr
     rig.fake.handler = fake_llama
     body = {
@@ -409,7 +409,7 @@ async def test_cache_manager_prepares_and_learns_over_the_same_upstream(
     assert int(n) == head  # the stable prefix ends where opencode's volatile <env> starts
     (learned,) = core.cache_events("prefix_learned")
     assert learned.fingerprint == fp16 and learned.tokens == head
-    slot = mgr.slots.slots[0]
+    slot = mgr.state.slots.slots[0]
     assert slot.prefix_fp.startswith(fp16) and slot.session_of_last == "s-1"
     assert slot.inflight == 0 and slot.tokens_hint == 90 + 10 + 3  # cache + prompt + output
 
@@ -423,7 +423,7 @@ async def test_a_title_call_is_classified_once_and_runs_in_the_side_slot(
     core = FakeCore(tmp_path)
     core.settings.server.slots, core.settings.cache.aux_slot = 2, True
     mgr = CacheManager(deps_from(core, upstream=rig.upstream))  # type: ignore[arg-type]
-    mgr.identity = SERVER
+    mgr.state.identity = SERVER
     rig.proxy.policy = mgr
     rig.fake.handler = fake_llama
     body = {
@@ -445,7 +445,9 @@ async def test_a_title_call_is_classified_once_and_runs_in_the_side_slot(
     assert [path for path, _, _ in rig.fake.received] == [CHAT]  # nothing rendered
     (isolated,) = core.cache_events("aux_isolated")
     assert isolated.reason == "title/summary request shape" and isolated.slot == 1
-    assert mgr.slots.slots[1].inflight == 0 and mgr.slots.slots[1].session_of_last == "s-1"
+    assert (
+        mgr.state.slots.slots[1].inflight == 0 and mgr.state.slots.slots[1].session_of_last == "s-1"
+    )
 
 
 async def test_a_pool_router_refuses_an_unknown_model_and_admits_a_known_one(rig: Rig) -> None:

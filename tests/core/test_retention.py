@@ -67,7 +67,7 @@ async def test_each_class_expires_after_its_ttl(tmp_path: Path, ttl_class: str, 
     assert out.actions == 1
     assert files(core) == {fresh.filename}
     assert files(core, pattern="*.json") == {card_name(fresh.filename)}  # its record went too
-    assert mgr.store.get(stale.filename) is None
+    assert mgr.state.store.get(stale.filename) is None
     (ev,) = evicted(core)
     assert ev.details["file"] == stale.filename and ev.details["rule"] == "expired"
     assert ev.bytes == MB and ev.details["age_s"] == ttl + 1
@@ -112,10 +112,10 @@ async def test_pinned_is_never_swept_by_ttl_or_cap(tmp_path: Path) -> None:
 async def test_current_prefix_is_never_deleted(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path, settings(keep_recent=0))
     rec = add_state(core, mgr, name_seed="cur", age=3 * 86400)
-    mgr.slots.slots[0].prefix_fp = rec.fingerprint  # a slot holds it right now
+    mgr.state.slots.slots[0].prefix_fp = rec.fingerprint  # a slot holds it right now
     await mgr.retention.sweep_disk()
     assert files(core) == {rec.filename}
-    mgr.slots.slots[0].prefix_fp = ""
+    mgr.state.slots.slots[0].prefix_fp = ""
     await mgr.retention.sweep_disk()
     assert files(core) == set()
 
@@ -123,7 +123,7 @@ async def test_current_prefix_is_never_deleted(tmp_path: Path) -> None:
 async def test_byte_cap_evicts_oldest_first_and_events_add_up(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path, settings(keep_recent=1, disk_cap_mb=5))
     recs = [add_state(core, mgr, name_seed=f"c{i}", size=2 * MB, age=i * 60.0) for i in range(5)]
-    before = mgr.store.total_bytes()
+    before = mgr.state.store.total_bytes()
     out = await mgr.retention.sweep_disk()
     # 10 MiB > 5 MiB: delete the oldest until ≤ 5 MiB → three go, the two youngest stay.
     assert files(core) == {recs[0].filename, recs[1].filename}
@@ -131,7 +131,7 @@ async def test_byte_cap_evicts_oldest_first_and_events_add_up(tmp_path: Path) ->
     assert order == [recs[4].filename, recs[3].filename, recs[2].filename]
     assert all(e.details["rule"] == "cap" for e in evicted(core))
     freed = sum(e.bytes or 0 for e in evicted(core))
-    assert freed == before - mgr.store.total_bytes() == out.details["freed_bytes"] == 6 * MB
+    assert freed == before - mgr.state.store.total_bytes() == out.details["freed_bytes"] == 6 * MB
 
 
 async def test_keep_recent_beats_the_cap(tmp_path: Path) -> None:
@@ -187,7 +187,7 @@ async def test_another_loaded_models_files_are_its_own_not_foreign(tmp_path: Pat
     ours = [add_state(core, mgr, name_seed=f"o{i}", size=MB, age=10 * 86400) for i in range(2)]
     theirs_old = add_state(core, mgr, name_seed="t0", age=2 * 86400, identity=OTHER)
     theirs_new = add_state(core, mgr, name_seed="t1", size=4 * MB, age=60, identity=OTHER)
-    peer.slots.slots[0].prefix_fp = theirs_new.fingerprint  # b's slot holds it right now
+    peer.state.slots.slots[0].prefix_fp = theirs_new.fingerprint  # b's slot holds it right now
     await mgr.retention.sweep_disk(peers=[peer])
     assert files(core) == {r.filename for r in ours}
     # b's expired file is among b's 3 most recent; the larger one is current in b's slot
@@ -224,7 +224,7 @@ async def test_missing_and_corrupt_files(tmp_path: Path) -> None:
     bad = add_state(core, mgr, name_seed="bad", size=MB)
     (core.paths.slot_dir / IDENT / bad.filename).write_bytes(b"short")  # truncated
     await mgr.retention.sweep_disk()
-    assert mgr.store.get(gone.filename) is None and mgr.store.get(bad.filename) is None
+    assert mgr.state.store.get(gone.filename) is None and mgr.state.store.get(bad.filename) is None
     rules = {e.details["file"]: (e.details["rule"], e.bytes) for e in evicted(core)}
     assert rules == {gone.filename: ("missing", 0), bad.filename: ("corrupt", 5)}
     assert files(core) == set()
@@ -235,14 +235,13 @@ async def test_unfinished_save_leaves_no_row_and_its_file_is_swept(tmp_path: Pat
     core, mgr = make_manager(tmp_path, settings(keep_recent=5))
     assert mgr.fake is not None
     info = prefix(list(range(1, 41)))
-    mgr.by_fp[info.fingerprint] = info
+    mgr.state.by_fp[info.fingerprint] = info
     mgr.fake.fail_save = True
-    mgr._persisting.add(info.fingerprint)
-    await mgr._persist(info)
+    await mgr.ops.persist_now(info)
     name = state_filename(info.fingerprint)
     partial = core.paths.slot_dir / IDENT / name
     assert partial.exists()  # the server wrote half a file …
-    assert mgr.store.get(name) is None  # … and no index row claims it
+    assert mgr.state.store.get(name) is None  # … and no index row claims it
     assert core.cache_events("save_failed")
     await mgr.retention.sweep_disk()
     assert partial.exists()  # within the grace period it may still be writing
@@ -257,10 +256,9 @@ async def test_unfinished_save_leaves_no_row_and_its_file_is_swept(tmp_path: Pat
 async def test_finished_save_is_indexed_and_journal_cleared(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path)
     info = prefix(list(range(1, 41)))
-    mgr.by_fp[info.fingerprint] = info
-    mgr._persisting.add(info.fingerprint)
-    await mgr._persist(info)
-    rec = mgr.store.get(state_filename(info.fingerprint))
+    mgr.state.by_fp[info.fingerprint] = info
+    await mgr.ops.persist_now(info)
+    rec = mgr.state.store.get(state_filename(info.fingerprint))
     assert rec is not None and rec.ttl_class == "extended"
     assert rec.created == core.clock.time()  # stamped by the injected clock
     assert mgr.retention.journal.pending() == []
@@ -269,42 +267,42 @@ async def test_finished_save_is_indexed_and_journal_cleared(tmp_path: Path) -> N
 # ------------------------------------------------------------------ idle sessions
 def _session(mgr: object, slot: int, session: str, fp: str = "", kind: str = "agent") -> None:
     m = mgr  # a CacheManager
-    st = m.slots.slots[slot]  # type: ignore[attr-defined]
+    st = m.state.slots.slots[slot]  # type: ignore[attr-defined]
     st.session, st.prefix_fp, st.last_kind = session, fp, kind
     st.last_used = m.clock.monotonic()  # type: ignore[attr-defined]
     st.tokens_hint = 100
-    m.slots.sessions[session] = slot  # type: ignore[attr-defined]
+    m.state.slots.sessions[session] = slot  # type: ignore[attr-defined]
 
 
 async def test_idle_conversation_is_saved_and_released_after_its_ttl(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path)
     info = prefix(list(range(1, 41)))
-    mgr.by_fp[info.fingerprint] = info
+    mgr.state.by_fp[info.fingerprint] = info
     _session(mgr, 0, "ses-a", info.fingerprint)
     await core.clock.advance(3599)
     assert (await mgr.retention.sweep_idle()).actions == 0
     await core.clock.advance(1)
     out = await mgr.retention.sweep_idle()
     assert out.details["released"] == ["ses-a"]
-    assert "ses-a" not in mgr.slots.sessions and mgr.slots.slots[0].session == ""
+    assert "ses-a" not in mgr.state.slots.sessions and mgr.state.slots.slots[0].session == ""
     (ev,) = evicted(core)
     assert ev.details["rule"] == "idle_session" and ev.details["ttl_class"] == "long"
     assert "long TTL" in ev.reason and "saving its prefix" in ev.reason
     # The prefix gets persisted in the background (the slot is free for it now).
     await asyncio.gather(*mgr._jobs)
-    assert mgr.store.for_fingerprint(info.fingerprint) is not None
+    assert mgr.state.store.for_fingerprint(info.fingerprint) is not None
     # The next session gets the released slot.
-    slot, _ = mgr.slots.pick("ses-b", "agent")
+    slot, _ = mgr.state.slots.pick("ses-b", "agent")
     assert slot == 0
 
 
 async def test_idle_release_without_disk_tier_says_why(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path)
-    from core.cache.manager import DiskTier
+    from core.cache.deps import DiskTier
 
-    mgr.disk = DiskTier(False, "sliding-window model on an unpatched server")
+    mgr.state.disk = DiskTier(False, "sliding-window model on an unpatched server")
     info = prefix(list(range(1, 41)))
-    mgr.by_fp[info.fingerprint] = info
+    mgr.state.by_fp[info.fingerprint] = info
     _session(mgr, 0, "ses-a", info.fingerprint)
     await core.clock.advance(3600)
     await mgr.retention.sweep_idle()
@@ -316,7 +314,7 @@ async def test_idle_release_without_disk_tier_says_why(tmp_path: Path) -> None:
 async def test_busy_session_is_never_released(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path)
     _session(mgr, 0, "ses-a")
-    mgr.slots.slots[0].inflight = 1
+    mgr.state.slots.slots[0].inflight = 1
     await core.clock.advance(10 * 3600)
     assert (await mgr.retention.sweep_idle()).actions == 0
 
@@ -324,12 +322,12 @@ async def test_busy_session_is_never_released(tmp_path: Path) -> None:
 async def test_critical_pressure_releases_idle_sessions_first(tmp_path: Path) -> None:
     core, mgr = make_manager(tmp_path)
     info = prefix(list(range(1, 41)))
-    mgr.by_fp[info.fingerprint] = info
+    mgr.state.by_fp[info.fingerprint] = info
     _session(mgr, 0, "ses-a", info.fingerprint)
-    mgr.pressure.level = "critical"
+    mgr.state.pressure.level = "critical"
     from core.machine.pressure import Cause
 
-    mgr.pressure.causes = (Cause("RAM", "critical", 3.0, 5.0, "available"),)
+    mgr.state.pressure.causes = (Cause("RAM", "critical", 3.0, 5.0, "available"),)
     await core.clock.advance(299)
     assert (await mgr.retention.sweep_idle()).actions == 0
     await core.clock.advance(1)
@@ -368,7 +366,7 @@ def conversation(
     rec = add_state(
         core, mgr, name_seed=seed, age=age, ttl_class="long", kind="conversation", pinned=pinned
     )
-    mgr.store.add(dataclasses.replace(rec, session=session, base="b" * 64))
+    mgr.state.store.add(dataclasses.replace(rec, session=session, base="b" * 64))
     return rec.filename
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from core.cache.deps import deps_from
-from core.cache.manager import CacheManager, DiskTier, policy_factory
+from core.cache.deps import DiskTier, deps_from
+from core.cache.manager import CacheManager, policy_factory
 from core.clock import FakeClock, RealClock
 from core.config import ModelProfile
 from core.errors import CacheError
@@ -197,7 +197,7 @@ def test_core_runs_the_cache_managers_sweeps_on_its_clock(make_core: MakeCore) -
     assert isinstance(mgr, CacheManager)
 
     async def registered() -> bool:
-        return len(mgr.sweeps.sweeps) == 4 and clock.sleepers == 4
+        return len(mgr.state.sweeps.sweeps) == 4 and clock.sleepers == 4
 
     wait_until(lambda: core.submit(registered()).result(5), 10, message="sweeps started")
     core.submit(clock.advance(600)).result(60)
@@ -302,17 +302,17 @@ def test_core_runs_keepalive_and_idle_release_for_a_pooled_model(make_core: Make
         entry.server = StandInServer(core.paths.slot_dir / "b-launch")  # type: ignore[assignment]
         mgr = FakeManager(deps_from(core, entry.server, model="b"))  # type: ignore[arg-type]
         mgr.fake = FakeLlama(core.paths.slot_dir / "b-launch", n_slots=3)
-        mgr.identity = SERVER
-        mgr.disk = DiskTier(False, "not what this test is about")
+        mgr.state.identity = SERVER
+        mgr.state.disk = DiskTier(False, "not what this test is about")
         info = prefix(prefix_tokens)
-        mgr.by_fp[info.fingerprint] = info
+        mgr.state.by_fp[info.fingerprint] = info
         mgr.fake.contents[0] = list(prefix_tokens)  # resident in slot 0
-        st = mgr.slots.slots[0]
+        st = mgr.state.slots.slots[0]
         st.prefix_fp, st.tokens_hint, st.last_used = info.fingerprint, 200, clock.monotonic()
-        conv = mgr.slots.slots[1]  # a conversation in slot 1
+        conv = mgr.state.slots.slots[1]  # a conversation in slot 1
         conv.session, conv.last_kind, conv.tokens_hint = "ses-b", "agent", 100
         conv.last_used = clock.monotonic()
-        mgr.slots.sessions["ses-b"] = 1
+        mgr.state.slots.sessions["ses-b"] = 1
         entry.manager = mgr
         return mgr
 
@@ -333,7 +333,7 @@ def test_core_runs_keepalive_and_idle_release_for_a_pooled_model(make_core: Make
     assert all(set(r["details"]["models"]) == {"primary", "b"} for r in runs)
     assert sum(r["actions"] for r in runs) == len(kept)
 
-    assert "ses-b" not in b.slots.sessions and b.slots.slots[1].session == ""
+    assert "ses-b" not in b.state.slots.sessions and b.state.slots.slots[1].session == ""
     evicted = core.query("recent_events", limit=50, category="cache", kind="evicted").result(10)
     (released,) = [e for e in evicted if e["details"].get("rule") == "idle_session"]
     assert released["details"]["session"] == "ses-b" and released["slot"] == 1

@@ -246,7 +246,7 @@ def _session(core: Core, log: EventLog, api: str, stream: bool) -> None:
     ua = {"User-Agent": CLAUDE_UA if api == "messages" else CODEX_UA}
     body = (lambda t: _messages(t, "s1")) if api == "messages" else _responses
     mgr = _manager(core)
-    aux = mgr.slots.aux_slot
+    aux = mgr.state.slots.aux_slot
     assert aux is not None
 
     status, h1, data = _post(core, path, {**body(1), "stream": stream}, ua)

@@ -105,7 +105,7 @@ def settle(core: Core, clock: FakeClock, what: str) -> None:
     mgr = _manager(core)
 
     async def idle() -> bool:
-        return mgr.idle() and mgr.identity is not None and clock.sleepers == N_SWEEPS
+        return mgr.idle() and mgr.state.identity is not None and clock.sleepers == N_SWEEPS
 
     wait_until(lambda: core.submit(idle()).result(5), 120, message=what)
 
@@ -142,7 +142,7 @@ def test_idle_session_is_saved_released_and_restored_when_it_returns(
     fp_a, n = headers["X-Warmslot-Prefix"].split(":")
     prefix_a = int(n)
     settle(core, clock, "A's prefix saved")
-    (saved_a,) = [r for r in on_core(core, mgr.store.all) if r.fingerprint.startswith(fp_a)]
+    (saved_a,) = [r for r in on_core(core, mgr.state.store.all) if r.fingerprint.startswith(fp_a)]
 
     # Idle past the conversation TTL (long, 600 s here): released by the sessions sweep.
     advance(core, clock, 600 + 60)
@@ -151,7 +151,7 @@ def test_idle_session_is_saved_released_and_restored_when_it_returns(
     assert [e["details"]["session"] for e in released] == [a[0].session]
     assert released[0]["slot"] == slot_a and released[0]["details"]["ttl_class"] == "long"
     assert "its prefix is already saved on disk" in released[0]["reason"]
-    assert a[0].session not in on_core(core, lambda: dict(mgr.slots.sessions))
+    assert a[0].session not in on_core(core, lambda: dict(mgr.state.slots.sessions))
 
     # Session B (another project: another prefix) gets A's slot.
     post_chat(core, b[0].body, headers=b[0].headers)
@@ -164,7 +164,7 @@ def test_idle_session_is_saved_released_and_restored_when_it_returns(
 
     # A comes back: its whole conversation (saved at the release, more than its prefix)
     # is restored from disk, verified, and its turn reuses it (docs/cache.md#conversations).
-    (conv,) = [r for r in on_core(core, mgr.store.all) if r.session == a[0].session]
+    (conv,) = [r for r in on_core(core, mgr.state.store.all) if r.session == a[0].session]
     assert conv.kind == "conversation" and conv.n_tokens > prefix_a
     assert "conversation" in released[0]["reason"]
     r = post_chat(core, a[2].body, headers=a[2].headers)
@@ -178,7 +178,7 @@ def test_idle_session_is_saved_released_and_restored_when_it_returns(
     (restored,) = _events(core, "restore_ok")
     assert restored["slot"] == slot_a and restored["tokens"] == conv.n_tokens
     assert restored["reason"] == "restored and verified"
-    rec = on_core(core, lambda: mgr.store.get(conv.filename))
+    rec = on_core(core, lambda: mgr.state.store.get(conv.filename))
     assert rec is not None and rec.verify_result == "ok"
     cache_n = int(data["timings"]["cache_n"])
     assert cache_n >= conv.n_tokens - 64, (cache_n, conv.n_tokens)
@@ -227,7 +227,9 @@ def test_one_hour_soak_under_a_small_disk_cap_with_a_pinned_prefix(
     fp_pinned, n = headers["X-Warmslot-Prefix"].split(":")
     n_pinned = int(n)
     settle(core, clock, "pinned prefix saved")
-    (pin_rec,) = [r for r in on_core(core, mgr.store.all) if r.fingerprint.startswith(fp_pinned)]
+    (pin_rec,) = [
+        r for r in on_core(core, mgr.state.store.all) if r.fingerprint.startswith(fp_pinned)
+    ]
     core.pin(pin_rec.filename, True).result(10)
 
     # Minutes 0–45: a new session of another project every step (two projects come back
@@ -258,7 +260,7 @@ def test_one_hour_soak_under_a_small_disk_cap_with_a_pinned_prefix(
     # Disk usage under the cap (state files and their records, as the cap counts them);
     # every file on disk is one the index knows, or its record beside it.
     files = _disk_files(core)
-    recs = on_core(core, mgr.store.all)
+    recs = on_core(core, mgr.state.store.all)
     assert sum(files.values()) <= cap, (sum(files.values()), cap)
     states = {f"{r.identity}/{r.filename}" for r in recs}
     assert states | {card_name(s) for s in states} == set(files)
@@ -266,9 +268,9 @@ def test_one_hour_soak_under_a_small_disk_cap_with_a_pinned_prefix(
     assert sum(r.bytes for r in recs) == used
 
     # The pinned prefix is on disk, in a slot, and the slot really holds it.
-    rec = on_core(core, lambda: mgr.store.get(pin_rec.filename))
+    rec = on_core(core, lambda: mgr.state.store.get(pin_rec.filename))
     assert rec is not None and rec.pinned
-    slots = on_core(core, lambda: [(s.id, s.prefix_fp) for s in mgr.slots.slots])
+    slots = on_core(core, lambda: [(s.id, s.prefix_fp) for s in mgr.state.slots.slots])
     holding = [sid for sid, fp in slots if fp.startswith(fp_pinned)]
     assert holding, f"the pinned prefix is cold: {slots}"
     live_tokens = _live_slots(core)

@@ -132,7 +132,7 @@ def test_a_client_that_hangs_up_stops_the_prefix_read(
     asyncio.run(give_up())
     # Warmslot let go of the slot at once (the read holds its lock) …
     wait_until(
-        lambda: not core.call(lambda: mgr.lock(0).locked()).result(5),
+        lambda: not core.call(lambda: mgr.ops.lock(0).locked()).result(5),
         5,
         message="the prefix read still holds slot 0",
     )

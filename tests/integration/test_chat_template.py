@@ -94,7 +94,7 @@ def test_changing_the_template_rebuilds_prefixes_once(tmp_path: Path) -> None:
             for r in trace:
                 post_chat(core, r.body, headers=r.headers)
             wait_until(lambda: core.call(mgr.idle).result(5), 120, message="persist")
-            fps = core.call(lambda: {p.fingerprint for p in mgr.by_fp.values()}).result(5)
+            fps = core.call(lambda: {p.fingerprint for p in mgr.state.by_fp.values()}).result(5)
             events = core.query("recent_events", limit=200, category="cache").result(10)
             return fps, events
         finally:

@@ -154,7 +154,7 @@ def test_conversation_survives_a_restart(
     assert [e["details"]["source"] for e in learned] == ["system"], learned
     prefix_n = learned[0]["tokens"]
     wait_until(lambda: cache_idle(first), 120, interval=0.2, message="first core idle")
-    held = cache_manager(first).slots.slots[0].tokens_hint
+    held = cache_manager(first).state.slots.slots[0].tokens_hint
     assert held > prefix_n + 4000, (held, prefix_n)  # well past the stable prefix
     first.stop()  # the staged stop saves the live conversation
 
@@ -206,7 +206,7 @@ def test_conversation_survives_an_idle_release(
     # Another session takes the slot: its content is another conversation now.
     _converse(core, "conv-b", "You are a terse shell helper.\n" + _text(3, 100), 1)
     wait_until(
-        lambda: mgr.slots.slots[0].session_of_last == "conv-b" and cache_idle(core),
+        lambda: mgr.state.slots.slots[0].session_of_last == "conv-b" and cache_idle(core),
         60,
         interval=0.1,
         message="conv-b's turn recorded in slot 0",

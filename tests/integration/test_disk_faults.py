@@ -98,40 +98,40 @@ class Rig:
 
     def prefix(self, seed: int, n_words: int) -> pfx.PrefixInfo:
         async def tokens() -> list[int]:
-            client = self.mgr.client
+            client = self.mgr.state.client
             assert client is not None
             return await client.tokenize(_text(seed, n_words))
 
         toks: list[int] = self.run(tokens())
-        assert self.mgr.identity is not None
+        assert self.mgr.state.identity is not None
         return pfx.PrefixInfo(
             key=f"disk-{seed}",
             tokens=toks,
             text="",
             source="test",
             client="test",
-            fingerprint=fingerprint(self.mgr.identity, toks),
+            fingerprint=fingerprint(self.mgr.state.identity, toks),
         )
 
     def persist(self, info: pfx.PrefixInfo, times: int = 1) -> list[bool]:
         """What `times` requests with this prefix do after they complete: ask for a save."""
 
         async def go() -> list[bool]:
-            self.mgr.by_fp[info.fingerprint] = info
-            return [self.mgr.persist_soon(info) for _ in range(times)]
+            self.mgr.state.by_fp[info.fingerprint] = info
+            return [self.mgr.ops.persist_soon(info) for _ in range(times)]
 
         out: list[bool] = self.run(go())
         return out
 
     def idle(self) -> None:
         async def idle() -> bool:
-            return self.mgr.idle() and not self.mgr.persisting
+            return self.mgr.idle() and not self.mgr.ops.persisting
 
         wait_until(lambda: self.run(idle()), 180, message="cache work done")
 
     def record(self, info: pfx.PrefixInfo) -> StateRecord | None:
         rec: StateRecord | None = self.core.call(
-            lambda: self.mgr.store.for_fingerprint(info.fingerprint)
+            lambda: self.mgr.state.store.for_fingerprint(info.fingerprint)
         ).result(10)
         return rec
 
@@ -158,10 +158,10 @@ def rig_at(home: Path, model: Path, **changes: Any) -> Iterator[Rig]:
     try:
         mgr = core.policy
         assert isinstance(mgr, CacheManager)
-        wait_until(lambda: mgr.identity is not None, 120, message="server identity")
+        wait_until(lambda: mgr.state.identity is not None, 120, message="server identity")
         rig = Rig(core, mgr, events)
         rig.idle()  # the warm-up after the start (it sets the disk tier) is done
-        assert mgr.disk.usable, mgr.disk.reason
+        assert mgr.state.disk.usable, mgr.state.disk.reason
         yield rig
     finally:
         core.stop()
@@ -214,9 +214,9 @@ def test_a_full_disk_during_a_real_save(tmp_path: Path, tiny_model: Path) -> Non
         # The pressure monitor reads the filesystem of the slot files (the tmpfs: the
         # server's own --slot-save-path below it) as well as the state directory's (the
         # test machine's disk, with plenty of room): the fuller one counts.
-        assert mgr.pressure.sampler is not None
+        assert mgr.state.pressure.sampler is not None
         filler = _fill(slots, leave=size // 2)
-        reading = mgr.pressure.sampler.read()
+        reading = mgr.state.pressure.sampler.read()
         sup = rig.core.supervisor
         assert sup is not None and sup.resolved is not None
         assert Path(reading.disk_path) == sup.resolved.slot_dir, reading
@@ -234,7 +234,7 @@ def test_a_full_disk_during_a_real_save(tmp_path: Path, tiny_model: Path) -> Non
         assert "No space left on device" in ev.reason, ev.reason
         assert ev.details["failures"] == 1 and ev.details["retry_in_s"] == 2.0, ev.details
         assert ev.details["partial_deleted_bytes"] > 0, ev.details  # the server left a part
-        assert _slot_files(slots) == [mgr.store.path(rec)], _slot_files(slots)
+        assert _slot_files(slots) == [mgr.state.store.path(rec)], _slot_files(slots)
         pending = rig.core.call(mgr.retention.journal.pending).result(10)
         assert [r["filename"] for r in pending] == []
         assert rig.record(second) is None
@@ -265,7 +265,7 @@ def test_a_full_disk_during_a_real_save(tmp_path: Path, tiny_model: Path) -> Non
         rig.idle()
         saved = rig.record(second)
         assert saved is not None, [e.reason for e in rig.events.of(CacheEvent)][-5:]
-        assert file_sha256(mgr.store.path(saved)) == saved.sha256
+        assert file_sha256(mgr.state.store.path(saved)) == saved.sha256
         assert mgr.retention.save_backoff.status() == []
         assert len(rig.cache_events(CacheEventKind.SAVE_FAILED, second.fingerprint)) == 2
 
@@ -296,16 +296,16 @@ def test_an_undeletable_corrupt_file_is_quarantined_once(tmp_path: Path, tiny_mo
         rig.idle()
         rec = rig.record(info)
         assert rec is not None
-        path = mgr.store.path(rec)
+        path = mgr.state.store.path(rec)
         data = bytearray(path.read_bytes())
         middle = len(data) // 2
         data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
         path.write_bytes(bytes(data))  # corrupt: its sha256 no longer matches the row
 
         async def restore() -> str:
-            async with mgr.lock(0):
+            async with mgr.ops.lock(0):
                 with pytest.raises(VerificationFailed) as err:
-                    await mgr.restore(rec, 0)
+                    await mgr.ops.restore(rec, 0)
             return str(err.value)
 
         with undeletable(path):
@@ -332,7 +332,10 @@ def test_an_undeletable_corrupt_file_is_quarantined_once(tmp_path: Path, tiny_mo
         rig.idle()
         orec = rig.record(other)
         assert orec is not None
-        with undeletable(mgr.store.path(orec)), pytest.raises(CacheError, match="cannot delete"):
+        with (
+            undeletable(mgr.state.store.path(orec)),
+            pytest.raises(CacheError, match="cannot delete"),
+        ):
             rig.run(mgr.evict(orec.filename))
 
 

@@ -52,7 +52,7 @@ def test_keepalive_brings_back_a_displaced_pinned_prefix_and_costs_one_token_whe
         assert isinstance(mgr, CacheManager)
 
         async def idle() -> bool:
-            return mgr.idle() and mgr.identity is not None and clock.sleepers == 4
+            return mgr.idle() and mgr.state.identity is not None and clock.sleepers == 4
 
         wait_until(lambda: core.submit(idle()).result(5), 60, message="cache manager ready")
         for r in make_trace(sessions=1, turns=1, scale=0.05, restart_before_session=None):
@@ -128,10 +128,10 @@ def test_a_rewarmed_prefix_without_a_saved_state_is_saved_from_its_slot(tmp_path
         assert isinstance(mgr, CacheManager)
 
         async def idle() -> bool:
-            return mgr.idle() and mgr.identity is not None and clock.sleepers == 4
+            return mgr.idle() and mgr.state.identity is not None and clock.sleepers == 4
 
         wait_until(lambda: core.submit(idle()).result(5), 60, message="cache manager ready")
-        assert mgr.identity is not None and "prefix-save-v1" in mgr.identity.patches
+        assert mgr.state.identity is not None and "prefix-save-v1" in mgr.state.identity.patches
         for r in make_trace(sessions=1, turns=1, scale=0.05, restart_before_session=None):
             headers = post_chat(core, r.body, headers=r.headers).headers
         slot = int(headers["X-Warmslot-Slot"])

@@ -72,15 +72,17 @@ def test_a_model_switch_never_replays_another_models_prefix(
     prefix_a = headers["X-Warmslot-Prefix"]
     wait_until(lambda: cache_idle(core), 180, message="prefix A learned and saved")
     mgr = cache_manager(core)
-    tokens_a = next(i.tokens for i in mgr.by_fp.values() if i.fingerprint.startswith(prefix_a[:16]))
-    assert core.call(lambda: mgr.store.all()).result(10), "prefix A was saved to disk"
+    tokens_a = next(
+        i.tokens for i in mgr.state.by_fp.values() if i.fingerprint.startswith(prefix_a[:16])
+    )
+    assert core.call(lambda: mgr.state.store.all()).result(10), "prefix A was saved to disk"
 
     # A → B: nothing of A's reaches B; a request on B learns B's own prefix.
     seen = len(log.of(CacheEvent))
     calls_before = core.upstream.calls["/completion"]
     _switch(core, model_b)
     after_b = log.of(CacheEvent)[seen:]
-    assert all(i.tokens != tokens_a for i in mgr.by_fp.values()), "A's prefix is known on B"
+    assert all(i.tokens != tokens_a for i in mgr.state.by_fp.values()), "A's prefix is known on B"
     assert not [e for e in after_b if e.kind is CacheEventKind.BOOT_REWARM_STARTED], after_b
     assert core.upstream.calls["/completion"] == calls_before, "a prewarm was sent to B"
     on_b = _agent_turn(core.proxy.port, "on-b")

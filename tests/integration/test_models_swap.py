@@ -58,7 +58,9 @@ def test_alternating_models_swap_and_restore_the_prefix(tmp_path: Path) -> None:
         wait_until(lambda: core.submit(_idle(core)).result(5), 120, message="persist on a")
         mgr = core.policy
         assert isinstance(mgr, CacheManager)
-        assert core.call(lambda: mgr.store.all(mgr.launch_id)).result(10), "a's prefix on disk"
+        assert core.call(lambda: mgr.state.store.all(mgr.state.launch_id)).result(10), (
+            "a's prefix on disk"
+        )
 
         # /v1/models lists both profiles
         assert core.proxy is not None

@@ -94,9 +94,9 @@ async def _async_idle(core: Core) -> bool:
 
 def _saved_file(core: Core) -> tuple[StateStore, Any]:
     mgr = _manager(core)
-    recs = mgr.store.all()
+    recs = mgr.state.store.all()
     assert recs
-    return mgr.store, recs[0]
+    return mgr.state.store, recs[0]
 
 
 def _restart_and_wait(core: Core) -> CacheManager:
@@ -206,7 +206,7 @@ def test_damaged_state_is_never_used(
     assert expected in reason
     # The bad file was deleted; the prefix was rebuilt cold (a fresh file may replace it).
     assert _events(core, "prewarm_cold")
-    fresh = core.call(lambda: mgr.store.get(rec.filename)).result(10)
+    fresh = core.call(lambda: mgr.state.store.get(rec.filename)).result(10)
     assert fresh is None or fresh.sha256 != rec.sha256 or damage == "probe"
     if fresh is not None and damage == "probe":
         assert fresh.probe["logprobs"] != probe["logprobs"]
@@ -277,6 +277,6 @@ def test_client_hanging_up_during_prefill_is_recorded_and_frees_the_slot(
         )
         assert row["status"] == 499 and row["error"] == "client disconnected"
         mgr = _manager(core)
-        assert core.call(lambda: [s.inflight for s in mgr.slots.slots]).result(5) == [0, 0]
+        assert core.call(lambda: [s.inflight for s in mgr.state.slots.slots]).result(5) == [0, 0]
     finally:
         core.stop()

@@ -51,14 +51,14 @@ async def _save_at_once(mgr: CacheManager, slots: list[int]) -> list[str]:
 
 async def _conversations(mgr: CacheManager) -> dict[str, StateRecord]:
     """The saved conversation states by session (read on the core's thread, its database's)."""
-    return {r.session: r for r in mgr.store.all() if r.kind == KIND}
+    return {r.session: r for r in mgr.state.store.all() if r.kind == KIND}
 
 
 async def _restore(mgr: CacheManager, rec: StateRecord, slot: int) -> str | None:
     """Restore and verify `rec` in `slot`: why it was rejected, or None."""
-    async with mgr.lock(slot):
+    async with mgr.ops.lock(slot):
         try:
-            await mgr.restore(rec, slot)
+            await mgr.ops.restore(rec, slot)
         except VerificationFailed as e:
             return str(e)
     return None

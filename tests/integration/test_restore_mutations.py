@@ -5,7 +5,7 @@ they cannot catch a file that was wrong when the row was written (a bug, or a cr
 between hashing and writing). Only the known-answer probe (`core/cache/probe.py`) stands
 between such a state and a client. Here a real prefix is saved by a real llama-server,
 then each mutation rewrites the saved file, rewrites the index row so that it matches
-(size and sha256), and restores through `CacheManager.restore`: the state must be
+(size and sha256), and restores through `SlotOps.restore`: the state must be
 rejected (a `restore_rejected` event, the file and row deleted, the slot erased), and the
 next request must get the same greedy answer as a cold server. Unmutated restores must
 keep verifying. Counts per mutation kind are printed (run with ``-s``) for docs/cache.md.
@@ -264,7 +264,7 @@ class Rig:
 
     def record(self) -> StateRecord:
         def get() -> StateRecord | None:
-            return self.mgr.store.for_fingerprint(self.info.fingerprint)
+            return self.mgr.state.store.for_fingerprint(self.info.fingerprint)
 
         rec: StateRecord | None = wait_until(
             lambda: self.core.call(get).result(10), 120, message="a saved state"
@@ -274,15 +274,15 @@ class Rig:
 
     def idle(self) -> None:
         async def idle() -> bool:
-            return self.mgr.idle() and not self.mgr.persisting
+            return self.mgr.idle() and not self.mgr.ops.persisting
 
         wait_until(lambda: self.run(idle()), 180, message="cache work done")
 
     def answer(self, slot: int, *, cache: bool = True) -> list[int]:
         async def ask() -> list[int]:
-            client = self.mgr.client
+            client = self.mgr.state.client
             assert client is not None
-            async with self.mgr.lock(slot):
+            async with self.mgr.ops.lock(slot):
                 resp = await client.completion(
                     {
                         "prompt": [*self.info.tokens, *self.question],
@@ -308,9 +308,9 @@ class Rig:
         slot (the old check raised TypeError on a null log-prob): "CRASHED: …"."""
 
         async def go() -> str | None:
-            async with self.mgr.lock(slot):
+            async with self.mgr.ops.lock(slot):
                 try:
-                    await self.mgr.restore(rec, slot)
+                    await self.mgr.ops.restore(rec, slot)
                 except VerificationFailed as e:
                     return str(e)
                 except Exception as e:  # counted, then asserted on: see _mutation_round
@@ -322,28 +322,28 @@ class Rig:
 
     def write_matching(self, rec: StateRecord, data: bytes) -> StateRecord:
         """Write `data` as the saved file and make its index row match it."""
-        path = self.mgr.store.path(rec)
+        path = self.mgr.state.store.path(rec)
         path.write_bytes(data)
 
         def fix() -> StateRecord | None:
-            self.mgr.store.table.update(
+            self.mgr.state.store.table.update(
                 rec.filename, {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
             )
-            return self.mgr.store.get(rec.filename)
+            return self.mgr.state.store.get(rec.filename)
 
         fixed = self.core.call(fix).result(10)
         assert fixed is not None and fixed.sha256 == file_sha256(path)
         return fixed
 
     def deviation(self, rec: StateRecord, slot: int = 0) -> tuple[float, float]:
-        """Restore `rec` again by hand (the steps of `CacheManager.restore`) and probe it:
+        """Restore `rec` again by hand (the steps of `SlotOps.restore`) and probe it:
         the largest log-prob deviation from its reference, and the probe's time in ms.
         (The verifying probe's own numbers are not returned by the manager.)"""
 
         async def go() -> tuple[float, float]:
-            client = self.mgr.client
+            client = self.mgr.state.client
             assert client is not None
-            async with self.mgr.lock(slot):
+            async with self.mgr.ops.lock(slot):
                 await client.slot_action(slot, "erase")
                 await client.slot_action(slot, "restore", rec.filename)
                 t0 = time.perf_counter()
@@ -355,7 +355,7 @@ class Rig:
 
     def slot_tokens(self, slot: int) -> int:
         async def n() -> int:
-            client = self.mgr.client
+            client = self.mgr.state.client
             assert client is not None
             return {s.id: s.n_prompt_tokens for s in await client.slots()}.get(slot, -1)
 
@@ -422,12 +422,14 @@ def _build_rig(
         mgr = core.policy
         assert isinstance(mgr, CacheManager)
         wait_until(
-            lambda: events.of(CacheEvent) and mgr.identity is not None, 120, message="identity"
+            lambda: events.of(CacheEvent) and mgr.state.identity is not None,
+            120,
+            message="identity",
         )
-        assert mgr.disk.usable, mgr.disk.reason
+        assert mgr.state.disk.usable, mgr.state.disk.reason
 
         async def tokens(text: str) -> list[int]:
-            client = mgr.client
+            client = mgr.state.client
             assert client is not None
             return await client.tokenize(text)
 
@@ -438,14 +440,14 @@ def _build_rig(
         other_toks: list[int] = run(tokens(_text(2, n_words * 2)))[: len(toks)]
         question: list[int] = run(tokens(" What does the report say about the city market?"))
         assert len(other_toks) == len(toks) and other_toks[:8] != toks[:8]
-        assert mgr.identity is not None
+        assert mgr.state.identity is not None
         info = pfx.PrefixInfo(
             key="mutations",
             tokens=toks,
             text="",
             source="test",
             client="test",
-            fingerprint=fingerprint(mgr.identity, toks),
+            fingerprint=fingerprint(mgr.state.identity, toks),
         )
         other = pfx.PrefixInfo(
             key="other",
@@ -453,23 +455,23 @@ def _build_rig(
             text="",
             source="test",
             client="test",
-            fingerprint=fingerprint(mgr.identity, other_toks),
+            fingerprint=fingerprint(mgr.state.identity, other_toks),
         )
         rig = Rig(core, mgr, info, events, b"", None, question, [])
 
         # Another prefix's file, saved the way the manager saves (scratch slot, probe).
         def learn(i: pfx.PrefixInfo) -> None:
             async def go() -> None:
-                mgr.by_fp[i.fingerprint] = i
-                mgr.persist_soon(i)
+                mgr.state.by_fp[i.fingerprint] = i
+                mgr.ops.persist_soon(i)
 
             run(go())
             rig.idle()
 
         learn(other)
-        orec = core.call(lambda: mgr.store.for_fingerprint(other.fingerprint)).result(10)
+        orec = core.call(lambda: mgr.state.store.for_fingerprint(other.fingerprint)).result(10)
         assert orec is not None
-        rig.other = mgr.store.path(orec).read_bytes()
+        rig.other = mgr.state.store.path(orec).read_bytes()
         learn(info)
         print(f"\nprefix {len(toks)} tokens, file {rig.record().bytes:,} bytes")
         sup = core.supervisor
@@ -478,9 +480,9 @@ def _build_rig(
             rig.foreign = _save_with_model(sup.argv, foreign_model, toks, tmp / "foreign")
 
         async def erase(slot: int) -> None:
-            client = mgr.client
+            client = mgr.state.client
             assert client is not None
-            async with mgr.lock(slot):
+            async with mgr.ops.lock(slot):
                 await client.slot_action(slot, "erase")
 
         run(erase(0))
@@ -499,7 +501,7 @@ def _mutation_round(rig: Rig, mutations: list[tuple[str, Mutation]], seed: int) 
     for kind, mutate in mutations:
         rig.idle()
         rec = rig.record()  # the rebuilt good state after the last rejection
-        good = rig.mgr.store.path(rec).read_bytes()
+        good = rig.mgr.state.store.path(rec).read_bytes()
         bad = mutate(good, rig, rng)
         assert bad != good, kind
         before = len(rig.events.of(CacheEvent))
@@ -522,8 +524,8 @@ def _mutation_round(rig: Rig, mutations: list[tuple[str, Mutation]], seed: int) 
             assert any(e.kind == CacheEventKind.RESTORE_REJECTED for e in new), kind
             assert not any(e.kind == CacheEventKind.RESTORE_OK for e in new), kind
             assert rig.slot_tokens(0) == 0, f"{kind}: the rejected state stayed in slot 0"
-            assert not rig.mgr.store.path(rec).is_file() or (
-                file_sha256(rig.mgr.store.path(rec)) != file_sha256_of(bad)
+            assert not rig.mgr.state.store.path(rec).is_file() or (
+                file_sha256(rig.mgr.state.store.path(rec)) != file_sha256_of(bad)
             ), f"{kind}: the rejected file was kept"
             rig.idle()
             assert rig.answer(0) == rig.cold, f"{kind}: the answer after the rejection changed"

@@ -305,9 +305,9 @@ def test_retention_and_conversation_saves_read_the_running_settings(live: Core) 
     assert isinstance(mgr, CacheManager)
     flip(core, cache__keep_recent=7, cache__conversations_per_session=5)
     flip(core, cache__conversation_save_tokens=512)
-    assert mgr.settings.cache.keep_recent == 7
-    assert mgr.settings.cache.conversations_per_session == 5
-    assert mgr.settings.cache.conversation_save_tokens == 512
+    assert mgr.state.settings.cache.keep_recent == 7
+    assert mgr.state.settings.cache.conversations_per_session == 5
+    assert mgr.state.settings.cache.conversation_save_tokens == 512
 
 
 # ------------------------------------------------------------------ pressure

@@ -98,11 +98,11 @@ def _slot_tokens(core: Core, slot: int) -> int:
 
 def _saved(core: Core) -> tuple[pfx.PrefixInfo, StateRecord]:
     mgr = _mgr(core)
-    wait_until(lambda: mgr.identity is not None, 120, message="identity")
+    wait_until(lambda: mgr.state.identity is not None, 120, message="identity")
 
     async def go() -> pfx.PrefixInfo:
-        client = mgr.client
-        assert client is not None and mgr.identity is not None
+        client = mgr.state.client
+        assert client is not None and mgr.state.identity is not None
         toks = await client.tokenize(_TEXT)
         info = pfx.PrefixInfo(
             key="truncated",
@@ -110,19 +110,19 @@ def _saved(core: Core) -> tuple[pfx.PrefixInfo, StateRecord]:
             text="",
             source="test",
             client="test",
-            fingerprint=fingerprint(mgr.identity, toks),
+            fingerprint=fingerprint(mgr.state.identity, toks),
         )
-        mgr.by_fp[info.fingerprint] = info
-        if mgr.store.for_fingerprint(info.fingerprint) is None:
-            mgr.persist_soon(info)
+        mgr.state.by_fp[info.fingerprint] = info
+        if mgr.state.store.for_fingerprint(info.fingerprint) is None:
+            mgr.ops.persist_soon(info)
         return info
 
     info: pfx.PrefixInfo = _run(core, go())
 
     def get() -> StateRecord | None:
-        if info.fingerprint in mgr.persisting:
+        if info.fingerprint in mgr.ops.persisting:
             return None  # a save under way: wait for it
-        return mgr.store.for_fingerprint(info.fingerprint)
+        return mgr.state.store.for_fingerprint(info.fingerprint)
 
     rec: StateRecord = wait_until(lambda: core.call(get).result(10), 180, message="a save")
     return info, rec
@@ -132,9 +132,9 @@ def _answer(core: Core, tokens: list[int], slot: int, *, cache: bool) -> list[in
     mgr = _mgr(core)
 
     async def ask() -> list[int]:
-        client = mgr.client
+        client = mgr.state.client
         assert client is not None
-        async with mgr.lock(slot):
+        async with mgr.ops.lock(slot):
             resp = await client.completion(
                 {
                     "prompt": tokens,
@@ -157,14 +157,14 @@ def _answer(core: Core, tokens: list[int], slot: int, *, cache: bool) -> list[in
 def test_truncated_slot_files_are_refused_and_leave_the_slot(core: Core) -> None:
     mgr = _mgr(core)
     info, rec = _saved(core)
-    good = mgr.store.path(rec).read_bytes()
-    slot_dir = mgr.store.path(rec).parent
+    good = mgr.state.store.path(rec).read_bytes()
+    slot_dir = mgr.state.store.path(rec).parent
     n_tok = len(info.tokens)
 
     async def action(slot: int, what: str, name: str | None = None) -> dict[str, Any]:
-        client = mgr.client
+        client = mgr.state.client
         assert client is not None
-        async with mgr.lock(slot):
+        async with mgr.ops.lock(slot):
             return await client.slot_action(slot, what, name)
 
     # Where the llama state ends (our checkpoint section follows it): a good restore says.
@@ -203,7 +203,7 @@ def test_truncated_slot_files_are_refused_and_leave_the_slot(core: Core) -> None
         assert err.value.status == 400, (where, message)
         assert cause in message and "(the slot was not changed)" in message, (where, message)
         # The server is up (the same process) and the slot kept its tokens.
-        client = mgr.client
+        client = mgr.state.client
         assert client is not None and _run(core, client.health()), where
         assert _server_pid(core) == pid, where
         assert _slot_tokens(core, 1) == held, where
@@ -215,7 +215,7 @@ def test_a_truncated_file_with_a_matching_row_is_rejected_and_served_cold(core: 
     events = EventLog()
     core.subscribe(events.append, (CacheEvent,))
     info, rec = _saved(core)
-    path = mgr.store.path(rec)
+    path = mgr.state.store.path(rec)
     good = path.read_bytes()
     question = info.tokens[:8]
     prompt = [*info.tokens, *question]
@@ -227,18 +227,18 @@ def test_a_truncated_file_with_a_matching_row_is_rejected_and_served_cold(core: 
     path.write_bytes(good[:cut])
 
     def fix() -> StateRecord | None:
-        mgr.store.table.update(
+        mgr.state.store.table.update(
             rec.filename, {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
         )
-        return mgr.store.get(rec.filename)
+        return mgr.state.store.get(rec.filename)
 
     matching = core.call(fix).result(10)
     assert matching is not None and matching.bytes == cut
 
     async def restore() -> str:
-        async with mgr.lock(0):
+        async with mgr.ops.lock(0):
             with pytest.raises(VerificationFailed) as err:
-                await mgr.restore(matching, 0)
+                await mgr.ops.restore(matching, 0)
         return str(err.value)
 
     reason = _run(core, restore())
@@ -253,10 +253,10 @@ def test_a_truncated_file_with_a_matching_row_is_rejected_and_served_cold(core: 
 
     # The manager saves the prefix again in the background: a whole new file, never the cut.
     async def idle() -> bool:
-        return mgr.idle() and not mgr.persisting
+        return mgr.idle() and not mgr.ops.persisting
 
     wait_until(lambda: _run(core, idle()), 180, message="cache work done")
-    again = core.call(lambda: mgr.store.get(rec.filename)).result(10)
+    again = core.call(lambda: mgr.state.store.get(rec.filename)).result(10)
     if again is not None:
         assert again.bytes == len(good) and file_sha256(path) == again.sha256
     else:

@@ -1,0 +1,353 @@
+"""What Warmslot itself does to a slot: `SlotOps`.
+
+Prewarm a prefix into a slot, restore a saved state and verify it with its
+known-answer probe (and clear the slot when the probe fails or cannot run), read a
+stable prefix alone before its request (for a checkpoint there), save a prefix in
+the background, and the per-slot locks that keep client requests out while one of
+these runs. Each works on an explicit `CacheState` (core.cache.state); what decides
+*when* to do them — the request path's policy — stays in `core.cache.manager`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from core.cache import prefix as pfx
+from core.cache.probe import (
+    REUSE_SLACK,
+    ProbeGate,
+    check_answer,
+    non_finite,
+    probe_request_for,
+    scrub_request,
+    second_look,
+)
+from core.cache.state import CacheState
+from core.cache.store import StateRecord
+from core.chat import JsonObject
+from core.errors import UpstreamError, VerificationFailed
+from core.events import CacheEventKind
+from core.server.client import LlamaClient, Timings
+
+log = logging.getLogger("warmslot.cache")
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+def prewarm_body(tokens: list[int], slot: int) -> JsonObject:
+    """The ``/completion`` body that (re-)warms `slot` with exactly `tokens`.
+
+    ``n_predict`` 0 keeps only the prompt in the slot's KV (no generated token after
+    it), ``cache_prompt`` reuses what the slot already holds, and only the timings
+    and cached-token count come back. Every prewarm and keep-alive sends this.
+    """
+    return {
+        "prompt": tokens,
+        "n_predict": 0,
+        "id_slot": slot,
+        "cache_prompt": True,
+        "response_fields": ["timings", "tokens_cached"],
+    }
+
+
+class SlotOps:
+    """Slot operations on one `CacheState`.
+
+    Saving is the prefix saver's (core.cache.prefix_save) and discarding a rejected
+    state retention's (core.cache.retention): both are handed in as callables, so
+    this module needs neither, and `spawn` runs background work as the manager's job.
+    """
+
+    def __init__(
+        self,
+        state: CacheState,
+        *,
+        save: Callable[[pfx.PrefixInfo, int | None], Awaitable[None]],
+        may_save: Callable[[str], bool],
+        discard: Callable[[StateRecord, str], int],
+        spawn: Spawn,
+    ) -> None:
+        self.state = state
+        self._save = save  # get one prefix state onto disk (PrefixSaver.persist)
+        self._may_save = may_save  # False while a fingerprint's saves back off
+        self._discard = discard  # delete (or quarantine) a rejected state; bytes freed
+        self._spawn = spawn
+        # Held while Warmslot itself uses a slot (restore + verify, build + save + probe):
+        # a request for that slot waits, so nothing slips in between our steps.
+        self._locks: dict[int, asyncio.Lock] = {}
+        self.probe_gate = ProbeGate()  # one probe at a time, each knowing if it ran alone
+        self._persisting: set[str] = set()
+
+    # ------------------------------------------------------------ locks
+    def lock(self, slot: int) -> asyncio.Lock:
+        """Held while Warmslot itself uses `slot` (restore + verify, build + save + probe):
+        a request for that slot waits, so nothing slips in between our steps."""
+        return self._locks.setdefault(slot, asyncio.Lock())
+
+    def busy(self) -> bool:
+        """Whether Warmslot holds any slot's lock now."""
+        return any(lk.locked() for lk in self._locks.values())
+
+    # ------------------------------------------------------------ saves
+    @property
+    def persisting(self) -> frozenset[str]:
+        """Fingerprints of the prefixes being saved in the background now."""
+        return frozenset(self._persisting)
+
+    def persist_soon(self, info: pfx.PrefixInfo, slot: int | None = None) -> bool:
+        """Save the prefix in the background unless a save of it is under way; from
+        `slot`, which just served it, where that can be done without a prefill
+        (core.cache.prefix_save)."""
+        if info.fingerprint in self._persisting:
+            return False
+        if not self._may_save(info.fingerprint):
+            return False  # its last save failed: wait out the backoff (core.cache.retention)
+        self._persisting.add(info.fingerprint)
+        self._spawn(self._persist(info, slot))
+        return True
+
+    async def persist_now(self, info: pfx.PrefixInfo, slot: int | None = None) -> None:
+        """Save the prefix now (from `slot` where it can), counted among the saves under way."""
+        self._persisting.add(info.fingerprint)
+        await self._persist(info, slot)
+
+    async def _persist(self, info: pfx.PrefixInfo, live: int | None = None) -> None:
+        """Get the prefix state onto disk; a later request may start another save of it
+        once this one ended."""
+        try:
+            await self._save(info, live)
+        finally:
+            self._persisting.discard(info.fingerprint)
+
+    # ------------------------------------------------------------ prewarm
+    async def prewarm(
+        self, info: pfx.PrefixInfo, slot: int, *, reason: str, chunk: int = 0
+    ) -> Timings | None:
+        """Fill `slot` with exactly the prefix (n_predict 0 keeps only the prompt in KV).
+
+        With `chunk`, a slot known to be empty is filled `chunk` tokens at a time, each
+        request extending the one before (the server reuses it, sliding-window models
+        included). llama-server notices a cancelled request only between batches
+        (2,048 tokens by default; measured ~8 s for Gemma 3 270M on 2 cores), so this
+        bounds how long a client request that stops the boot re-warm waits for the slot.
+        """
+        state = self.state
+        client = state.client
+        if client is None:
+            return None
+        st = state.slots.slots[slot]
+        ends = [info.n_tokens]
+        if chunk > 0 and not st.tokens_hint:  # a shorter prompt would cut a slot's content
+            ends = [*range(chunk, info.n_tokens, chunk), info.n_tokens]
+        first: Timings | None = None
+        prompt_n, prompt_ms = 0, 0.0
+        for end in ends:
+            resp = await client.completion(prewarm_body(info.tokens[:end], slot))
+            t = Timings.parse(resp.get("timings"))
+            first = first or t
+            prompt_n += t.prompt_n if t else 0
+            prompt_ms += t.prompt_ms if t else 0.0
+        # What was reused is what the first request found; the cost is every request's.
+        total = first
+        if first is not None and len(ends) > 1:
+            total = Timings(first.cache_n, prompt_n, round(prompt_ms, 3), 0, 0.0)
+        st.prefix_fp = info.fingerprint
+        st.tokens_hint = info.n_tokens
+        st.promised = (info.n_tokens, "re-warmed prefix")
+        hit = total is not None and total.cache_n >= info.n_tokens - REUSE_SLACK - 4
+        state.emit(
+            CacheEventKind.PREWARM_HIT if hit else CacheEventKind.PREWARM_COLD,
+            reason,
+            fp=info.fingerprint,
+            slot=slot,
+            tokens=info.n_tokens,
+            cache_n=total.cache_n if total else None,
+            prompt_n=total.prompt_n if total else None,
+            prompt_ms=total.prompt_ms if total else None,
+            requests=len(ends),
+        )
+        return total
+
+    async def read_prefix_alone(
+        self,
+        info: pfx.PrefixInfo,
+        slot: int,
+        gone: Callable[[], Awaitable[None]] | None = None,
+    ) -> Timings | None:
+        """Read the stable prefix alone into `slot` just before its request, so that the
+        server takes a checkpoint at its end (core.cache.boundary); the timings of that
+        read, None when it failed (the request then goes on as it came) or when the
+        client hung up first (`gone` returned): closing the read stops the server's
+        prefill, as the request's own would have (the proxy then answers 499)."""
+        client = self.state.client
+        if client is None:
+            return None
+        async with self.lock(slot):
+            read = asyncio.ensure_future(client.completion(prewarm_body(info.tokens, slot)))
+            watch = asyncio.ensure_future(gone()) if gone is not None else None
+            waits: set[asyncio.Future[Any]] = {read} if watch is None else {read, watch}
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if watch is not None:
+                    watch.cancel()
+                if not read.done():
+                    read.cancel()
+            try:
+                resp = await read
+            except asyncio.CancelledError:
+                if read.cancelled():  # the client left: no need to read anything for it
+                    log.info("slot %d: the client left while its prefix was read", slot)
+                    return None
+                raise
+            except (UpstreamError, OSError) as e:  # fail open: the request reads it itself
+                log.warning("could not read the prefix alone into slot %d: %s", slot, e)
+                return None
+        log.debug("slot %d: read the %d-token prefix alone first", slot, info.n_tokens)
+        return Timings.parse(resp.get("timings"))
+
+    # ------------------------------------------------------------ idle slots
+    async def wait_idle(self, exclude: int, timeout: float = 30.0) -> None:
+        """Wait until no other slot is busy: a probe's log-probs depend on the batch it
+        shares with other requests, so reference and check must both run alone."""
+        if not await self.state.slots.wait_quiet(timeout, exclude=exclude):
+            log.warning("probing while other requests run: verification may be noisy")
+
+    def scratch_slot(self, exclude: int | None = None) -> int | None:
+        """An idle slot no session holds (the side-call slot first), other than `exclude`."""
+        slots = self.state.slots
+        aux = slots.aux_slot
+        if aux is not None and aux != exclude and slots.slots[aux].inflight == 0:
+            return aux
+        idle = [
+            s for s in slots.primary_slots if s.inflight == 0 and not s.session and s.id != exclude
+        ]
+        return idle[0].id if idle else None
+
+    # ------------------------------------------------------------ restore + verify
+    async def restore(self, rec: StateRecord, slot: int) -> None:
+        """Restore `rec` into an expendable slot and verify it; raise VerificationFailed."""
+        state = self.state
+        client = state.client
+        assert client is not None
+        t0 = time.perf_counter()
+        problem = state.store.check_file(rec)
+        resp: dict[str, Any] = {}
+        if problem is None:
+            try:
+                resp = await client.slot_action(slot, "restore", rec.filename)
+                if int(resp.get("n_restored", -1)) != rec.n_tokens:
+                    problem = f"restored {resp.get('n_restored')} tokens, expected {rec.n_tokens}"
+            except UpstreamError as e:
+                problem = f"server refused the file: {e}"
+        if problem is None:
+            try:
+                problem = await self._verify(rec, slot, client)
+            except BaseException as e:
+                # The probe could not run (the server went away, a time-out, a bug): the
+                # restored state is unverified, so it must not stay in the slot, where
+                # llama-server's own slot choice could reuse it. The file may be fine: kept.
+                await self.unload(slot, client)
+                state.emit(
+                    CacheEventKind.RESTORE_REJECTED,
+                    f"could not verify ({e!r}); the slot was cleared, the file kept",
+                    fp=rec.fingerprint,
+                    slot=slot,
+                    tokens=rec.n_tokens,
+                )
+                if isinstance(e, Exception):
+                    raise VerificationFailed(f"could not verify: {e!r}") from e
+                raise
+        ms = (time.perf_counter() - t0) * 1000
+        if problem is None:
+            st = state.slots.slots[slot]
+            st.prefix_fp = rec.fingerprint
+            st.tokens_hint = rec.n_tokens
+            st.promised = (rec.n_tokens, f"restored {rec.kind} state")
+            state.store.mark_verified(rec.filename, "ok")
+            state.store.touch(rec.filename)
+            state.emit(
+                CacheEventKind.RESTORE_OK,
+                "restored and verified",
+                fp=rec.fingerprint,
+                slot=slot,
+                tokens=rec.n_tokens,
+                nbytes=rec.bytes,
+                ms=round(ms, 1),
+                restore_ms=(resp.get("timings") or {}).get("restore_ms"),
+            )
+            return
+        # NaN/inf cells outlive an erase: overwrite them first. On a sliding-window (or
+        # recurrent) model a wrong state can hold such cells where the probe does not look
+        # (outside its window): a 4,096-byte flip rejected on a finite difference left Gemma
+        # 3's next cold answer wrong (docs/cache.md#verification), so every rejection there.
+        if non_finite(problem) or state.disk.rewinds:
+            with contextlib.suppress(UpstreamError):
+                await client.completion(
+                    scrub_request(rec.probe["prefix"], rec.probe["suffix"], slot)
+                )
+        await self.unload(slot, client)
+        freed = self._discard(rec, problem)  # an undeletable file is quarantined
+        state.emit(
+            CacheEventKind.RESTORE_REJECTED,
+            problem,
+            fp=rec.fingerprint,
+            slot=slot,
+            tokens=rec.n_tokens,
+            nbytes=freed,
+            ms=round(ms, 1),
+        )
+        info = state.by_fp.get(rec.fingerprint)
+        if info is not None and state.disk.usable:
+            self.persist_soon(info)
+        raise VerificationFailed(problem)
+
+    async def unload(self, slot: int, client: LlamaClient) -> None:
+        """Erase `slot` (best effort, even while cancelled) and forget what it held."""
+        with contextlib.suppress(UpstreamError, OSError, asyncio.CancelledError):
+            await asyncio.shield(client.slot_action(slot, "erase"))
+        st = self.state.slots.slots[slot]
+        st.prefix_fp, st.tokens_hint = "", 0
+
+    async def _verify(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
+        probe = rec.probe
+        suffix, prefix_tokens = probe.get("suffix"), probe.get("prefix")
+        if not suffix or not prefix_tokens or "tokens" not in probe:
+            return "no known-answer probe recorded"
+        problem = await self._probe(rec, slot, client)
+        if not second_look(problem):
+            return problem
+        # A request of another slot in the same batch changes the matrix shapes and so the
+        # last bits of the probe's log-probs (docs/cache.md#verification): restore once more
+        # and probe alone. A wrong state fails again, bit for bit.
+        try:
+            await client.slot_action(slot, "erase")
+            again = await client.slot_action(slot, "restore", rec.filename)
+        except UpstreamError:
+            return problem
+        if int(again.get("n_restored", -1)) != rec.n_tokens:
+            return problem
+        second = await self._probe(rec, slot, client)
+        if second is None:
+            log.info("%s verified on a second probe (first: %s)", rec.filename, problem)
+        return second
+
+    async def _probe(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
+        probe = rec.probe
+        await self.wait_idle(exclude=slot)
+        # Under the gate: never beside another of our probes (docs/cache.md#verification).
+        run = await self.probe_gate.probe(client, probe_request_for(probe, slot), slot)
+        resp = run.answer
+        t = Timings.parse(resp.get("timings"))
+        return check_answer(
+            resp,
+            t.cache_n if t else None,
+            rec.prefix_n,
+            probe,
+            tolerance=self.state.disk.logprob_tolerance,
+        )
