@@ -27,9 +27,10 @@ the slot is left as the conversation left it.
 When a request's rendered prompt shares more with a saved conversation than its stable
 prefix gives — found by session id, or by token prefix among conversations that started
 with the same stable prefix (a client that resumes with a new session id) — the longest
-match is restored and verified (`SlotOps.restore`) before the request runs. A state
-whose restore is predicted, from the times measured when it was saved, to cost more than
-the prefill it saves is skipped. Any failure leaves the request to the prefix path.
+match (`core.cache.conversation_pick.choose`) is restored and verified (`SlotOps.restore`)
+before the request runs. A state whose restore is predicted, from the times measured when
+it was saved, to cost more than the prefill it saves is skipped. Any failure leaves the
+request to the prefix path.
 """
 
 from __future__ import annotations
@@ -37,16 +38,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import struct
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from core import fmt
 from core.cache import prefix as pfx
+from core.cache.conversation_pick import MIN_GAIN_TOKENS, choose, read_tokens
 from core.cache.fingerprint import fingerprint
 from core.cache.learner import chat_of, render_body, renderable
 from core.cache.probe import probe_reference, probe_request, wait_quiet
@@ -64,42 +64,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmslot.cache")
 
 KIND = "conversation"  # `StateRecord.kind` of a conversation state
-SEQ_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence state file (llama_state_seq_save_file)
 SHUTDOWN_SAVE_S = 20.0  # share of the staged stop's time (60 s) the conversation saves get
 ALREADY_SAVED = "conversation already saved"
 OTHERS_WAIT_S = 10.0  # longest a save at release or shutdown waits for other slots to finish
-MIN_GAIN_TOKENS = 64  # a conversation state must give this many tokens beyond the prefix
 CANDIDATES = 8  # most recent states looked at per request
-# Until a prefill was measured on this server (a fresh start): a fast GPU's speed, so an
-# unmeasured guess errs against restoring.
-PRIOR_PREFILL_MS_PER_TOKEN = 0.05
-
-
-def read_tokens(path: Path) -> list[int]:
-    """The slot's tokens from the head of a llama.cpp sequence state file (magic, version,
-    count, token words): what the slot held when it was saved.
-
-    The server writes its token list packed (`server_tokens::serialize`): a -1 marker, a
-    format version, the u32-counted tokens, then u32-counted media keys; older servers
-    wrote the plain list. Media (multimodal) states are refused: their tokens are not
-    all text.
-    """
-    with path.open("rb") as f:
-        head = f.read(12)
-        if len(head) < 12:
-            raise ValueError("state file shorter than its header")
-        magic, _version, n = struct.unpack("<III", head)
-        if magic != SEQ_MAGIC:
-            raise ValueError(f"not a sequence state file (magic {magic:#x})")
-        data = f.read(4 * n)
-    if len(data) != 4 * n:
-        raise ValueError("state file shorter than its token list")
-    words = list(struct.unpack(f"<{n}i", data))
-    if not words or words[0] != -1:
-        return words  # a plain token list
-    if n < 4 or words[2] != n - 4 or words[n - 1] != 0:
-        raise ValueError("packed token list with media or of an unknown layout")
-    return words[3 : n - 1]
 
 
 # A conversation state may take at most this share of the disk cap: one that alone
@@ -113,106 +81,6 @@ def too_large(nbytes: float, cap: int) -> str:
         f"conversation not saved: {fmt.size(nbytes)} would take more than "
         f"{MAX_CAP_SHARE:.0%} of the {fmt.size(cap)} disk cap (cache.disk_cap_mb)"
     )
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The saved conversation to restore for a request, and why."""
-
-    rec: StateRecord
-    match: int  # tokens of the request the state covers
-    by: str  # "session" (same session id) or "tokens" (another session's, same tokens)
-    cost_ms: float  # predicted: hash + restore + verify
-    saves_ms: float  # predicted: the prefill it saves
-
-
-@dataclass(frozen=True)
-class Skip:
-    """A saved conversation that would cover the request but costs more to restore than
-    the prefill it saves."""
-
-    rec: StateRecord
-    gain: int  # tokens it would save beyond what the request gets anyway
-    cost_ms: float  # predicted: hash + restore + verify
-    saves_ms: float  # predicted: the prefill of `gain` tokens
-
-    @property
-    def reason(self) -> str:
-        """The ``prewarm_skipped`` event's reason."""
-        return (
-            f"{self.rec.n_tokens}-token conversation {self.rec.filename} not restored: "
-            f"restore + verify ≈ {self.cost_ms:.0f} ms > prefill of {self.gain} tokens "
-            f"≈ {self.saves_ms:.0f} ms"
-        )
-
-    @property
-    def header(self) -> str:
-        """``X-Warmslot-Conversation`` for the request it was skipped for."""
-        return (
-            f"not restored: restoring the saved {self.rec.n_tokens}-token conversation "
-            f"(~{self.cost_ms:.0f} ms) would take longer than prefilling the {self.gain} "
-            f"tokens it covers (~{self.saves_ms:.0f} ms)"
-        )
-
-
-def restore_cost_ms(rec: StateRecord, verify_ms: float | None = None) -> float:
-    """Predicted milliseconds to restore and verify `rec`, from what its save measured.
-
-    `verify_ms`, when given, is the quickest probe measured lately on this server: a
-    probe timed while other work shared the CPU says more about that work than about
-    the probe, so the smaller of the two counts."""
-    p = rec.probe
-    verify = float(p.get("verify_ms") or 0)
-    if verify_ms is not None:
-        verify = min(verify, verify_ms)
-    return float(p.get("hash_ms") or 0) + float(p.get("restore_ms") or 0) + verify
-
-
-def choose(
-    candidates: Sequence[StateRecord],
-    prompt: Sequence[int],
-    session: str,
-    base_n: int,
-    prefill_ms_per_token: float | None,
-    verify_ms: float | None = None,
-) -> tuple[Choice | None, Skip | None]:
-    """The state covering most of `prompt`, or None and the state skipped as too slow to
-    restore (None: nothing fits).
-
-    A state counts for the tokens it shares with the prompt; it must give at least
-    `MIN_GAIN_TOKENS` more than `base_n` (what the stable prefix gives anyway). The
-    longest match wins; on a tie the same session's, then the newest. A state whose
-    predicted restore (its own measured save-time restore and verify) costs more than
-    the prefill of the tokens it saves is skipped — a too-large state never holds up a
-    request longer than prefilling would.
-    """
-    best: Choice | None = None
-    skipped: Skip | None = None
-    for rec in candidates:
-        tokens = rec.probe.get("prefix")
-        if not isinstance(tokens, list):
-            continue
-        match = pfx.common_prefix_len(tokens, prompt)
-        gain = match - base_n
-        if gain < MIN_GAIN_TOKENS:
-            continue
-        rate = prefill_ms_per_token
-        if rate is None:
-            rate = float(rec.probe.get("prefill_ms_per_token") or PRIOR_PREFILL_MS_PER_TOKEN)
-        saves = gain * rate
-        cost = restore_cost_ms(rec, verify_ms)
-        if cost > saves:
-            skipped = Skip(rec, gain, cost, saves)
-            continue
-        by = "session" if rec.session == session else "tokens"
-        c = Choice(rec, match, by, cost, saves)
-        if best is None or (match, by == "session", rec.created) > (
-            best.match,
-            best.by == "session",
-            best.rec.created,
-        ):
-            best = c
-    return best, (None if best is not None else skipped)
 
 
 class SaveTimes(TypedDict):

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.cache import prefix as pfx
-from core.cache.conversations import read_tokens
+from core.cache.conversation_pick import read_tokens
 from core.cache.fingerprint import state_filename
 from core.cache.probe import REFERENCE_TRIES, probe_reference, probe_request
 from core.cache.retention import save_problem

@@ -96,7 +96,7 @@ class FakeLlama:
     calls: list[tuple[str, Any]] = field(default_factory=list)
     fail_save: bool = False
     # Write slot files as llama-server does (sequence-state header and its packed token
-    # list, core.cache.conversations.read_tokens); off: the bare token list.
+    # list, core.cache.conversation_pick.read_tokens); off: the bare token list.
     llama_format: bool = False
 
     def held(self, slot: int) -> list[int]:

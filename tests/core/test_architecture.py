@@ -255,7 +255,6 @@ OVERSIZE = {
     "core/proxy/app.py",
     "core/engine.py",
     "core/cache/retention.py",
-    "core/cache/conversations.py",
     "core/chat.py",
 }
 MAX_LINES = 600

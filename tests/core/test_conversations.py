@@ -1,6 +1,6 @@
 """Conversation states: which saved conversation a request gets back.
 
-The selection rules of `core.cache.conversations.choose` (longest match, session vs
+The selection rules of `core.cache.conversation_pick.choose` (longest match, session vs
 token-prefix match, the gain over the stable prefix, the time budget from measured
 numbers), the index query for candidates, the newest-supersedes-older retention, what
 counts as unsaved in a slot, and reading a slot file's token list — with the fakes of
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from core.cache.conversations import KIND, MIN_GAIN_TOKENS, SEQ_MAGIC, choose, read_tokens
+from core.cache.conversation_pick import MIN_GAIN_TOKENS, SEQ_MAGIC, choose, read_tokens
+from core.cache.conversations import KIND
 from core.cache.store import StateRecord
 from tests.core.bg_support import IDENT, OTHER, FakeManager, make_manager, prefix
 
