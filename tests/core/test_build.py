@@ -31,6 +31,7 @@ import core.build as b
 from core.build import compile as build_compile
 from core.build import source as s
 from core.build import source_tree
+from core.build.lock import build_lock
 from core.build.log import (
     LogTail,
     ProgressTracker,
@@ -777,19 +778,29 @@ async def test_cache_hit_returns_at_once_without_subprocesses(
 
 @needs_toolchain
 async def test_two_builds_of_the_same_inputs_compile_once(fake_src: Path, paths: Paths) -> None:
-    """Two builds of one build id at the same time (a tray and a test session, two test
-    runs): one compiles, the other waits for its lock and takes its result."""
+    """A build whose inputs another build (a tray, a test session) is compiling waits for
+    that one's lock and takes its result instead of compiling again. The other build is
+    played by the test: it holds the lock while the build starts, then puts its finished
+    result in the cache and lets go."""
+    first = await b.build(_request(fake_src), paths)  # the result the other build makes
+    done = paths.builds_dir / first.build_id
+    aside = paths.builds_dir.parent / "aside"
+    done.rename(aside)
     records: list[dict[str, Any]] = []
     events: list[BuildProgress] = []
-    first, second = await asyncio.gather(
-        b.build(_request(fake_src), paths, record=records.append),
-        b.build(_request(fake_src), paths, events.append, record=records.append),
-    )
-    assert first.build_id == second.build_id and first.binary == second.binary
-    assert sorted(r["outcome"] for r in records) == ["built", "cached"]
-    waited = [e.step for e in events if "waiting for another build" in e.step]
-    built_second = next(r for r in records if r["outcome"] == "built") is records[-1]
-    assert waited or built_second  # the second either waited or won the lock
+    async with build_lock(paths.builds_dir, first.build_id, lambda _text: None):
+        second = asyncio.create_task(
+            b.build(_request(fake_src), paths, events.append, record=records.append)
+        )
+        deadline = time.monotonic() + 60
+        while not any("waiting for another build" in e.step for e in events):
+            assert not second.done(), second  # it must wait, not build
+            assert time.monotonic() < deadline, [e.step for e in events]
+            await asyncio.sleep(0.05)
+        aside.rename(done)  # the other build finished
+    result = await asyncio.wait_for(second, 60)
+    assert result.build_id == first.build_id and result.binary == first.binary
+    assert [r["outcome"] for r in records] == ["cached"]
     assert _cache_entries(paths).count(first.build_id) == 1
 
 
