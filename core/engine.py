@@ -47,6 +47,7 @@ from core.machine.sweeps import Outcome, Sweeps
 from core.models import profiles
 from core.models.backends import BackendSet
 from core.models.pool import ModelPool
+from core.models.servers import ServerSet
 from core.paths import Paths
 from core.proxy.app import CacheService, Proxy
 from core.proxy.metrics import COUNTED, Counters, Metrics
@@ -106,6 +107,8 @@ class Core:
         self.upstream: Upstream | None = None
         self.proxy: Proxy | None = None
         self.policy: CacheService | None = None
+        # Every llama-server requests go to (the primary alone in single-model mode).
+        self.servers: ServerSet | None = None
         self.pool: ModelPool | None = None  # only when [[models]] profiles are configured
         self.backends: BackendSet | None = None  # only with [[backends]] (docs/scale.md)
         # The one scheduler for background work, and the machine's one pressure monitor
@@ -129,7 +132,6 @@ class Core:
             self.paths, self.emit, self._record_build, check=binary_check, request=build_request
         )
         self._upgrade_task: asyncio.Task[None] | None = None
-        self._demand_start: asyncio.Future[None] | None = None  # a start for a request
         self._upgrade_failed = False
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0
@@ -313,7 +315,6 @@ class Core:
             allowed_origins=lambda: self.settings.proxy.allowed_origins,
             prefill_rates=self.prefill_rates,
         )
-        self.proxy.on_demand = self._start_for_request
         self.proxy.explain = self._explain
         self.proxy.strip_billing_header = lambda: self.settings.proxy.strip_billing_header
         self.proxy.repair_tool_arguments = lambda: self.settings.proxy.repair_tool_arguments
@@ -321,16 +322,19 @@ class Core:
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
             self.proxy.policy = self.policy
+        # One registry of llama-servers, one admission: the primary alone, or with its
+        # backends ([[backends]]) and the pool's models ([[models]]), or both.
+        servers = self.servers = ServerSet(self, state_words=self._server_state_words)
+        if s.backends:  # several backends of the primary model: chosen per request
+            self.backends = BackendSet(servers, self._primary_settings)
+            self.proxy.router = self.backends.router
         if s.models:
-            pool = self.pool = ModelPool(self)
+            backend = self.backends.choose if self.backends is not None else None
+            pool = self.pool = ModelPool(servers, backend=backend)
             self.proxy.router = pool.router
-            self.proxy.admit = pool.route
             self.proxy.models = pool.models_list
             self.sweeps.add("models", self._sweep_models, lambda: self.settings.pool.idle_check_s)
-        if s.backends:  # several backends of the primary model: chosen per request
-            backends = self.backends = BackendSet(self)
-            self.proxy.router = backends.router
-            self.proxy.admit = backends.route
+        self.proxy.admit = servers.route
         if self.cache_managers():
             self.background = Background(
                 self.sweeps, self.pressure, lambda: self.settings, self.cache_managers
@@ -364,10 +368,9 @@ class Core:
     def cache_managers(self) -> list[CacheManager]:
         """The cache manager of every model that has one: the primary's first, then each
         pooled model's (made when the pool first loads it)."""
-        if self.pool is not None:
-            return self.pool.managers()
-        primary = [self.policy] if isinstance(self.policy, CacheManager) else []
-        return primary + (self.backends.managers() if self.backends is not None else [])
+        if self.servers is not None:
+            return self.servers.managers()
+        return [self.policy] if isinstance(self.policy, CacheManager) else []
 
     def _llama_devices(self) -> list[GpuInfo]:
         """GPUs NVML cannot see (Vulkan, ROCm, Metal): the running server binary's list."""
@@ -378,19 +381,13 @@ class Core:
         """Where a full disk breaks Warmslot: each running server's ``--slot-save-path``
         (a folder per server identity, made at its launch), the slot folder they lie
         under, and the state folder (the databases)."""
-        servers = [self.supervisor]
-        if self.pool is not None:
-            servers += [e.server for e in self.pool.entries.values() if not e.profile.primary]
+        servers = self.servers.supervisors() if self.servers is not None else []
         own = [r.slot_dir for s in servers if s and (r := s.resolved) and r.slot_dir is not None]
         return [*own, self.paths.slot_dir, self.paths.state_dir]
 
     def _server_pids(self) -> list[int]:
         """Every running llama-server's pid (their RSS joins each pressure sample)."""
-        servers = [self.supervisor]
-        if self.pool is not None:
-            servers += [e.server for e in self.pool.entries.values() if not e.profile.primary]
-        pids = [pid for sup in servers if sup is not None and (pid := sup.pid) is not None]
-        return pids + (self.backends.pids() if self.backends is not None else [])
+        return self.servers.pids() if self.servers is not None else []
 
     async def _sweep_models(self) -> Outcome:
         """The model pool's idle and pressure unloads, on the engine's scheduler."""
@@ -464,8 +461,8 @@ class Core:
         self.provision.cancel()
         if self._upgrade_task is not None:
             self._upgrade_task.cancel()
-        if self._demand_start is not None:
-            self._demand_start.cancel()
+        if self.servers is not None:
+            self.servers.cancel_starts()
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
@@ -488,6 +485,11 @@ class Core:
                 await self.pool.close()
             except Exception:
                 log.exception("model pool failed while shutting down")
+        if self.servers is not None:
+            try:
+                await self.servers.close()
+            except Exception:
+                log.exception("llama-servers failed while shutting down")
         if self.supervisor is not None:
             await self.supervisor.close()
         if self.proxy is not None:  # no llama-server behind it any more: close the socket
@@ -537,39 +539,6 @@ class Core:
         except WarmslotError as e:
             self.emit(Notice(level="error", text=str(e), hint=e.hint))
             raise
-
-    async def _start_for_request(self) -> None:
-        """Wait for llama-server on behalf of a request that came while it was not ready:
-        start it if it is stopped (``server.start_on_request``), then wait until it is
-        ready, failed, or ``server.start_timeout_s`` passed. Concurrent requests wait for
-        the same start; a failed server is not started again here (the 503 says why)."""
-        sup = self.supervisor
-        # Not while stopping: a request under way then gets its 503 rather than a
-        # llama-server that would be stopped again at once.
-        if sup is None or self._stopping or not self.settings.server.start_on_request:
-            return
-        if sup.state is ServerState.STOPPED and self._demand_start is None:
-            self.emit(Notice(level="info", text="llama-server is starting for a request"))
-            self._demand_start = asyncio.ensure_future(self._start_demanded(sup))
-        demand = self._demand_start
-        if sup.state is not ServerState.STARTING and demand is None:
-            return
-        ready = asyncio.ensure_future(sup.wait_ready(self.settings.server.start_timeout_s))
-        waits: set[asyncio.Future[Any]] = {ready}
-        if demand is not None:  # ends early when the start fails
-            waits.add(asyncio.shield(demand))
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ready.cancel()
-
-    async def _start_demanded(self, sup: Supervisor) -> None:
-        try:
-            await sup.start("request")
-        except WarmslotError as e:
-            self.emit(Notice(level="error", text=str(e), hint=e.hint))
-        finally:
-            self._demand_start = None
 
     def stop_server(self) -> concurrent.futures.Future[None]:
         assert self.supervisor is not None

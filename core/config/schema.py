@@ -343,20 +343,21 @@ def settings_problems(
                 names,
             )
         )
-    if settings.backends and (settings.models or settings.workers):
-        # Several backends serve the one primary model (docs/scale.md#several-backends).
+    if settings.backends and settings.workers:
+        # The workers extend the primary server alone, not its copies on other backends
+        # (docs/scale.md#several-backends).
         error = ConfigError(
-            "[[backends]] cannot be combined with [[models]] or [[workers]] yet",
+            "[[backends]] cannot be combined with [[workers]] yet",
             file=file,
             key="backends",
-            expected="no [[models]] and no [[workers]] tables with [[backends]]",
+            expected="no [[workers]] tables with [[backends]]",
         )
         out.append(
             Problem(
                 "backends",
-                "Several backends cannot be combined with [[models]] or [[workers]] yet.",
+                "Several backends cannot be combined with [[workers]] yet.",
                 error,
-                ("backends", "models", "workers"),
+                ("backends", "workers"),
             )
         )
     host = settings.proxy.host

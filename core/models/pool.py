@@ -1,7 +1,8 @@
-"""The model pool: one supervised llama-server and one cache manager per loaded model.
+"""The model pool: the ``[[models]]`` profiles, one entry of the server set each
+(`core.models.servers`: a supervised llama-server and its cache manager).
 
-The primary profile is the core's own supervisor (and cache manager); every other
-profile gets its own when it is first needed. Loads and unloads go through the
+The primary profile is the set's primary (the core's own supervisor and cache manager);
+every other profile gets its own when it is first needed. Loads and unloads go through the
 arbiter (core.models.arbiter) and are serialized; each decision is a `ModelEvent`
 with its reason and numbers. Before a model is unloaded its cache manager saves
 the prefixes its slots hold (when its disk tier is valid); after it loads again
@@ -11,43 +12,22 @@ the manager restores and verifies them before the first request is let through.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
 
-from core.cache.deps import EngineParts, deps_from
 from core.config import ServerSettings
 from core.errors import WarmslotError
 from core.events import ModelEvent
 from core.machine import devices
 from core.models import arbiter, profiles
 from core.models.profiles import MIB, Footprint, Profile
+from core.models.servers import Server, ServerSet
 from core.proxy.types import Route
-from core.routing.router import Decision, Router, Target
+from core.routing.router import BackendChooser, Decision, Router, Target
 from core.server import model
-from core.server.quarantine import CrashQuarantine
-from core.server.supervisor import Resolved, ServerState, Supervisor
-from core.server.upstream import Upstream
+from core.server.supervisor import Supervisor
 from core.status import ModelList, ModelRow, PoolDecision
-
-if TYPE_CHECKING:
-    from core.cache.manager import CacheManager
-    from core.proxy.types import CachePolicy
-
-
-class PoolHost(EngineParts, Protocol):
-    """What the pool uses of the engine (`core.engine.Core`): its parts, the primary's
-    server and cache policy, and how a server's binary and model are resolved."""
-
-    @property
-    def supervisor(self) -> Supervisor | None: ...
-    @property
-    def policy(self) -> CachePolicy | None: ...
-    async def resolve_for(self, s: ServerSettings) -> Resolved: ...
-
 
 log = logging.getLogger("warmslot.models")
 VRAM_MARGIN = 1024 * MIB  # per GPU, like the fit planner's
@@ -57,87 +37,68 @@ class ModelUnavailable(WarmslotError):
     """A model could not be loaded (the arbiter refused it, or its server failed)."""
 
 
-@dataclass
-class Entry:
-    profile: Profile
-    server: Supervisor | None = None
-    upstream: Upstream | None = None  # the one HTTP session to `server`
-    manager: CacheManager | None = None
-    footprint: Footprint | None = None
-    inflight: int = 0
-    last_used: float = 0.0
-    calls: dict[str, int] = field(default_factory=lambda: {"agent": 0, "aux": 0})
-    loads: int = 0
-    unloads: int = 0
-    last_decision: str = ""
-
-    @property
-    def loaded(self) -> bool:
-        s = self.server
-        return s is not None and s.state in (ServerState.READY, ServerState.STARTING)
-
-    @property
-    def ready(self) -> bool:
-        return self.server is not None and self.server.state is ServerState.READY
-
-
 ServerFactory = Callable[[Profile], Supervisor]
 
 
 class ModelPool:
-    """Owns the loaded models; the proxy's router."""
+    """The ``[[models]]`` profiles, one entry of the server set each; loads them when a
+    request needs them, unloads them when idle or under pressure."""
 
     def __init__(
         self,
-        core: PoolHost,
+        servers: ServerSet,
         *,
         server_factory: ServerFactory | None = None,
         budget: arbiter.Budget | None = None,
         pressure_level: Callable[[], str] | None = None,
+        backend: BackendChooser | None = None,
     ) -> None:
-        self.core = core
+        self.servers = servers
+        self.core = core = servers.host
         self.clock = core.clock
         self._server_factory = server_factory or self._make_server
         self._budget = budget
         self._pressure_level = pressure_level
         self._ops = asyncio.Lock()  # one load or unload at a time
-        self._loading: dict[str, asyncio.Task[Entry]] = {}
-        self.entries: dict[str, Entry] = {}
+        self._loading: dict[str, asyncio.Task[Server]] = {}
+        self.profiles: dict[str, Profile] = {}
+        self._profile_of: dict[str, Profile] = {}  # by entry name
+        self.entries: dict[str, Server] = {}
         self.decisions: list[PoolDecision] = []
         self.routed_side = 0
         for prof in profiles.profiles(core.settings):
-            e = Entry(prof, last_used=self.clock.monotonic())
             if prof.primary:
-                e.server = core.supervisor
-                e.upstream = core.upstream
-                e.manager = _as_manager(core.policy)
+                e = servers.primary
             else:  # the one HTTP session to the model's server, whenever it runs
-                e.upstream = Upstream(
-                    _base_url_of(e),
-                    name=prof.name,
-                    api_key=_api_key_of(e),
-                    quarantine=_quarantine_of(e),
-                    served=_served_of(e),
-                )
+                e = servers.launched(prof.name, model=prof.name, what=f"model {prof.name!r}")
+            e.bring_up = self._bring_up
+            self.profiles[prof.name] = prof
+            self._profile_of[e.name] = prof
             self.entries[prof.name] = e
-        # The proxy's router: by the `model` field, side calls to the side profile.
+        # The proxy's router: by the `model` field, side calls to the side profile; the
+        # primary's backend chosen by `backend` when there are several.
         self.router = Router(
             self.targets,
             strict=lambda: self.core.settings.pool.strict_models,
             side_calls=lambda: self.core.settings.pool.side_calls,
+            backend=backend,
         )
 
     def targets(self) -> list[Target]:
         """Every configured model, as the router sees it."""
         return [
-            Target(e.profile.name, e.upstream, e.profile.primary, e.profile.role == "side")
-            for e in self.entries.values()
+            Target(name, e.upstream, p.primary, p.role == "side")
+            for (name, e), p in zip(self.entries.items(), self.profiles.values(), strict=True)
         ]
 
     # ------------------------------------------------------------ plumbing
     @property
-    def primary(self) -> Entry:
-        return next(e for e in self.entries.values() if e.profile.primary)
+    def primary(self) -> Server:
+        return self.servers.primary
+
+    def profile(self, e: Server) -> Profile:
+        """The profile `e` serves."""
+        return self._profile_of[e.name]
 
     def _emit(self, kind: str, name: str, reason: str, numbers: Mapping[str, object]) -> None:
         self.decisions.append(
@@ -153,27 +114,7 @@ class ModelPool:
         def settings() -> ServerSettings:
             return profiles.server_settings(core.settings, prof)
 
-        async def resolve() -> Resolved:
-            return await core.resolve_for(settings())
-
-        return Supervisor(
-            paths=core.paths,
-            settings=settings,
-            resolve=resolve,
-            emit=core.emit,
-            name=prof.name,
-            log_path=core.paths.log_dir / f"llama-server.{_safe(prof.name)}.log",
-        )
-
-    def _make_manager(
-        self, prof: Profile, server: Supervisor, upstream: Upstream
-    ) -> CacheManager | None:
-        primary = _as_manager(self.core.policy)
-        if primary is None:
-            return None  # cache management is off for the whole core
-        from core.cache.manager import CacheManager
-
-        return CacheManager(deps_from(self.core, server, model=prof.name, upstream=upstream))
+        return self.servers.supervisor(prof.name, settings, prof.name)
 
     async def budget(self) -> arbiter.Budget:
         """The budget: configured, else free VRAM per GPU and available RAM at first use."""
@@ -204,26 +145,27 @@ class ModelPool:
                 ram += fp.ram
         return vram, ram
 
-    async def footprint(self, e: Entry) -> Footprint:
-        mib = e.profile.source.footprint_mib
+    async def footprint(self, e: Server) -> Footprint:
+        prof = self.profile(e)
+        mib = prof.source.footprint_mib
         if e.footprint is None and mib:
             e.footprint = Footprint((), mib * MIB, "configured (footprint_mib)")
         if e.footprint is None:
-            settings = profiles.server_settings(self.core.settings, e.profile)
+            settings = profiles.server_settings(self.core.settings, prof)
             paths = self.core.paths
 
             def compute() -> Footprint:
                 path = model.resolve(paths, settings.model).path
                 try:
                     return profiles.footprint(
-                        e.profile,
+                        prof,
                         settings,
                         path,
                         devices.read_gpus(),
                         devices.read_host(paths.state_dir),
                     )
                 except Exception as exc:  # unreadable metadata: the file size is a floor
-                    log.warning("fit planner failed for %s: %r", e.profile.name, exc)
+                    log.warning("fit planner failed for %s: %r", prof.name, exc)
                     return Footprint((), Path(path).stat().st_size, f"file size ({exc!r})")
 
             e.footprint = await asyncio.get_running_loop().run_in_executor(None, compute)
@@ -232,20 +174,20 @@ class ModelPool:
     def _view(self) -> list[arbiter.Loaded]:
         return [
             arbiter.Loaded(
-                name=e.profile.name,
-                priority=e.profile.priority,
+                name=p.name,
+                priority=p.priority,
                 footprint=e.footprint or Footprint((), 0, "unknown"),
                 inflight=e.inflight,
                 last_used=e.last_used,
-                primary=e.profile.primary,
-                ttl_s=e.profile.ttl_s,
+                primary=p.primary,
+                ttl_s=p.ttl_s,
             )
-            for e in self.entries.values()
+            for p, e in self._pairs()
             if e.loaded
         ]
 
     # ------------------------------------------------------------ load / unload
-    async def ensure(self, name: str) -> Entry:
+    async def ensure(self, name: str) -> Server:
         """Make `name` loaded and warm (restored + verified); raise ModelUnavailable."""
         e = self.entries[name]
         if e.ready and name not in self._loading:
@@ -257,8 +199,9 @@ class ModelPool:
             task.add_done_callback(lambda _t: self._loading.pop(name, None))
         return await asyncio.shield(task)
 
-    async def _load(self, e: Entry) -> Entry:
-        name = e.profile.name
+    async def _load(self, e: Server) -> Server:
+        prof = self.profile(e)
+        name = prof.name
         async with self._ops:
             if e.ready:
                 return e
@@ -268,7 +211,7 @@ class ModelPool:
                     await self.footprint(other)
             budget = await self.budget()
             self._emit("load_requested", name, "a request needs it", {"need": need.as_dict()})
-            d = arbiter.admit(name, need, e.profile.priority, self._view(), budget)
+            d = arbiter.admit(name, need, prof.priority, self._view(), budget)
             self._emit(d.action, name, d.reason, d.numbers)
             e.last_decision = d.reason
             if d.action != "admit":
@@ -278,9 +221,8 @@ class ModelPool:
                     self.entries[victim], f"making room for {name}", d.numbers
                 )
             if e.server is None:
-                server = e.server = self._server_factory(e.profile)
-                assert e.upstream is not None
-                e.manager = self._make_manager(e.profile, server, e.upstream)
+                e.server = self._server_factory(prof)
+                self.servers.give_manager(e, prof.name)
             try:
                 await e.server.start("pool")
             except WarmslotError as exc:
@@ -309,8 +251,8 @@ class ModelPool:
             await self._unload_locked(e, reason, {})
             return True
 
-    async def _unload_locked(self, e: Entry, reason: str, numbers: Mapping[str, object]) -> None:
-        name = e.profile.name
+    async def _unload_locked(self, e: Server, reason: str, numbers: Mapping[str, object]) -> None:
+        name = self.profile(e).name
         assert e.inflight == 0, "never unload a model with requests in flight"
         fp = e.footprint.as_dict() if e.footprint else {}
         self._emit("unload", name, reason, {**numbers, "footprint": fp})
@@ -364,37 +306,20 @@ class ModelPool:
         """Whether a model is being loaded now."""
         return bool(self._loading)
 
-    def managers(self) -> list[CacheManager]:
-        """The cache managers of every model that has one, the primary's first."""
-        entries = sorted(self.entries.values(), key=lambda e: not e.profile.primary)
-        return [e.manager for e in entries if e.manager is not None]
-
     async def close(self) -> None:
-        """Stop every non-primary model (the core stops the primary)."""
+        """Cancel the loads under way (the server set stops the servers)."""
         for task in list(self._loading.values()):
             task.cancel()
-        for e in self.entries.values():
-            if e.profile.primary:
-                continue
-            if e.manager is not None:
-                with contextlib.suppress(Exception):
-                    await e.manager.close()
-            if e.server is not None:
-                await e.server.close()
-            if e.upstream is not None:
-                await e.upstream.close()
 
-    # ------------------------------------------------------------ routing
-    async def route(self, decision: Decision) -> Route:
-        """Admit a request the router sent to one of the pool's models: load it if
-        needed, count the request in flight."""
-        s = self.core.settings.pool
-        e = self.entries[decision.model]
+    # ------------------------------------------------------------ admission
+    async def _bring_up(self, e: Server, decision: Decision) -> Route | None:
+        """The server set's admission for one of the pool's models: load it if needed
+        (through the arbiter, restored and verified), or say why not."""
         if decision.routed_to_side:
             self.routed_side += 1
-        name = e.profile.name
+        name = self.profile(e).name
         try:
-            await asyncio.wait_for(self.ensure(name), s.load_timeout_s)
+            await asyncio.wait_for(self.ensure(name), self.core.settings.pool.load_timeout_s)
         except TimeoutError:
             return Route(
                 status=503,
@@ -403,19 +328,10 @@ class ModelPool:
             )
         except ModelUnavailable as exc:
             return Route(status=503, error=f"Warmslot: {exc}", retry_after=30)
-        assert e.server is not None
-        if e.server.base_url is None or e.upstream is None:
-            return Route(status=503, error=f"Warmslot: model {name!r} is not ready", retry_after=2)
-        e.inflight += 1
-        e.last_used = self.clock.monotonic()
-        e.calls["aux" if decision.side else "agent"] += 1
-        policy = e.manager if e.manager is not None or not e.profile.primary else self.core.policy
+        return None
 
-        def release() -> None:
-            e.inflight = max(0, e.inflight - 1)
-            e.last_used = self.clock.monotonic()
-
-        return Route(model=name, upstream=e.upstream, policy=policy, release=release)
+    def _pairs(self) -> list[tuple[Profile, Server]]:
+        return [(self.profiles[name], e) for name, e in self.entries.items()]
 
     # ------------------------------------------------------------ status
     def models_list(self) -> ModelList:
@@ -424,12 +340,12 @@ class ModelPool:
             "object": "list",
             "data": [
                 {
-                    "id": e.profile.name,
+                    "id": p.name,
                     "object": "model",
                     "owned_by": "warmslot",
-                    "warmslot": {"role": e.profile.role, "loaded": e.loaded},
+                    "warmslot": {"role": p.role, "loaded": e.loaded},
                 }
-                for e in self.entries.values()
+                for p, e in self._pairs()
             ],
         }
 
@@ -437,8 +353,7 @@ class ModelPool:
         """One row per model: its server's state, load, calls and the last decision."""
         out: list[ModelRow] = []
         now = self.clock.monotonic()
-        for e in self.entries.values():
-            p = e.profile
+        for p, e in self._pairs():
             out.append(
                 {
                     "name": p.name,
@@ -459,41 +374,3 @@ class ModelPool:
                 }
             )
         return out
-
-
-def _as_manager(policy: Any) -> CacheManager | None:
-    from core.cache.manager import CacheManager
-
-    return policy if isinstance(policy, CacheManager) else None
-
-
-def _base_url_of(e: Entry) -> Callable[[], str | None]:
-    def base_url() -> str | None:
-        return e.server.base_url if e.server is not None else None
-
-    return base_url
-
-
-def _quarantine_of(e: Entry) -> Callable[[], CrashQuarantine | None]:
-    def quarantine() -> CrashQuarantine | None:
-        return e.server.quarantine if e.server is not None else None
-
-    return quarantine
-
-
-def _served_of(e: Entry) -> Callable[[], str]:
-    def served() -> str:
-        return e.server.model_name if e.server is not None else ""
-
-    return served
-
-
-def _api_key_of(e: Entry) -> Callable[[], str | None]:
-    def api_key() -> str | None:
-        return e.server.api_key if e.server is not None else None
-
-    return api_key
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)

@@ -78,7 +78,7 @@ from core.proxy.stream import (
     usage_in_body,
 )
 from core.proxy.types import Admit, CachePolicy, CacheService, ProxyRequest, Route
-from core.routing.router import Refused, Router, metadata_session, session_key
+from core.routing.router import Decision, Refused, Router, metadata_session, session_key
 from core.server.client import Timings, send
 from core.server.quarantine import body_digest
 from core.server.upstream import Upstream
@@ -252,14 +252,13 @@ class Proxy:
         self._status = status
         self._metrics = metrics  # the exposition /metrics serves (core.proxy.metrics)
         self.policy = policy
-        # The one place that classifies. Single-model mode: a pool of one. A model pool
-        # sets its own router (by the `model` field) and `admit` (loads the model), and
-        # answers GET /v1/models with the configured profiles.
+        # The one place that classifies. Single-model mode: a router of one. A model pool
+        # sets its own router (by the `model` field) and answers GET /v1/models with the
+        # configured profiles. `admit` is the core's server set (`core.models.servers`:
+        # starts, loads or waits for the decided server); a proxy made alone sends every
+        # request to `upstream` once it is ready.
         self.router: Router = Router.single(upstream)
-        self.admit: Admit | None = None
-        # Starts a stopped llama-server and returns once it is ready or could not start
-        # (single-model mode; the model pool loads on demand itself).
-        self.on_demand: Callable[[], Awaitable[None]] | None = None
+        self.admit: Admit = self._admit_one
         self.models: Callable[[], ModelList] | None = None
         # A request's explanation by id (None: the latest), for `warmslot explain`.
         self.explain: Callable[[str | None], Awaitable[Explanation | None]] | None = None
@@ -392,16 +391,13 @@ class Proxy:
         """401 in the API's own error shape when the request carries no valid key."""
         return auth_response(endpoint) if self._user(request) is None else None
 
-    async def _ready_or_start(self) -> tuple[web.Response | None, float | None]:
-        """(None, load ms) when llama-server can take the request — a stopped or starting
-        one is waited for, started first if stopped (`on_demand`, where the core offers
-        it, decides); (503, None) when it does not come up."""
-        if self._upstream.base_url is None and self.on_demand is not None:
-            t0 = time.perf_counter()
-            await self.on_demand()
-            if self._upstream.base_url is not None:
-                return None, (time.perf_counter() - t0) * 1000
-        return self._not_ready(), None
+    async def _admit_one(self, _decision: Decision) -> Route:
+        """The admission of a proxy made alone: its one upstream, when it is ready."""
+        if self._upstream.base_url is None:
+            state = self._server_state()
+            error = f"Warmslot: llama-server is not ready (state: {state}); retry shortly"
+            return Route(status=503, error=error, retry_after=2)
+        return Route(upstream=self._upstream, policy=self.policy)
 
     def _not_ready(self) -> web.Response | None:
         if self._upstream.base_url is not None:
@@ -568,11 +564,6 @@ class Proxy:
             validate(endpoint, body, self._n_slots())
         except Invalid as e:
             return invalid_response(endpoint, e)
-        load_ms: float | None = None
-        if self.admit is None:
-            err, load_ms = await self._ready_or_start()
-            if err is not None:
-                return err
         # Header values that are not text (non-UTF-8 bytes, which aiohttp passes on as
         # lone surrogates) become U+FFFD here, before any of them reaches the router's
         # Decision, a session key, an event or the telemetry database (issue 19).
@@ -629,10 +620,6 @@ class Proxy:
             req.response_headers["X-Warmslot-Edited"] = ",".join(edits)
         req.chat = chat  # None also for a chat body that failed to convert (fail-open)
         del raw  # req.raw_body holds it while it is needed
-        if load_ms is not None:  # this request started llama-server and waited for it
-            req.response_headers["X-Warmslot-Load-Ms"] = f"{load_ms:.0f}"
-        if self.admit is None:
-            return await self._prepare_and_forward(request, req, generation, t0)
         route = await self.admit(decision)
         if route.error:
             retry = {"Retry-After": str(route.retry_after)} if route.retry_after else None
@@ -644,7 +631,9 @@ class Proxy:
                 headers=retry,
             )
         req.model, req.upstream, req.policy = route.model, route.upstream, route.policy
-        if route.model or not decision.backend:  # a pooled model's name
+        if route.load_ms is not None:  # its server started (or loaded) for it first
+            req.response_headers["X-Warmslot-Load-Ms"] = f"{route.load_ms:.0f}"
+        if route.model:  # a pooled model's name
             req.response_headers["X-Warmslot-Model"] = route.model
         if decision.backend:  # several backends: which one served it
             req.response_headers["X-Warmslot-Backend"] = decision.backend

@@ -105,12 +105,14 @@ class Route:
     upstream: Upstream | None = None
     policy: CachePolicy | None = None
     release: Callable[[], None] | None = None  # call once the response is complete
+    load_ms: float | None = None  # how long it waited for its server to come up
     status: int = 200
     error: str = ""
     retry_after: int | None = None
 
 
-# A model pool's admission: load the decided model, count the request in flight.
+# The admission (`core.models.servers.ServerSet.route`): bring up the decided server,
+# count the request in flight.
 Admit = Callable[[Decision], Awaitable[Route]]
 
 

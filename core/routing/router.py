@@ -12,9 +12,10 @@ the request's ``model`` field picks the target (unknown names go to the primary,
 or are refused when ``pool.strict_models`` is set), and a side call addressed to
 the primary goes to the pool's ``side`` profile when ``pool.side_calls`` is on.
 
-With several backends for the primary model (``[[backends]]``), the Decision also
-names the backend: the router asks the backend chooser (`core.routing.choice`'s rule,
-by session, kind and the stable prefix's affinity key) and takes its upstream.
+With several backends for the primary model (``[[backends]]``, alone or beside
+``[[models]]``), a Decision for the primary model also names the backend: the router
+asks the backend chooser (`core.routing.choice`'s rule, by session, kind and the stable
+prefix's affinity key) and takes its upstream.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ class Router:
         ):
             target, routed = side, True
             why = f"{why}; sent to the side model {side.name!r}"
-        if self._backend is not None:
+        if self._backend is not None and target.primary:  # the primary model's backends
             key = affinity_key(client, chat.body) if chat is not None and kind is Kind.AGENT else ""
             pick, upstream = self._backend(session, kind is Kind.SIDE, key)
             return Decision(

@@ -15,6 +15,7 @@ from core.events import Event, ModelEvent
 from core.models import arbiter
 from core.models.pool import ModelPool, ModelUnavailable
 from core.models.profiles import MIB, Footprint, Profile
+from core.models.servers import ServerSet
 from core.routing.router import Decision, Refused
 from core.server.supervisor import ServerState
 from core.server.upstream import Upstream
@@ -148,13 +149,15 @@ def make_pool(level: list[str]) -> tuple[ModelPool, FakeClock, list[ModelEvent]]
         policy=None,
         emit=emit,
         paths=None,
+        stopping=False,
+        subscribe=lambda *_a, **_k: lambda: None,
     )
 
     def factory(p: Profile) -> Any:
         return FakeServer(p.name)
 
     pool = ModelPool(
-        core,
+        ServerSet(core),
         server_factory=factory,
         budget=arbiter.Budget((), 9 * GIB),
         pressure_level=lambda: level[0],
@@ -181,19 +184,20 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
         pool, clock, events = make_pool(level)
         # the primary (4 GiB) and the side model (2 GiB) fit; then the 4 GiB chat model
         # needs room: the idle side model goes (lower priority), not the primary.
-        r = await pool.route(req(pool, "coder"))
+        r = await pool.servers.route(req(pool, "coder"))
         assert r.upstream is not None and r.upstream.base_url == "http://fake/coder"
         assert r.release is not None
         r.release()
-        side = await pool.route(req(pool, "anything", tools=None))  # unknown → primary → side call?
+        # unknown → primary → side call?
+        side = await pool.servers.route(req(pool, "anything", tools=None))
         assert side.model == "coder"  # a plain user turn is not a side call
         assert side.release is not None
         side.release()
-        title = await pool.route(req(pool, "titles"))
+        title = await pool.servers.route(req(pool, "titles"))
         assert title.release is not None
         title.release()
         await clock.advance(10)
-        chat = await pool.route(req(pool, "chat"))
+        chat = await pool.servers.route(req(pool, "chat"))
         assert chat.model == "chat"
         kinds = [(e.kind, e.model) for e in events]
         assert ("unload", "titles") in kinds and ("unload", "coder") not in kinds
@@ -201,11 +205,12 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
         assert admit.numbers["unload"][0]["model"] == "titles"
         assert admit.numbers["budget"]["ram_mib"] == 9216.0
         # embed (priority 50) does not fit next to coder (100) and chat (80, in flight)
-        emb = await pool.route(req(pool, "embed"))
+        emb = await pool.servers.route(req(pool, "embed"))
         assert emb.status == 503 and "higher priority" in emb.error
         assert chat.release is not None
         chat.release()
-        title = await pool.route(req(pool, "titles"))  # 4 + 4 + 2 > 9: chat (idle, 80 ≥ 20)? no:
+        # 4 + 4 + 2 > 9: chat (idle, 80 ≥ 20)? no:
+        title = await pool.servers.route(req(pool, "titles"))
         assert title.status == 503  # a side model may not push out higher priorities
         # idle TTLs: chat (text, 1800 s); the primary never
         await clock.advance(1799)
@@ -216,7 +221,7 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
         assert "TTL of 1800 s" in done[0].reason
         assert pool.primary.loaded
         # in flight: never unloaded, even under critical pressure
-        busy = await pool.route(req(pool, "chat"))
+        busy = await pool.servers.route(req(pool, "chat"))
         level[0] = "critical"
         await clock.advance(5000)
         assert await pool.sweep() == []  # chat busy; primary never for pressure or TTL
@@ -240,9 +245,9 @@ def test_pool_swaps_by_priority_idle_ttl_and_pressure() -> None:
 def test_refusal_is_a_503_with_retry_after_and_strict_unknown_is_404() -> None:
     async def scenario() -> None:
         pool, _clock, events = make_pool(["nominal"])
-        first = await pool.route(req(pool, "coder"))
-        second = await pool.route(req(pool, "chat"))  # 8 GiB in use, both busy
-        r = await pool.route(req(pool, "embed"))  # 2 GiB more does not fit, nothing may go
+        first = await pool.servers.route(req(pool, "coder"))
+        second = await pool.servers.route(req(pool, "chat"))  # 8 GiB in use, both busy
+        r = await pool.servers.route(req(pool, "embed"))  # 2 GiB more does not fit, nothing may go
         assert r.status == 503 and r.retry_after and "in use" in r.error
         assert events[-1].kind == "refuse"
         with pytest.raises(ModelUnavailable):
@@ -262,12 +267,12 @@ def test_refusal_is_a_503_with_retry_after_and_strict_unknown_is_404() -> None:
 def test_side_calls_go_to_the_side_profile_and_are_counted() -> None:
     async def scenario() -> None:
         pool, _clock, _events = make_pool(["nominal"])
-        agent = await pool.route(req(pool, "coder", tools=[{"type": "function"}]))
+        agent = await pool.servers.route(req(pool, "coder", tools=[{"type": "function"}]))
         assert agent.model == "coder" and agent.release is not None
         agent.release()
         marked = req(pool, "coder", aux=True)
         assert marked.routed_to_side and marked.model == "titles"
-        aux = await pool.route(marked)
+        aux = await pool.servers.route(marked)
         assert aux.model == "titles"
         assert aux.release is not None
         aux.release()

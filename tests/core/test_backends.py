@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from core import config
+from core.clock import RealClock
 from core.errors import ConfigError
 from core.events import ServerStateChanged
 from core.models.backends import BackendSet, server_settings
+from core.models.servers import ServerSet
 from core.proxy.metrics import Counters, Metrics
 from core.routing.choice import Affinity, BackendView, affinity_key
 from core.routing.router import Decision, Kind, Router, Target
@@ -223,15 +225,15 @@ def test_invalid_backend_tables_are_refused(tables: list[dict[str, object]], wor
         config.settings_from_dict({"backends": tables})
 
 
-def test_backends_with_models_or_workers_are_refused() -> None:
-    with pytest.raises(ConfigError, match="cannot be combined"):
+def test_backends_with_workers_are_refused_with_models_accepted() -> None:
+    with pytest.raises(ConfigError, match="cannot be combined with \\[\\[workers\\]\\]"):
         config.settings_from_dict(
             {"backends": [{"name": "b"}], "workers": [{"address": "127.0.0.1"}]}
         )
-    with pytest.raises(ConfigError, match="cannot be combined"):
-        config.settings_from_dict(
-            {"backends": [{"name": "b"}], "models": [{"name": "m", "role": "text"}]}
-        )
+    s = config.settings_from_dict(
+        {"backends": [{"name": "b"}], "models": [{"name": "m", "role": "text"}]}
+    )
+    assert [b.name for b in s.backends] == ["b"] and [m.name for m in s.models] == ["m"]
 
 
 # ------------------------------------------------------------------ the backend set
@@ -256,6 +258,8 @@ class _Host:
         self.supervisor = _Server()
         self.upstream = Upstream(lambda: "http://127.0.0.1:9")
         self.policy = None
+        self.clock = RealClock()
+        self.stopping = False
         self.events: list[object] = []
         self.subscribers: list[object] = []
 
@@ -274,7 +278,8 @@ def _set() -> tuple[_Host, BackendSet]:
         {"backends": [{"name": "far", "url": "http://127.0.0.1:9"}]}
     )
     host = _Host(settings)
-    return host, BackendSet(host)  # type: ignore[arg-type]
+    servers = ServerSet(host)  # type: ignore[arg-type]
+    return host, BackendSet(servers, lambda: settings.server)
 
 
 def _decision(backends: BackendSet, session: str, key: str = "K") -> Decision:
@@ -300,14 +305,14 @@ def test_the_primary_leaving_ready_moves_its_sessions() -> None:
 async def test_admission_counts_and_refuses_a_backend_that_is_not_ready() -> None:
     _, backends = _set()
     d = _decision(backends, "s1")  # main: the remote is not checked yet
-    route = await backends.route(d)
+    route = await backends.servers.route(d)
     assert route.error == "" and route.upstream is backends.backends["main"].upstream
     assert backends.backends["main"].inflight == 1
     assert route.release is not None
     route.release()
     assert backends.backends["main"].inflight == 0
     far = Decision("", None, Kind.AGENT, "test", "s9", "x", False, "far")
-    refused = await backends.route(far)
+    refused = await backends.servers.route(far)
     assert refused.status == 503 and "backend 'far' is not ready" in refused.error
     rows = {r["name"]: r for r in backends.status()["backends"]}
     assert rows["main"]["calls"] == {"agent": 1, "aux": 0} and not rows["far"]["ready"]
