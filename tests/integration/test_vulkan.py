@@ -10,8 +10,9 @@ the build lists no Vulkan device. It checks, on the device:
 * the layers are on the device: Warmslot launches with llama.cpp's placement
   (llama-fit-params' ``-ngl``, ``--fit off``);
 * the restore path: save, restore, verify with the known-answer probe — the mutation suite of
-  tests/integration/test_restore_mutations.py (22 mutations, none accepted) and 20 good
+  tests/integration/test_restore_mutations.py (20 mutations, none accepted) and 20 good
   restores verified, with the probe's largest log-prob deviation printed (run with ``-s``);
+  lavapipe restores bit for bit, so the probe keeps the CPU's tolerance of 0;
 * a tiny MoE model whose experts do not fit under a ``--fit-target``: ``warmslot fit`` shows
   llama.cpp moving expert tensors to the CPU, and the launch uses that placement.
 """
@@ -38,6 +39,7 @@ from core.paths import Paths
 from core.server.tinymodel import make_tiny_model, make_tiny_moe_model
 from tests.conftest import settings_for
 from tests.conftest import test_cache as cache_dir
+from tests.helpers import wait_until
 from tests.integration.test_restore_mutations import (
     MUTATIONS,
     Rig,
@@ -125,6 +127,8 @@ def vulkan_rig(
         400,
         server__cache_ram_mib=0,  # the RAM cache would hide the restored state
         server__binary=str(binary),
+        # llama.cpp logs where each buffer went (load_tensors, llama_kv_cache) at level 4.
+        server__extra_args=["-lv", "4"],
     )
 
 
@@ -143,9 +147,23 @@ def test_layers_run_on_the_device_with_llamas_placement(vulkan_rig: Rig) -> None
     # The tiny model fits whole: llama.cpp says -1 ("auto": every layer and the output head).
     assert _flag(argv, "-ngl") == plan.placement.ngl == "all"
     assert _flag(argv, "--fit") == "off"
+    # ... and llama-server put them there: every layer, the weights and the KV cache on Vulkan0
+    # (without GGML_VK_VISIBLE_DEVICES it skips lavapipe and loads all of it on the CPU).
+    log = vulkan_rig.core.paths.server_log
+    text = wait_until(
+        lambda: (t := log.read_text("utf-8", "replace")) and "KV buffer size" in t and t,
+        60,
+        message=f"llama-server's buffer lines in {log}",
+    )
+    offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", text)
+    assert offloaded and offloaded[1] == offloaded[2], offloaded
+    assert re.search(r"Vulkan0 model buffer size = +[\d.]+ MiB", text)
+    assert re.search(r"Vulkan0 KV buffer size = +[\d.]+ MiB", text)
+    print("\n".join(ln for ln in text.splitlines() if re.search(r"offloaded|Vulkan0 .*buffer", ln)))
 
 
 def test_restore_mutations_are_rejected_on_vulkan(vulkan_rig: Rig) -> None:
+    assert len(MUTATIONS) >= 20
     t0 = time.monotonic()
     outcome = _mutation_round(vulkan_rig, MUTATIONS, seed=27)
     print("\n" + _report("vulkan (lavapipe)", outcome) + f"\n  {time.monotonic() - t0:.0f} s")
