@@ -41,13 +41,15 @@ from core.status import CacheStatus, EvictResult, PinResult, RewarmResult, Saved
 
 if TYPE_CHECKING:
     from core.cache import prefix as pfx
+    from core.cache.idle import IdleRelease
     from core.cache.keepalive import KeepAlive
     from core.cache.retention import Retention
     from core.cache.state import CacheState
 
 
 class Managed(Protocol):
-    """A model's cache manager as the sweeps see it: its name, keep-alive and retention."""
+    """A model's cache manager as the sweeps see it: its name, keep-alive, retention and
+    idle-session release."""
 
     @property
     def model(self) -> str: ...  # the model profile's name; "" for the primary server
@@ -55,6 +57,8 @@ class Managed(Protocol):
     def keepalive(self) -> KeepAlive: ...
     @property
     def retention(self) -> Retention: ...
+    @property
+    def idle_release(self) -> IdleRelease: ...
 
 
 __all__ = [
@@ -125,7 +129,7 @@ class Background:
 
     async def release_idle(self) -> Outcome:
         """Every model's idle-session release."""
-        return await _each(self._managers(), lambda m: m.retention.sweep_idle())
+        return await _each(self._managers(), lambda m: m.idle_release.sweep())
 
     async def keepalive(self) -> Outcome:
         """Every model's keep-alive."""

@@ -50,7 +50,7 @@ from core.cache.conversation_pick import MIN_GAIN_TOKENS, choose, read_tokens
 from core.cache.fingerprint import fingerprint
 from core.cache.learner import chat_of, render_body, renderable
 from core.cache.probe import probe_reference, probe_request, wait_quiet
-from core.cache.retention import save_problem
+from core.cache.saving import save_problem
 from core.cache.store import StateRecord, file_sha256
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEventKind

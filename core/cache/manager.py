@@ -32,6 +32,7 @@ from core.cache.boot import BootRewarm
 from core.cache.conversations import Conversations
 from core.cache.deps import CacheDeps, EngineParts, deps_from
 from core.cache.explain import Explainer, format_recent
+from core.cache.idle import IdleRelease
 from core.cache.inventory import format_inventory, warmth
 from core.cache.keepalive import KeepAlive
 from core.cache.learner import PrefixLearner, chat_of
@@ -120,9 +121,9 @@ class CacheManager:
         self.boot = BootRewarm(state.emit, self.clock.time)  # progress of the boot re-warm
         # Background work: the engine's scheduler runs this manager's retention and
         # keep-alive (core.cache.background).
-        self.retention = Retention(
-            state, ops, self.save_conversation, slot_dir=deps.slot_dir, peers=deps.peers
-        )
+        self.retention = Retention(state, ops, slot_dir=deps.slot_dir, peers=deps.peers)
+        # Sessions idle past their TTL give up their slot (core.cache.idle).
+        self.idle_release = IdleRelease(state, ops, self.retention, self.save_conversation)
         self.keepalive = KeepAlive(state, ops)
         # Whole conversations saved and restored (core.cache.conversations).
         self.conversations = Conversations(state, ops, self.retention, self._spawn)

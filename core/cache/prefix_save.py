@@ -36,7 +36,7 @@ from core.cache import prefix as pfx
 from core.cache.conversation_pick import read_tokens
 from core.cache.fingerprint import state_filename
 from core.cache.probe import REFERENCE_TRIES, probe_reference, probe_request
-from core.cache.retention import save_problem
+from core.cache.saving import save_problem
 from core.cache.store import StateRecord, file_sha256
 from core.errors import UpstreamError
 from core.events import CacheEventKind

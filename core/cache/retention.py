@@ -54,12 +54,8 @@ Files without a row or journal entry are never touched, whatever their name.
 Every deletion is a ``CacheEvent`` of kind ``evicted`` with the file, bytes,
 age and reason.
 
-**Idle sessions**: a session whose slot has been untouched longer than its
-class's TTL (under critical memory pressure: the short TTL) gets its stable
-prefix saved (when the disk tier is usable and persisting is not paused) and
-its slot pin released, so another session can have the slot. A returning
-session gets a slot again and its prefix restored from disk (verified) or
-still warm. Every release is an ``evicted`` event with the reason.
+**Idle sessions** are released after their class's TTL (`session_limit`) by
+`core.cache.idle`.
 """
 
 from __future__ import annotations
@@ -68,20 +64,17 @@ import contextlib
 import errno
 import logging
 import shutil
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, cast
-
-import sqlite_utils
-from sqlite_utils.db import Table
+from typing import TYPE_CHECKING, Any
 
 from core.cache.retention_plan import MIB, Eviction, Plan, human_age, plan_disk_sweep
-from core.cache.store import StateRecord, card_name, migrations, safe_name
+from core.cache.saving import SaveBackoff, WriteJournal
+from core.cache.store import StateRecord, card_name, safe_name
 from core.config import TTL_CLASSES, CacheSettings
 from core.events import CacheEvent, CacheEventKind
 from core.machine.sweeps import Outcome
-from core.status import BackoffRow, CacheStatus
+from core.status import CacheStatus
 
 if TYPE_CHECKING:
     from core.cache.deps import HasRetention
@@ -91,16 +84,12 @@ if TYPE_CHECKING:
 __all__ = [
     "TTL_CLASSES",
     "Eviction",
-    "JournalRow",
     "Plan",
     "Retention",
-    "SaveBackoff",
-    "WriteJournal",
     "class_for",
     "default_cap_bytes",
     "human_age",
     "plan_disk_sweep",
-    "save_problem",
     "ttl_seconds",
 ]
 
@@ -108,8 +97,6 @@ log = logging.getLogger("warmslot.cache")
 
 DEFAULT_CAP_SHARE = 0.10  # cache.disk_cap_mb = 0: this share of the free disk at start
 UNFINISHED_GRACE_S = 600.0  # a journaled save older than this that never got a row failed
-SAVE_BACKOFF_FIRST_S = 30.0  # after a failed save, the prefix is not saved again for this long,
-SAVE_BACKOFF_MAX_S = 1800.0  # doubling per further failure up to this
 SIZE_SLACK = 0
 # A state's record (its row as JSON beside it: the token list and the probe's answer) is
 # written once the state is indexed; until then it counts as this much (measured: 6.3
@@ -146,143 +133,15 @@ def default_cap_bytes(directory: Path, share: float = DEFAULT_CAP_SHARE) -> int:
     return int(shutil.disk_usage(path).free * share)
 
 
-# ---------------------------------------------------------------------------- journal
-class JournalRow(TypedDict):
-    """A save in flight (a row of ``state_writes``)."""
-
-    filename: str
-    identity: str  # the server identity whose directory it is written into
-    started: float  # when it was begun (the journal's clock)
-
-
-class WriteJournal:
-    """Saves in flight: a row before the server is asked to write, removed when done.
-
-    A row left behind (Warmslot or the server died mid-save) marks a file we
-    wrote but never indexed: the retention sweep deletes it. The states index
-    itself only ever gets rows for finished, hashed files.
-    """
-
-    def __init__(self, db: sqlite_utils.Database, clock: Callable[[], float]) -> None:
-        self.db = db
-        self.clock = clock
-        migrations.apply(db)  # the cache index's (core.cache.store)
-
-    @property
-    def table(self) -> Table:
-        return cast(Table, self.db["state_writes"])
-
-    def begin(self, identity: str, filename: str) -> None:
-        self.table.upsert(
-            {"filename": filename, "identity": identity, "started": self.clock()}, pk="filename"
-        )
-
-    def end(self, filename: str) -> None:
-        self.table.delete_where("filename = ?", [filename])
-
-    @contextlib.contextmanager
-    def writing(self, identity: str, filename: str) -> Iterator[None]:
-        """Journal a save; the entry stays only if the block raises (or we die in it)."""
-        self.begin(identity, filename)
-        yield
-        self.end(filename)
-
-    def pending(self) -> list[JournalRow]:
-        """The saves begun and not ended, oldest first."""
-        return [
-            JournalRow(
-                filename=str(r["filename"]), identity=str(r["identity"]), started=r["started"]
-            )
-            for r in self.table.rows_where(order_by="started")
-        ]
-
-
-# ---------------------------------------------------------------------------- save checks
-def save_problem(saved: Mapping[str, object], expected_tokens: int, path: Path) -> str | None:
-    """What is wrong with a save the server answered with success, or None.
-
-    `saved` is the server's answer (``n_saved``, and ``n_written`` on servers that report
-    it), `path` the file it should have written. A disk that fills up can lose the last
-    buffered bytes when the server closes the file, without an error: the size check
-    catches that."""
-    n_saved = saved.get("n_saved")
-    if not isinstance(n_saved, int) or n_saved != expected_tokens:
-        return f"the server saved {n_saved} tokens of the {expected_tokens}-token prefix"
-    try:
-        size = path.stat().st_size if path.is_file() else None
-    except OSError as e:
-        return f"the saved file cannot be read: {e}"
-    if size is None:
-        return f"the server reported saving {n_saved} tokens but left no file {path.name}"
-    written = saved.get("n_written")
-    if isinstance(written, int) and written > 0 and size != written:
-        return f"the file holds {size} bytes but the server reported writing {written} (disk full?)"
-    return None
-
-
-# ---------------------------------------------------------------------------- save backoff
-@dataclass
-class _Backoff:
-    failures: int
-    until: float
-    reason: str
-
-
-class SaveBackoff:
-    """Per-prefix backoff after failed saves: `first` seconds, doubling per failure up to
-    `cap`, forgotten after a success. Keyed by prefix fingerprint."""
-
-    def __init__(
-        self,
-        clock: Callable[[], float],
-        first: float = SAVE_BACKOFF_FIRST_S,
-        cap: float = SAVE_BACKOFF_MAX_S,
-    ) -> None:
-        self.clock = clock
-        self.first = first
-        self.cap = cap
-        self._state: dict[str, _Backoff] = {}
-
-    def allows(self, fp: str) -> bool:
-        """Whether a save of this prefix may be tried now."""
-        b = self._state.get(fp)
-        return b is None or self.clock() >= b.until
-
-    def failed(self, fp: str, reason: str) -> tuple[int, float]:
-        """Record a failure; returns (failures in a row, seconds until the next try)."""
-        prev = self._state.get(fp)
-        n = (prev.failures if prev else 0) + 1
-        delay = min(self.cap, self.first * 2 ** (n - 1))
-        self._state[fp] = _Backoff(n, self.clock() + delay, reason)
-        return n, delay
-
-    def succeeded(self, fp: str) -> None:
-        self._state.pop(fp, None)
-
-    def status(self) -> list[BackoffRow]:
-        """Prefixes whose saves are backing off now, for the cache status."""
-        now = self.clock()
-        return [
-            {
-                "fingerprint": fp[:16],
-                "failures": b.failures,
-                "retry_in_s": round(b.until - now, 1),
-                "reason": b.reason,
-            }
-            for fp, b in self._state.items()
-            if b.until > now
-        ]
-
-
 # ---------------------------------------------------------------------------- the sweeps
 class Retention:
-    """The disk retention sweep and the idle-session sweep of one cache manager."""
+    """The disk retention sweep of one cache manager, and the TTLs its sessions and saved
+    states live by."""
 
     def __init__(
         self,
         state: CacheState,
         ops: SlotOps,
-        save_conversation: Callable[[int, str], Awaitable[str]],
         *,
         slot_dir: Path,
         free_disk_cap: int | None = None,
@@ -290,8 +149,6 @@ class Retention:
     ) -> None:
         self.state = state
         self.ops = ops
-        # Saves the conversation a slot holds (core.cache.conversations): what happened.
-        self._save_conversation = save_conversation
         # Every model's cache manager (this one's too, or not): their states share the
         # index and the cap (`make_room` protects what they hold, as the sweep does).
         self._peers = peers
@@ -672,72 +529,6 @@ class Retention:
         if self.state.pressure.release_idle_first:
             limit = min(limit, self.ttl("short"))
         return limit
-
-    async def sweep_idle(self) -> Outcome:
-        state = self.state
-        now = self.clock.monotonic()
-        released: list[str] = []
-        for st in state.slots.slots:
-            if not st.session or st.inflight or self.ops.lock(st.id).locked():
-                continue
-            cls = self.session_class(st.id, st.last_kind)
-            limit = self.session_limit(cls)
-            idle = now - st.last_used
-            if idle < limit:
-                continue
-            saved = self._save_for_release(st.prefix_fp, st.id)
-            # The conversation beyond the prefix too, before another session may take
-            # the slot (under the slot's lock; milliseconds, core.cache.conversations).
-            session = st.session
-            conversation = await self._save_conversation(st.id, "idle release")
-            if st.inflight or st.session != session:
-                continue  # the session came back while it was being saved
-            if conversation:
-                saved = f"{saved}; {conversation}"
-            state.slots.release(session)
-            why = (
-                f"conversation idle {human_age(idle)} ≥ {cls} TTL {human_age(self.ttl(cls))}"
-                if limit == self.ttl(cls)
-                else f"conversation idle {human_age(idle)} and memory pressure is critical "
-                f"({state.pressure.why}): idle sessions are released first"
-            )
-            self._emit(
-                CacheEventKind.EVICTED,
-                f"{why}: slot {st.id} released for other sessions; {saved}",
-                fingerprint=st.prefix_fp[:16],
-                slot=st.id,
-                tokens=st.tokens_hint or None,
-                details={
-                    "rule": "idle_session",
-                    "session": session,
-                    "idle_s": round(idle, 1),
-                    "ttl_class": cls,
-                    "saved": saved,
-                    "conversation": conversation,
-                },
-            )
-            released.append(session)
-        return Outcome(len(released), {"released": released})
-
-    def _save_for_release(self, fp: str, slot: int) -> str:
-        """Make sure the session's stable prefix is on disk (from `slot`, which holds it,
-        where that needs no prefill: core.cache.prefix_save); say what happened."""
-        state = self.state
-        info = state.by_fp.get(fp) if fp else None
-        if info is None:
-            return "no stable prefix to save"
-        if not state.disk.usable:
-            return f"not saved: {state.disk.reason}"
-        if state.store.for_fingerprint(fp) is not None:
-            return "its prefix is already saved on disk"
-        if fp in self.ops.persisting:
-            return "its prefix is being saved"
-        if not state.pressure.allows_persist():
-            return f"not saved: {state.pressure.paused()['persist']}"
-        if not self.save_backoff.allows(fp):
-            return "not saved: its last save failed, the next try waits (save backoff)"
-        self.ops.persist_soon(info, slot)
-        return "saving its prefix to disk"
 
     # ------------------------------------------------------------------ status
     def expiry(self, rec: StateRecord, now: float) -> float | None:

@@ -20,7 +20,7 @@ word alone. A file without a record (a save that never finished) is never adopte
 The same migrations also create the ``prefixes`` table — the definitions of
 learned prefixes (their tokens), kept with or without a disk tier so that a
 restart can re-warm them (see `core.cache.definitions`) — and the write journal
-``state_writes`` (`core.cache.retention.WriteJournal`).
+``state_writes`` (`core.cache.saving.WriteJournal`).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def m005_state_owner(db: sqlite_utils.Database) -> None:
 
 @migrations()
 def m006_state_writes(db: sqlite_utils.Database) -> None:
-    """The write journal (core.cache.retention.WriteJournal): saves in flight. Made by
+    """The write journal (core.cache.saving.WriteJournal): saves in flight. Made by
     the migration set "warmslot.retention" while the index lived in the history."""
     cast(Table, db["state_writes"]).create(
         {"filename": str, "identity": str, "started": float}, pk="filename"

@@ -254,8 +254,6 @@ def test_the_tray_does_not_import_the_command_line() -> None:
 OVERSIZE = {
     "core/proxy/app.py",
     "core/engine.py",
-    "core/cache/retention.py",
-    "core/cache/conversations.py",
     "core/chat.py",
 }
 MAX_LINES = 600

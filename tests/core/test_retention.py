@@ -280,9 +280,9 @@ async def test_idle_conversation_is_saved_and_released_after_its_ttl(tmp_path: P
     mgr.state.by_fp[info.fingerprint] = info
     _session(mgr, 0, "ses-a", info.fingerprint)
     await core.clock.advance(3599)
-    assert (await mgr.retention.sweep_idle()).actions == 0
+    assert (await mgr.idle_release.sweep()).actions == 0
     await core.clock.advance(1)
-    out = await mgr.retention.sweep_idle()
+    out = await mgr.idle_release.sweep()
     assert out.details["released"] == ["ses-a"]
     assert "ses-a" not in mgr.state.slots.sessions and mgr.state.slots.slots[0].session == ""
     (ev,) = evicted(core)
@@ -305,7 +305,7 @@ async def test_idle_release_without_disk_tier_says_why(tmp_path: Path) -> None:
     mgr.state.by_fp[info.fingerprint] = info
     _session(mgr, 0, "ses-a", info.fingerprint)
     await core.clock.advance(3600)
-    await mgr.retention.sweep_idle()
+    await mgr.idle_release.sweep()
     (ev,) = evicted(core)
     assert "not saved: sliding-window" in ev.reason
     assert not mgr._jobs
@@ -316,7 +316,7 @@ async def test_busy_session_is_never_released(tmp_path: Path) -> None:
     _session(mgr, 0, "ses-a")
     mgr.state.slots.slots[0].inflight = 1
     await core.clock.advance(10 * 3600)
-    assert (await mgr.retention.sweep_idle()).actions == 0
+    assert (await mgr.idle_release.sweep()).actions == 0
 
 
 async def test_critical_pressure_releases_idle_sessions_first(tmp_path: Path) -> None:
@@ -329,9 +329,9 @@ async def test_critical_pressure_releases_idle_sessions_first(tmp_path: Path) ->
 
     mgr.state.pressure.causes = (Cause("RAM", "critical", 3.0, 5.0, "available"),)
     await core.clock.advance(299)
-    assert (await mgr.retention.sweep_idle()).actions == 0
+    assert (await mgr.idle_release.sweep()).actions == 0
     await core.clock.advance(1)
-    assert (await mgr.retention.sweep_idle()).actions == 1  # short TTL, not long
+    assert (await mgr.idle_release.sweep()).actions == 1  # short TTL, not long
     (ev,) = evicted(core)
     assert "memory pressure is critical (RAM critical)" in ev.reason
     assert "not saved: persisting new state paused: RAM critical" in ev.reason

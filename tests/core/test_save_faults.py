@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.cache.retention import SaveBackoff, save_problem
+from core.cache.saving import SaveBackoff, save_problem
 
 
 def test_a_save_check_says_what_really_failed(tmp_path: Path) -> None:

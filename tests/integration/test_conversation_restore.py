@@ -194,7 +194,7 @@ def test_conversation_survives_an_idle_release(
     mgr = cache_manager(core)
 
     def released() -> bool:
-        out = core.submit(mgr.retention.sweep_idle()).result(60)
+        out = core.submit(mgr.idle_release.sweep()).result(60)
         return "conv-a" in out.details["released"]
 
     wait_until(released, 120, interval=1.0, message="conv-a released for idleness")
