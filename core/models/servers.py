@@ -207,8 +207,8 @@ class ServerSet:
             return url if e.remote_ok else None
 
         upstream = Upstream(base_url, name=backend, api_key=lambda: api_key or None)
-        e = Server(name, upstream, model=self.primary.model, backend=backend, url=url)
-        e.what = f"backend {backend!r}"
+        what = f"backend {backend!r}"
+        e = Server(name, upstream, model=self.primary.model, backend=backend, what=what, url=url)
         return self.add(e)
 
     def supervisor(
@@ -286,7 +286,7 @@ class ServerSet:
             model=e.model, upstream=e.upstream, policy=e.policy, release=release, load_ms=load_ms
         )
 
-    async def start_on_demand(self, e: Server, _d: Decision | None = None) -> Route | None:
+    async def start_on_demand(self, e: Server, _d: Decision) -> Route | None:
         """Wait for `e`'s llama-server on behalf of a request that came while it was not
         ready: start it if it is stopped (``server.start_on_request``), then wait until
         it is ready, failed, or ``server.start_timeout_s`` passed. Concurrent requests
@@ -353,8 +353,7 @@ class ServerSet:
     async def close(self) -> None:
         """Stop every entry but the primary (the engine stops the primary): its cache
         saves what it must, then its server stops and its HTTP session closes."""
-        for task in list(self._demand.values()):
-            task.cancel()
+        self.cancel_starts()
         for e in self.entries.values():
             if e.primary:
                 continue
