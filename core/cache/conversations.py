@@ -100,6 +100,19 @@ class SaveSize(SaveTimes):
     bytes: int
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """What `Conversations.restore_for` did for a request: whether its slot now holds the
+    saved conversation it continues, and what its ``X-Warmslot-Conversation`` header says
+    ("" for nothing: core.proxy.headers renders it from the request's plan)."""
+
+    restored: bool = False
+    header: str = ""
+
+
+NOT_RESUMED = Resumed()
+
+
 @dataclass
 class _Saved:
     session: str
@@ -483,13 +496,14 @@ class Conversations:
 
     async def restore_for(
         self, req: ProxyRequest, info: pfx.PrefixInfo, slot: int, session: str
-    ) -> bool:
+    ) -> Resumed:
         """Before a request runs: restore (verified) the saved conversation it continues
-        into `slot`; False when none applies or anything failed (the prefix path follows)."""
+        into `slot`; not restored when none applies or anything failed (the prefix path
+        follows)."""
         try:
             return await self._restore_for(req, info, slot, session)
         except VerificationFailed:
-            return False  # recorded (restore_rejected) and deleted by `restore`
+            return NOT_RESUMED  # recorded (restore_rejected) and deleted by `restore`
         except Exception as e:  # fail open: the request goes on as it would have
             log.exception("restoring a conversation for slot %d failed", slot)
             self.state.emit(
@@ -499,20 +513,20 @@ class Conversations:
                 slot=slot,
                 state=KIND,
             )
-            return False
+            return NOT_RESUMED
 
     async def _restore_for(
         self, req: ProxyRequest, info: pfx.PrefixInfo, slot: int, session: str
-    ) -> bool:
+    ) -> Resumed:
         m = self.state
         st = m.slots.slots[slot]
         if self._usable() or st.inflight or not renderable(req):
-            return False
+            return NOT_RESUMED
         if st.tokens_hint and st.session_of_last == session:
-            return False  # its own conversation is in the slot: the server reuses it
+            return NOT_RESUMED  # its own conversation is in the slot: the server reuses it
         cands = self.candidates(session, info.fingerprint)
         if not cands:
-            return False
+            return NOT_RESUMED
         client = m.client
         assert client is not None
         rendered = await client.apply_template(render_body(chat_of(req)))
@@ -535,11 +549,11 @@ class Conversations:
                     slot=slot,
                     state=KIND,
                 )
-                req.response_headers["X-Warmslot-Conversation"] = skipped.header
-            return False
+                return Resumed(False, skipped.header)
+            return NOT_RESUMED
         async with self.ops.lock(slot):
             if st.inflight:
-                return False
+                return NOT_RESUMED
             await self.ops.restore(choice.rec, slot)
         # The slot now holds the conversation, which starts with the stable prefix.
         st.prefix_fp = info.fingerprint
@@ -550,9 +564,6 @@ class Conversations:
         st.last_body = None
         st.head_key = req.chat.head_key if req.chat is not None else ""
         self._saved[slot] = _Saved(session, choice.rec.n_tokens)
-        req.response_headers["X-Warmslot-Conversation"] = (
-            f"restored {choice.match} of {len(prompt)} tokens ({choice.by})"
-        )
         log.info(
             "restored conversation %s into slot %d: %d of %d prompt tokens (by %s)",
             choice.rec.filename,
@@ -561,4 +572,4 @@ class Conversations:
             len(prompt),
             choice.by,
         )
-        return True
+        return Resumed(True, f"restored {choice.match} of {len(prompt)} tokens ({choice.by})")

@@ -29,7 +29,7 @@ from core.cache import background as bg
 from core.cache import boundary, warmup
 from core.cache import prefix as pfx
 from core.cache.boot import BootRewarm
-from core.cache.conversations import Conversations
+from core.cache.conversations import NOT_RESUMED, Conversations
 from core.cache.deps import CacheDeps, EngineParts, deps_from
 from core.cache.explain import Explainer, format_recent
 from core.cache.idle import IdleRelease
@@ -229,11 +229,13 @@ class CacheManager:
         self.boot.claim(slot, info.fingerprint if info is not None else "")
         async with self.ops.lock(slot):  # wait for Warmslot's own work on this slot
             pass
+        resumed = NOT_RESUMED
         if info is not None:
             info.last_used = self.clock.time()  # noted in the index in `completed`
             await self._save_displaced(slot, session)
             # A saved conversation this request continues beats its stable prefix.
-            if not await self.conversations.restore_for(req, info, slot, session):
+            resumed = await self.conversations.restore_for(req, info, slot, session)
+            if not resumed.restored:
                 await self._ensure_slot(info, slot, session)
                 st = self.state.slots.slots[slot]
                 if self.state.disk.rewinds and boundary.needs_mark(
@@ -257,6 +259,7 @@ class CacheManager:
             # From disk and verified (`SlotOps.restore`), not re-warmed.
             restored if what.startswith("restored") else 0,
             warning if warning and (req.has_tools or not side) else "",
+            resumed.header,
         )
 
     def _api_managed(self, req: ProxyRequest) -> bool:

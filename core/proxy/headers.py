@@ -137,6 +137,8 @@ class Planned(Protocol):
     def restored(self) -> int: ...
     @property
     def warning(self) -> str: ...
+    @property
+    def conversation(self) -> str: ...
 
 
 def cache_headers(
@@ -150,7 +152,8 @@ def cache_headers(
     """The ``X-Warmslot-*`` headers of a managed response. Without numbers (an error, a
     stream whose opening had none) the verdict is ``unknown`` and no counts are given.
     The cache's `plan` (None: it left the request alone) names the request's kind, its
-    stable prefix, what was restored for it and the cache's warning."""
+    stable prefix, what was restored for it (a saved conversation too) and the cache's
+    warning."""
     out: dict[str, str] = {}
     if plan is not None:
         out["X-Warmslot-Kind"] = plan.kind.label
@@ -159,6 +162,8 @@ def cache_headers(
             out["X-Warmslot-Warning"] = text.encode("ascii", "replace").decode()[:200]
         if plan.prefix_fp:
             out["X-Warmslot-Prefix"] = f"{plan.prefix_fp[:16]}:{plan.prefix_tokens}"
+        if plan.conversation:
+            out["X-Warmslot-Conversation"] = plan.conversation
     if reuse is None:
         out["X-Warmslot-Cache"] = "unknown"
     else:

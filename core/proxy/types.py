@@ -35,6 +35,7 @@ class SlotPlan:
     prefix_tokens: int = 0  # its length in tokens
     restored: int = 0  # tokens restored from disk (and verified) into the slot for it
     warning: str = ""  # what the cache warns the client of (the chat template drops tools …)
+    conversation: str = ""  # what became of a saved conversation it continues ("" none)
 
 
 @dataclass
