@@ -10,6 +10,13 @@ tokens) is kept in the index (`core.cache.definitions`), so after every server
 prefixes are restored (verified) or prewarmed, without holding up client
 requests (`core.cache.boot`).
 
+The manager is the policy (`prepare`, `completed`) and the composition of the parts:
+what the cache knows of its server is one `CacheState` (core.cache.state), what it does
+to a slot goes through `SlotOps` (core.cache.slot_ops), and warm-up, keep-alive,
+retention, idle release, conversations and prefix saves are handed those two, never the
+manager. `prepare` decides and returns a `SlotPlan`; the proxy renders the response's
+``X-Warmslot-*`` headers from it (core.proxy.headers).
+
 Nothing here may break a request: the proxy catches any exception from
 `prepare` and forwards the request untouched (fail-open). A restored state is
 used only after a known-answer probe proves it: same greedy tokens, log-probs
