@@ -19,9 +19,11 @@ and docs/llama-server-facts.md#slot-file-contents):
 - **Checkpoints** (SWA and recurrent models only) hold the window (or the
   recurrent state) of one sequence and live in host RAM, as does the RAM prompt
   cache (``--cache-ram``).
-- **Disk per saved prefix** (docs/llama-server-facts.md#slot-file-contents):
-  full-attention bytes × N + SWA bytes × min(N, n_swa) + recurrent state + 16 B
-  per token.
+- **Disk per saved state** (docs/llama-server-facts.md#slot-file-contents,
+  `sizing.saved_state_bytes`): (full-attention bytes + 16 B) × N + SWA bytes ×
+  min(N, n_swa + n_ubatch) + recurrent state + each context checkpoint the file holds
+  (a server with Warmslot's checkpoint patch saves them: 2 per request read into the
+  slot, up to ``--ctx-checkpoints``).
 
 Unless pinned, the planner aims for every slot holding the model's trained
 context (at most `MAX_AUTO_CTX`): an agent that declares 32k and gets 8k has its
@@ -451,11 +453,16 @@ def plan(
             f"little disk space for saved prefixes ({as_mib(host.disk_free_state)} free, "
             f"{as_mib(bd.disk_per_prefix_bytes)} per full slot)"
         )
-    if f.is_swa and not swa_full:
+    if (f.is_swa and not swa_full) or f.is_recurrent:
+        kind = "sliding-window" if f.is_swa else "recurrent/hybrid"
         notes.append(
-            "slot files of sliding-window models restore no prefix "
-            "(docs/llama-server-facts.md#swa-slot-files-reuse-nothing): "
-            "keep slots warm in process"
+            f"{kind} model: a saved state holds {as_mib(bd.disk_window_bytes)} of window "
+            f"and {as_mib(bd.disk_checkpoint_bytes)} per context checkpoint (2 per request "
+            f"read into the slot, up to {n_ckpt}) besides "
+            f"{as_mib(bd.disk_per_1k_tokens_bytes)} per 1k tokens; saved only on a server "
+            "with Warmslot's checkpoint patch (a stock server's files restore no prefix: "
+            "docs/llama-server-facts.md#swa-slot-files-reuse-nothing), and as whole "
+            "conversations: llama-server refuses to save a prefix alone of such a model"
         )
 
     return FitPlan(

@@ -34,8 +34,15 @@ def format_plan(plan: FitPlan) -> str:
         + f"); all slots {as_mib(b.kv_bytes_total)}",
         f"  checkpoints: {as_mib(b.checkpoint_bytes)} each, up to {as_mib(b.checkpoints_bytes_max)}"
         f"; RAM prompt cache up to {as_mib(b.cache_ram_bytes)}",
-        f"  disk per saved prefix: {as_mib(b.disk_per_prefix_bytes)} for a full slot, "
-        f"{as_mib(b.disk_per_1k_tokens_bytes)} per 1k tokens",
+        f"  disk per saved state: {as_mib(b.disk_per_prefix_bytes)} for a full slot "
+        f"({as_mib(b.disk_per_1k_tokens_bytes)} per 1k tokens"
+        + (f" + {as_mib(b.disk_window_bytes)} window" if b.disk_window_bytes else "")
+        + (
+            f" + {as_mib(b.disk_checkpoint_bytes)} per context checkpoint"
+            if b.disk_checkpoint_bytes
+            else ""
+        )
+        + ")",
         "",
         "  choices:",
     ]

@@ -30,6 +30,7 @@ __all__ = [
     "compute_bytes",
     "kv_cells",
     "kv_layer_bytes",
+    "saved_state_bytes",
 ]
 
 MIB = 1 << 20
@@ -95,8 +96,13 @@ class Breakdown:
     checkpoint_bytes: int  # one checkpoint
     checkpoints_bytes_max: int  # every slot's list full
     cache_ram_bytes: int
-    disk_per_prefix_bytes: int  # one full slot saved to disk
-    disk_per_1k_tokens_bytes: int
+    disk_per_prefix_bytes: int  # one full slot saved to disk, its checkpoint list full
+    disk_per_1k_tokens_bytes: int  # the part of a saved state that grows with its tokens
+    # The fixed parts of a saved state (`saved_state_bytes`): the sliding-window layers'
+    # cells of one sequence, and each context checkpoint in the file (a server with
+    # Warmslot's checkpoint patch writes them; 0 for a model that has none).
+    disk_window_bytes: int = 0
+    disk_checkpoint_bytes: int = 0
 
 
 def kv_cells(
@@ -169,6 +175,32 @@ class Config:
     swa_full: bool
     cache_ram_mib: int
     checkpoints: int
+
+
+def saved_state_bytes(
+    facts: ModelFacts, cfg: Config, n_tokens: int, n_checkpoints: int, n_ubatch: int
+) -> int:
+    """The size of a slot file holding `n_tokens` and `n_checkpoints` context checkpoints
+    (docs/llama-server-facts.md#slot-file-contents): the full-attention layers' cells
+    and 16 B per token, the sliding-window layers' cells of one sequence (its window and
+    a batch: all of them with ``--swa-full`` on a server with Warmslot's patch 0003), the
+    recurrent state, and each checkpoint (the window again, or the recurrent state).
+    Measured on the pinned server within 2 % (Gemma 3 270M, 1k–9k tokens, 2–8
+    checkpoints) and exactly for a dense model: tests/integration/test_fit_disk.py."""
+    f = facts
+    full = swa = 0
+    for i in range(f.n_layer):
+        row = kv_layer_bytes(f, i, cfg.type_k, cfg.type_v)
+        if f.is_swa and f.swa_layers[i]:
+            swa += row
+        else:
+            full += row
+    window = n_tokens if cfg.swa_full else min(n_tokens, f.n_swa + n_ubatch)
+    recurrent = f.recurrent_state_bytes_per_layer * sum(f.recurrent_layers)
+    checkpoint = recurrent
+    if f.is_swa and not cfg.swa_full:
+        checkpoint += f.n_swa * (swa + 16)
+    return (full + 16) * n_tokens + swa * window + recurrent + n_checkpoints * checkpoint
 
 
 class Sizer:
@@ -288,9 +320,11 @@ class Sizer:
         recurrent = f.recurrent_state_bytes_per_layer * sum(f.recurrent_layers)
         kv_total = sum(layer_kv)
         per_slot = kv_total // cfg.slots
-        # Saved states keep only the last n_swa positions of SWA layers, even with
-        # --swa-full (docs/llama-server-facts.md#swa-full-restores-wrong-state).
-        saved_swa = per_tok_swa * min(cfg.ctx, f.n_swa)
+        n_ub = self.req.n_ubatch
+        window = saved_state_bytes(f, cfg, 0, 0, n_ub)
+        one_ckpt = saved_state_bytes(f, cfg, 0, 1, n_ub) - window
+        if not cfg.swa_full:  # the window's cells, once a state holds that many tokens
+            window += per_tok_swa * min(cfg.ctx, f.n_swa + n_ub)
         bd = Breakdown(
             weights_gpu_bytes=gpu_weights,
             weights_host_bytes=f.weights_bytes - gpu_weights,
@@ -307,8 +341,11 @@ class Sizer:
             checkpoint_bytes=ckpt,
             checkpoints_bytes_max=ckpt_max,
             cache_ram_bytes=cache_ram,
-            disk_per_prefix_bytes=(per_tok_full + 16) * cfg.ctx + saved_swa + recurrent,
-            disk_per_1k_tokens_bytes=(per_tok_full + 16) * 1000,
+            disk_per_prefix_bytes=saved_state_bytes(f, cfg, cfg.ctx, cfg.checkpoints, n_ub),
+            disk_per_1k_tokens_bytes=(per_tok_full + 16 + (per_tok_swa if cfg.swa_full else 0))
+            * 1000,
+            disk_window_bytes=window,
+            disk_checkpoint_bytes=one_ckpt,
         )
         return tuple(devices), bd
 

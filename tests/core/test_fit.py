@@ -237,11 +237,14 @@ def test_sliding_window_model() -> None:
     assert 4 <= p.ctx_checkpoints <= 32 and p.cache_ram_mib > 0
     assert p.checkpoint_min_step == min(8192, p.ctx_per_slot // 4)
     assert any("#swa-slot-files-reuse-nothing" in n for n in p.notes)
-    # Disk: full layers for every token, SWA layers for the last window only
+    # Disk: full layers for every token, SWA layers for one sequence's window and a
+    # batch, and each context checkpoint the file holds, a full list for a full slot
     # (docs/llama-server-facts.md#slot-file-contents).
     b = p.breakdown
+    assert b.disk_window_bytes == b.kv_swa_bytes_per_token * (1024 + 512)
+    assert b.disk_checkpoint_bytes == b.checkpoint_bytes
     assert b.disk_per_prefix_bytes == (b.kv_bytes_per_token + 16) * p.ctx_per_slot + (
-        b.kv_swa_bytes_per_token * 1024
+        b.disk_window_bytes + p.ctx_checkpoints * b.checkpoint_bytes
     )
 
 
