@@ -253,7 +253,7 @@ def run_arm(arm: Bare | Warmslot, args: argparse.Namespace, out: Path) -> dict[s
                     env=step.env,
                     stdin=subprocess.DEVNULL,
                     capture_output=True,
-                    timeout=step.timeout_s,
+                    timeout=args.step_timeout,
                 )
                 (out / f"{step.label}.out").write_bytes(done.stdout + done.stderr)
                 rows.append({"step": step.label, "rc": done.returncode, "s": time.monotonic() - t0})
@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--ctx", type=int, default=81920, help="context per slot")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--step-timeout", type=float, default=1800, help="seconds per client run")
     args = p.parse_args(argv)
     out = Path(args.out).expanduser().resolve() / args.client
     arms = [
