@@ -49,7 +49,7 @@ from core.models.backends import BackendSet
 from core.models.pool import ModelPool
 from core.models.servers import ServerSet
 from core.paths import Paths
-from core.proxy.app import CacheService, Proxy
+from core.proxy.app import CacheService, Proxy, ProxyDeps
 from core.proxy.metrics import COUNTED, Counters, Metrics
 from core.server import discover
 from core.server.fit import FitPlan
@@ -288,53 +288,52 @@ class Core:
             self.clock,
             telemetry=lambda: self.telemetry,
         )
-        self.proxy = Proxy(
-            upstream=self.upstream,
-            server_state=self._server_state_words,
-            # The slots llama-server was launched with: the fit plan's when it chose them.
-            n_slots=lambda: (
-                self.fit_plan.slots if self.fit_plan else self.settings.server.launch_slots
-            ),
-            emit=self.emit,
-            api_key=lambda: self.settings.proxy.api_key,
-            # Named keys (keys.toml, re-read when it changes), proxy.api_key as "default",
-            # and this start's local key for `warmslot status` here (core.keys).
-            keys=KeyRing(
-                keys_file(self.paths.config_file),
-                lambda: self.settings.proxy.api_key,
-                local=local_key,
-            ),
-            max_body_mb=lambda: self.settings.proxy.max_body_mb,
-            upstream_timeout_s=lambda: self.settings.proxy.upstream_timeout_s,
-            status=self._status_async,
-            metrics=Metrics(
-                self.counters,
-                server_ready=lambda: sup.state is ServerState.READY,
-                backends=lambda: self.backends.status()["backends"] if self.backends else (),
-            ).exposition,
-            allowed_origins=lambda: self.settings.proxy.allowed_origins,
-            prefill_rates=self.prefill_rates,
-        )
-        self.proxy.explain = self._explain
-        self.proxy.strip_billing_header = lambda: self.settings.proxy.strip_billing_header
-        self.proxy.repair_tool_arguments = lambda: self.settings.proxy.repair_tool_arguments
-        self.proxy.stall_timeout_s = lambda: self.settings.proxy.stall_timeout_s
         if self._policy_factory is not None:
             self.policy = self._policy_factory(self)
-            self.proxy.policy = self.policy
         # One registry of llama-servers, one admission: the primary alone, or with its
         # backends ([[backends]]) and the pool's models ([[models]]), or both.
         servers = self.servers = ServerSet(self, state_words=self._server_state_words)
+        router, models = None, None
         if s.backends:  # several backends of the primary model: chosen per request
             self.backends = BackendSet(servers, self._primary_settings)
-            self.proxy.router = self.backends.router
+            router = self.backends.router
         if s.models:
             backend = self.backends.choose if self.backends is not None else None
             pool = self.pool = ModelPool(servers, backend=backend)
-            self.proxy.router = pool.router
-            self.proxy.models = pool.models_list
+            router, models = pool.router, pool.models_list
             self.sweeps.add("models", self._sweep_models, lambda: self.settings.pool.idle_check_s)
-        self.proxy.admit = servers.route
+        admit = servers.route
+        self.proxy = Proxy(
+            ProxyDeps(
+                upstream=self.upstream,
+                settings=lambda: self.settings.proxy,
+                server_state=self._server_state_words,
+                # The slots llama-server was launched with: the fit plan's when it chose them.
+                n_slots=lambda: (
+                    self.fit_plan.slots if self.fit_plan else self.settings.server.launch_slots
+                ),
+                emit=self.emit,
+                status=self._status_async,
+                metrics=Metrics(
+                    self.counters,
+                    server_ready=lambda: sup.state is ServerState.READY,
+                    backends=lambda: self.backends.status()["backends"] if self.backends else (),
+                ).exposition,
+                policy=self.policy,
+                # Named keys (keys.toml, re-read when it changes), proxy.api_key as "default",
+                # and this start's local key for `warmslot status` here (core.keys).
+                keys=KeyRing(
+                    keys_file(self.paths.config_file),
+                    lambda: self.settings.proxy.api_key,
+                    local=local_key,
+                ),
+                prefill_rates=self.prefill_rates,
+                router=router,
+                admit=admit,
+                models=models,
+                explain=self._explain,
+            )
+        )
         if self.cache_managers():
             self.background = Background(
                 self.sweeps, self.pressure, lambda: self.settings, self.cache_managers

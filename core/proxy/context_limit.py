@@ -76,23 +76,38 @@ def _limit_of(body: Mapping[str, object]) -> int | None:
     return None
 
 
-def warning_for(status: int, data: bytes, request_body: Mapping[str, object]) -> ContextHit | None:
+# `warning_for`'s `doc` when the caller has not parsed the answer.
+UNPARSED = object()
+
+
+def may_be_cut(data: bytes) -> bool:
+    """Whether a whole 200 answer may have been stopped by the context (so that
+    `warning_for` needs it parsed): it says ``"length"`` or ``"truncated": true``."""
+    return b'"length"' in data or _TRUNCATED.search(data) is not None
+
+
+def warning_for(
+    status: int, data: bytes, request_body: Mapping[str, object], *, doc: object = UNPARSED
+) -> ContextHit | None:
     """The context hit a whole response shows, or None.
 
     A 400 whose message is llama-server's context error; a 200 that was stopped by
     the context: ``truncated`` (``/completion``), or ``finish_reason == "length"``
     with fewer answer tokens than the request's own limit (so not that limit).
+    `doc` is `data` parsed, when the caller parsed it already (None: not JSON): the
+    proxy reads a whole answer once for everything it needs of it.
     """
     if status == 400:
         text = data[:2000].decode("utf-8", errors="replace")
         m = _EXCEEDS.search(text)
         return ContextHit(int(m.group(1)), int(m.group(2)), True) if m else None
-    if status != 200 or (b'"length"' not in data and not _TRUNCATED.search(data)):
+    if status != 200 or not may_be_cut(data):
         return None
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return None
+    if doc is UNPARSED:
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            return None
     if not isinstance(doc, dict):
         return None
     raw_timings, raw_usage = doc.get("timings"), doc.get("usage")

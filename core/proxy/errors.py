@@ -59,6 +59,27 @@ def unavailable_response(endpoint: str, message: str, retry_after_s: int) -> web
     return error_response(503, message, type_="unavailable_error", headers=headers)
 
 
+# What a request that comes while Warmslot is stopping is told: retry in this many
+# seconds (a Warmslot relaunched at once is up by then, or on its way).
+STOPPING_RETRY_S = 5
+STOPPING_TEXT = "Warmslot is shutting down; the request was not run: retry shortly"
+
+
+def stopping_response(endpoint: str) -> web.Response:
+    """503 for a request that came, or lost its llama-server, while Warmslot stops."""
+    return unavailable_response(endpoint, f"Warmslot: {STOPPING_TEXT}", STOPPING_RETRY_S)
+
+
+def not_ready_response(state: str) -> web.Response:
+    """503 while llama-server is not up (`state`: its state in words)."""
+    return error_response(
+        503,
+        f"Warmslot: llama-server is not ready (state: {state}); retry shortly",
+        type_="unavailable_error",
+        headers={"Retry-After": "2"},
+    )
+
+
 # llama-server's 500s that the request's own history causes, not the server: the same
 # body fails the same way every time, so a client that retries a 5xx (Codex: "high
 # demand … Reconnecting 5/5") only repeats it. Said as a 400 that names the cause.

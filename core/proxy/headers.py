@@ -17,7 +17,6 @@ without any response (docs/security.md#response-headers).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -178,15 +177,3 @@ def cache_headers(
     if session:
         out["X-Warmslot-Session"] = session[:128]  # made header-safe with the rest
     return out
-
-
-def reuse_in_body(data: bytes, timings: Mapping[str, object] | None) -> Reuse | None:
-    """The reuse numbers of a whole (non-streamed) answer: its `timings` when the proxy
-    found them, else its ``usage`` (parsed only for answers under 1 MiB)."""
-    found = reuse_from({"timings": timings}) if timings is not None else None
-    if found is None and b'"usage"' in data and len(data) < 1 << 20:
-        try:
-            found = reuse_from(json.loads(data))
-        except ValueError:
-            return None
-    return found

@@ -169,14 +169,6 @@ def timings_from_json(data: bytes) -> tuple[dict[str, Any] | None, int | None]:
     return timings, int(m.group(1)) if m else None
 
 
-def usage_in_body(data: bytes) -> dict[str, Any] | None:
-    """Reuse numbers from the `usage` of a whole Anthropic or Responses answer."""
-    try:
-        return apis.usage_timings(json.loads(data))
-    except ValueError:
-        return None
-
-
 def stream_usage(input_line: bytes, output_line: bytes) -> dict[str, Any] | None:
     """Reuse numbers from a stream's `usage` event lines (``data: {…}``): Anthropic sends
     the input counts in ``message_start`` and the output count in ``message_delta``."""

@@ -9,6 +9,7 @@ never with sleeps.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ from aiohttp.test_utils import RawTestServer
 
 from core.cache.deps import deps_from
 from core.cache.manager import CacheManager
+from core.config.sections import ProxySettings
 from core.events import Event, RequestCompleted
-from core.proxy.app import Proxy, ProxyRequest, Route
+from core.proxy.app import Proxy, ProxyDeps, ProxyRequest, Route
 from core.routing.router import Decision, Kind, Router, Target
 from core.server.client import Timings
 from core.server.upstream import Upstream
@@ -43,6 +45,8 @@ ANSWER = {
     "timings": TIMINGS,
 }
 WAIT_S = 10.0  # the longest any step may take; they take milliseconds
+# The proxy's settings in these tests: a 1 MiB body limit, no slot watchdog.
+SETTINGS = ProxySettings(max_body_mb=1, upstream_timeout_s=60, stall_timeout_s=0)
 
 Handler = Callable[[web.BaseRequest, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -117,6 +121,15 @@ class Rig:
     proxy: Proxy
     client: aiohttp.ClientSession
     done: asyncio.Queue[RequestCompleted]
+    deps: ProxyDeps
+
+    async def rebuild(self, **changes: Any) -> None:
+        """A proxy made of these deps with `changes` (a policy, a router …) in place of
+        this one: nothing is set on a proxy after it is made."""
+        await self.proxy.stop()
+        self.deps = dataclasses.replace(self.deps, **changes)
+        self.proxy = Proxy(self.deps)
+        await self.proxy.start("127.0.0.1", 0)
 
     @property
     def url(self) -> str:
@@ -141,24 +154,24 @@ async def rig() -> AsyncIterator[Rig]:
     async def status() -> dict[str, Any]:
         return {}
 
-    proxy = Proxy(
+    deps = ProxyDeps(
         upstream=upstream,
+        settings=lambda: SETTINGS,
         server_state=lambda: "ready",
         n_slots=lambda: 2,
         emit=emit,
-        api_key=lambda: "",
-        max_body_mb=lambda: 1,
-        upstream_timeout_s=lambda: 60,
         status=status,
     )
+    proxy = Proxy(deps)
     await proxy.start("127.0.0.1", 0)
     client = aiohttp.ClientSession()
+    rig = Rig(fake, upstream, proxy, client, done, deps)
     try:
-        yield Rig(fake, upstream, proxy, client, done)
+        yield rig
     finally:
         await client.close()
-        await proxy.stop()
-        await proxy.drain()
+        await rig.proxy.stop()
+        await rig.proxy.drain()
         await upstream.close()
         await server.close()
 
@@ -272,7 +285,7 @@ async def test_client_hanging_up_during_prefill_closes_the_upstream_request(rig:
     """A non-streamed request: llama-server sends no byte until it is done (minutes of
     prefill on a CPU), so only the client's socket tells that nobody waits any more."""
     policy = RecordingPolicy()
-    rig.proxy.policy = policy
+    await rig.rebuild(policy=policy)
     never = asyncio.Event()
 
     async def prefill(request: web.BaseRequest, body: dict[str, Any]) -> web.StreamResponse:
@@ -324,7 +337,7 @@ async def test_malformed_request_gets_a_4xx_in_openai_format_and_nothing_is_forw
 # ------------------------------------------------------------------ cache policy
 async def test_policy_prepare_and_completed_see_the_request_and_its_timings(rig: Rig) -> None:
     policy = RecordingPolicy()
-    rig.proxy.policy = policy
+    await rig.rebuild(policy=policy)
     headers = {"User-Agent": "opencode/1.2", "x-warmslot-aux": "1", "x-session-id": "s-2"}
     async with rig.client.post(rig.url + CHAT, json=chat(), headers=headers) as resp:
         assert resp.status == 200 and resp.headers["X-Warmslot-Slot"] == "1"
@@ -350,7 +363,7 @@ async def test_policy_prepare_and_completed_see_the_request_and_its_timings(rig:
 
 
 async def test_failing_policy_forwards_the_request_untouched(rig: Rig) -> None:
-    rig.proxy.policy = FailingPolicy()
+    await rig.rebuild(policy=FailingPolicy())
     async with rig.client.post(rig.url + CHAT, json=chat()) as resp:
         assert resp.status == 200 and resp.headers["X-Warmslot-Cache"] == "bypass"
         await resp.read()
@@ -385,7 +398,7 @@ async def test_cache_manager_prepares_and_learns_over_the_same_upstream(
     core = FakeCore(tmp_path)
     mgr = CacheManager(deps_from(core, upstream=rig.upstream))  # type: ignore[arg-type]
     mgr.state.identity = SERVER  # what warm-up learns from /props after a start
-    rig.proxy.policy = mgr
+    await rig.rebuild(policy=mgr)
     rig.fake.handler = fake_llama
     body = {
         "model": "m",
@@ -424,7 +437,7 @@ async def test_a_title_call_is_classified_once_and_runs_in_the_side_slot(
     core.settings.server.slots, core.settings.cache.aux_slot = 2, True
     mgr = CacheManager(deps_from(core, upstream=rig.upstream))  # type: ignore[arg-type]
     mgr.state.identity = SERVER
-    rig.proxy.policy = mgr
+    await rig.rebuild(policy=mgr)
     rig.fake.handler = fake_llama
     body = {
         "model": "m",
@@ -454,7 +467,7 @@ async def test_a_pool_router_refuses_an_unknown_model_and_admits_a_known_one(rig
     """Pool mode: the router picks the model by the `model` field (strict: an unknown
     name is a 404 in OpenAI's format), the pool's admission gets the decision."""
     targets = [Target("coder", rig.upstream, primary=True)]
-    rig.proxy.router = Router(lambda: targets, strict=lambda: True)
+    router = Router(lambda: targets, strict=lambda: True)
     admitted: list[Decision] = []
     released: list[bool] = []
 
@@ -464,7 +477,7 @@ async def test_a_pool_router_refuses_an_unknown_model_and_admits_a_known_one(rig
             model=decision.model, upstream=decision.upstream, release=lambda: released.append(True)
         )
 
-    rig.proxy.admit = admit
+    await rig.rebuild(router=router, admit=admit)
     async with rig.client.post(rig.url + CHAT, json=chat(model="nope")) as resp:
         assert resp.status == 404
         error = (await resp.json())["error"]
@@ -483,14 +496,14 @@ async def test_not_ready_upstream_gets_503_and_nothing_is_forwarded() -> None:
     upstream = Upstream(lambda: None)
     assert upstream.client() is None
     proxy = Proxy(
-        upstream=upstream,
-        server_state=lambda: "starting",
-        n_slots=lambda: 2,
-        emit=lambda e: None,
-        api_key=lambda: "",
-        max_body_mb=lambda: 1,
-        upstream_timeout_s=lambda: 60,
-        status=lambda: asyncio.sleep(0, {}),
+        ProxyDeps(
+            upstream=upstream,
+            settings=lambda: SETTINGS,
+            server_state=lambda: "starting",
+            n_slots=lambda: 2,
+            emit=lambda e: None,
+            status=lambda: asyncio.sleep(0, {}),
+        )
     )
     await proxy.start("127.0.0.1", 0)
     try:

@@ -9,22 +9,24 @@ import socket
 
 import pytest
 
+from core.config.sections import ProxySettings
 from core.errors import PortInUse
-from core.proxy.app import Proxy
+from core.proxy.app import Proxy, ProxyDeps
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="SO_REUSEADDR semantics of POSIX")
 
 
 def make_proxy() -> Proxy:
+    settings = ProxySettings(max_body_mb=1, upstream_timeout_s=5.0, stall_timeout_s=0)
     return Proxy(
-        upstream=lambda: None,
-        server_state=lambda: "stopped",
-        n_slots=lambda: 2,
-        emit=lambda e: None,
-        api_key=lambda: "",
-        max_body_mb=lambda: 1,
-        upstream_timeout_s=lambda: 5.0,
-        status=_no_status,
+        ProxyDeps(
+            upstream=lambda: None,
+            settings=lambda: settings,
+            server_state=lambda: "stopped",
+            n_slots=lambda: 2,
+            emit=lambda e: None,
+            status=_no_status,
+        )
     )
 
 

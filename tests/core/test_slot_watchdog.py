@@ -20,8 +20,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
+from core.config.sections import ProxySettings
 from core.events import CacheEvent, CacheEventKind, Event
-from core.proxy.app import Proxy
+from core.proxy.app import Proxy, ProxyDeps
 from core.server import watchdog
 from core.server.upstream import Upstream
 
@@ -107,6 +108,7 @@ class Rig:
     proxy: Proxy
     client: aiohttp.ClientSession
     events: list[Event]
+    settings: ProxySettings  # read by the proxy per request (and by its watchdog per tick)
 
     @property
     def url(self) -> str:
@@ -132,21 +134,21 @@ async def rig(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
     async def status() -> dict[str, Any]:
         return {}
 
+    settings = ProxySettings(max_body_mb=1, upstream_timeout_s=600, stall_timeout_s=LIMIT_S)
     proxy = Proxy(
-        upstream=upstream,
-        server_state=lambda: "ready",
-        n_slots=lambda: 3,
-        emit=events.append,
-        api_key=lambda: "",
-        max_body_mb=lambda: 1,
-        upstream_timeout_s=lambda: 600,
-        status=status,
+        ProxyDeps(
+            upstream=upstream,
+            settings=lambda: settings,
+            server_state=lambda: "ready",
+            n_slots=lambda: 3,
+            emit=events.append,
+            status=status,
+        )
     )
-    proxy.stall_timeout_s = lambda: LIMIT_S
     await proxy.start("127.0.0.1", 0)
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S))
     try:
-        yield Rig(fake, proxy, client, events)
+        yield Rig(fake, proxy, client, events, settings)
     finally:
         await client.close()
         await proxy.stop()
@@ -240,7 +242,7 @@ async def test_a_request_that_ends_sooner_costs_no_poll(rig: Rig) -> None:
 
 
 async def test_off_at_zero(rig: Rig) -> None:
-    rig.proxy.stall_timeout_s = lambda: 0.0
+    rig.settings.stall_timeout_s = 0.0  # a live setting: the running proxy reads it
     waiting = asyncio.ensure_future(rig.client.post(rig.url + CHAT, json=chat(0, hold=True)))
     await asyncio.wait_for(rig.fake.began(0).wait(), WAIT_S)
     done, _ = await asyncio.wait({waiting}, timeout=3 * LIMIT_S)

@@ -26,8 +26,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
+from core.config.sections import ProxySettings
 from core.proxy import stream
-from core.proxy.app import Proxy
+from core.proxy.app import Proxy, ProxyDeps
 from core.proxy.types import ProxyRequest, SlotPlan
 from core.server.client import Timings
 from core.server.upstream import Upstream
@@ -182,16 +183,17 @@ async def rig(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
     async def status() -> dict[str, Any]:
         return {}
 
+    settings = ProxySettings(max_body_mb=1, upstream_timeout_s=600, stall_timeout_s=0)
     proxy = Proxy(
-        upstream=upstream,
-        server_state=lambda: "ready",
-        n_slots=lambda: 2,
-        emit=lambda e: None,
-        api_key=lambda: "",
-        max_body_mb=lambda: 1,
-        upstream_timeout_s=lambda: 600,
-        status=status,
-        policy=policy,
+        ProxyDeps(
+            upstream=upstream,
+            settings=lambda: settings,
+            server_state=lambda: "ready",
+            n_slots=lambda: 2,
+            emit=lambda e: None,
+            status=status,
+            policy=policy,
+        )
     )
     await proxy.start("127.0.0.1", 0)
     try:

@@ -22,8 +22,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from core.config.sections import ProxySettings
 from core.errors import UpstreamError
-from core.proxy.app import Proxy
+from core.proxy.app import Proxy, ProxyDeps
 from core.server.client import RESENDS, Attempt, RequestLost, current_attempt, send
 from core.server.upstream import KEEPALIVE_S, Upstream
 
@@ -131,15 +132,16 @@ async def upstreams() -> AsyncIterator[list[Upstream]]:
 
 
 async def _proxy(upstream: Upstream) -> Proxy:
+    settings = ProxySettings(max_body_mb=1, upstream_timeout_s=60.0, stall_timeout_s=0)
     proxy = Proxy(
-        upstream=upstream,
-        server_state=lambda: "ready",
-        n_slots=lambda: 1,
-        emit=lambda e: None,
-        api_key=lambda: "",
-        max_body_mb=lambda: 1,
-        upstream_timeout_s=lambda: 60.0,
-        status=lambda: asyncio.sleep(0, {}),
+        ProxyDeps(
+            upstream=upstream,
+            settings=lambda: settings,
+            server_state=lambda: "ready",
+            n_slots=lambda: 1,
+            emit=lambda e: None,
+            status=lambda: asyncio.sleep(0, {}),
+        )
     )
     await proxy.start("127.0.0.1", 0)
     return proxy

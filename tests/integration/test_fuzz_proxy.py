@@ -29,6 +29,7 @@ from core.config import ModelProfile
 from core.engine import Core
 from core.events import RequestCompleted
 from core.paths import Paths
+from core.routing.router import Router
 from tests.conftest import settings_for
 from tests.fixtures.bad_requests import Case, corpus
 from tests.helpers import EventLog, chat_body, post_chat, wait_until
@@ -118,19 +119,18 @@ def test_undecodable_header_bytes_poison_nothing(make_core: Any) -> None:
 
 
 def test_an_unexpected_exception_is_a_logged_500_in_openai_format(
-    make_core: Any, caplog: pytest.LogCaptureFixture
+    make_core: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not aiohttp's plain-text 500 with its traceback on stderr: an OpenAI error, and
     the traceback in the proxy's log (warmslot.log under `warmslot serve`)."""
 
-    class Broken:
-        def decide(self, *args: Any) -> Any:
-            raise RuntimeError("router exploded")
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("router exploded")
 
     core = make_core()
     core.start(wait_ready=True, timeout=120)
     assert core.proxy is not None
-    core.proxy.router = Broken()
+    monkeypatch.setattr(Router, "decide", broken)  # the router the core made
     caplog.set_level("ERROR", logger="warmslot.proxy")
     req = urllib.request.Request(
         f"http://127.0.0.1:{core.proxy.port}/v1/chat/completions",
