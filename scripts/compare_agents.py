@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-timeout", type=float, default=1800, help="seconds per client run")
     args = p.parse_args(argv)
     out = Path(args.out).expanduser().resolve() / args.client
+    shutil.rmtree(out, ignore_errors=True)  # a run starts from nothing, as record_agents'
     arms = [
         run_arm(Bare(args, out / "bare"), args, out / "bare"),
         run_arm(Warmslot(args, out / "warmslot"), args, out / "warmslot"),
