@@ -9,9 +9,8 @@ and ``server_chat_convert_responses_to_chatcmpl`` in tools/server/server-chat.cp
 the pinned llama.cpp). Everything that reads a request's messages or tools (the
 router, the prefix learner, conversations, the template check) reads the chat view;
 the body forwarded upstream stays the client's own. From a response: its reuse
-numbers from ``usage`` when the server sent no ``timings`` (`usage_timings`). The one
-edit the proxy makes to a client's body: Claude Code's attribution line taken out of a
-Messages body's system text (`strip_billing_header`, docs/clients.md#claude-code).
+numbers from ``usage`` when the server sent no ``timings`` (`usage_timings`). The proxy's
+edits of a client's body are its own (core.proxy.billing, core.proxy.tool_arguments).
 
 Pure functions of JSON values: no I/O, nothing from the rest of Warmslot.
 """
@@ -21,14 +20,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "API_PARITY_PATCH",
-    "BILLING_HEADER_EDIT",
     "CHAT_ENDPOINTS",
     "PREFIX_SAVE_PATCH",
     "ROUTES",
@@ -39,7 +36,6 @@ __all__ = [
     "content_text",
     "messages_of",
     "objects",
-    "strip_billing_header",
     "system_text",
     "unmanaged_reason",
     "usage_timings",
@@ -249,52 +245,6 @@ def _billing_normalized(text: str) -> str:
     if start + 5 < len(text) and text[start + 5] == ";":
         return text[:start] + "fffff" + text[start + 5 :]
     return text
-
-
-# The attribution line itself: the tag, then `key=value;` fields (cc_version, cc_entrypoint,
-# cch …), up to the last `;` and an optional line end. Whatever follows on the same
-# line (upstream PR 21793's example runs straight on into "You are Claude Code") is
-# system text and stays.
-_BILLING_LINE = re.compile(
-    r"x-anthropic-billing-header:(?:[ \t]*[A-Za-z0-9_.-]+=[^;\n]*;)*[ \t]*\n?"
-)
-BILLING_HEADER_EDIT = "billing-header"  # the edit's name in X-Warmslot-Edited and explain
-
-
-def strip_billing_header(body: JsonObject) -> list[str]:
-    """Take Claude Code's attribution line out of a Messages body's system text, in place.
-
-    Claude Code opens its system text with ``x-anthropic-billing-header: cc_version=…;
-    cc_entrypoint=…;`` (plus ``cch=…;`` when logged in). Anthropic's API reads it as
-    request metadata; to a local model it means nothing, but its version suffix changes
-    with every session (and ``cch`` with every request), so a new session's prompt
-    leaves every slot at the first token of the system text. Only a system text (a
-    string, or each text block) that *starts* with the line is edited; a block left
-    empty is dropped. Returns the lines removed ([] when the body had none).
-    """
-    system = body.get("system")
-    removed: list[str] = []
-    if isinstance(system, str):
-        m = _BILLING_LINE.match(system)
-        if m:
-            removed.append(m.group(0))
-            body["system"] = system[m.end() :]
-        return removed
-    if not isinstance(system, list):
-        return removed
-    blocks: list[object] = []
-    for block in system:
-        text = block.get("text") if isinstance(block, dict) else None
-        m = _BILLING_LINE.match(text) if isinstance(text, str) else None
-        if m is None or not isinstance(text, str) or _str(block, "type") != "text":
-            blocks.append(block)
-            continue
-        removed.append(m.group(0))
-        if m.end() < len(text):
-            blocks.append({**block, "text": text[m.end() :]})
-    if removed:
-        body["system"] = blocks
-    return removed
 
 
 def _str(obj: object, key: str, default: str = "") -> str:

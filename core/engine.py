@@ -279,7 +279,7 @@ class Core:
         self.pressure = PressureMonitor(
             lambda: self.settings.pressure,
             Sampler(
-                self._watched_dirs,  # slot files first (issue 19)
+                self._watched_dirs,  # the slot files' disk first: its free space is what saves need
                 self._server_pids,
                 devices=self._llama_devices,
                 clock=self.clock.monotonic,

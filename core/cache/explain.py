@@ -495,7 +495,7 @@ def format_explanation(rec: Explanation) -> str:
         f"why: {rec['summary'] or summary(rec)}",
     ]
     if rec.get("edits"):
-        # The proxy's own edit of the body (core.chat.strip_billing_header): the prompt
+        # The proxy's own edit of the body (core.proxy.billing.strip_billing_header): the prompt
         # above is the edited one, not the client's bytes.
         lines.append(f"edited by the proxy: {', '.join(rec['edits'])}")
     div = rec["divergence"]

@@ -216,7 +216,7 @@ class CacheManager:
         session = decision.session
         info = None if side else await self.learner.prefix_for(req, client, session)
         # A new session goes where its prefix is when no saved state can bring it into
-        # an empty slot (issue 16, 3; core.cache.slots).
+        # an empty slot: a shared prefix is then read once, not per session (core.cache.slots).
         fp = info.fingerprint if info is not None else ""
         displace = bool(fp) and info is not None and info.n_tokens >= DISPLACE_MIN_TOKENS
         if displace and self.state.disk.usable and self.state.store.for_fingerprint(fp) is not None:
@@ -318,7 +318,7 @@ class CacheManager:
 
     async def _save_displaced(self, slot: int, session: str) -> None:
         """Save the conversation of another session that this request is about to
-        overwrite in `slot` (agents outnumber agent slots: issue 16, 3). llama-server's
+        overwrite in `slot` (when agents outnumber agent slots). llama-server's
         RAM cache keeps a displaced state only when the new prompt keeps less than half
         of it, so conversations under a shared prefix longer than their tails were lost;
         a live slot save costs milliseconds and no prefill (docs/cache.md#crowding)."""
@@ -348,7 +348,7 @@ class CacheManager:
         return held is not None and held.n_tokens >= n and held.tokens[:n] == info.tokens
 
     async def completed(self, req: ProxyRequest, timings: Timings | None, status: int) -> None:
-        # A request that hit its slot's context is never silent (issue 16, 0e).
+        # A request that hit its slot's context is never silent (core.proxy.context_limit).
         plan = req.plan
         if plan is not None:  # before anything that waits: the slot is free now
             self.state.slots.end(plan.slot)

@@ -46,7 +46,7 @@ THREAD_BYTES = 256 * 1024
 
 def _reject_constant(name: str) -> Any:
     # json.loads accepts NaN/Infinity/-Infinity, which are not JSON: llama-server
-    # answers them with a 500. Refused here instead (issue 19).
+    # answers them with a 500. Refused here instead, in the API's shape, as a 400.
     raise Invalid(400, f"malformed JSON: {name} is not a JSON value")
 
 

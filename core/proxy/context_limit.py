@@ -1,4 +1,4 @@
-"""Requests that hit their slot's context: never silent (issue 16, 0e).
+"""Requests that hit their slot's context: never silent (docs/clients.md#context-size).
 
 llama-server refuses a prompt longer than the slot's context with a 400 ("request
 (N tokens) exceeds the available context size (M tokens)"), and stops an answer

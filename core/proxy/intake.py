@@ -19,7 +19,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from core import chat as apis
 from core.chat import ChatView
 from core.config.sections import ProxySettings
-from core.proxy import tool_arguments
+from core.proxy import billing, tool_arguments
 from core.proxy.checks import THREAD_BYTES, Invalid, parse_json, validate
 from core.server.quarantine import body_digest
 from core.telemetry import safe_text
@@ -95,8 +95,8 @@ class Intake:
         # session's prompt would leave every slot at the system text's first token
         # (docs/clients.md#claude-code).
         strip = endpoint == "messages" and settings.strip_billing_header
-        if strip and apis.strip_billing_header(value):
-            edits = (apis.BILLING_HEADER_EDIT,)
+        if strip and billing.strip_billing_header(value):
+            edits = (billing.BILLING_HEADER_EDIT,)
         # A tool call cut short in the history makes llama-server fail every later request
         # of the conversation (docs/clients.md#errors-from-the-history).
         if endpoint in ("chat", "responses") and settings.repair_tool_arguments:

@@ -73,7 +73,7 @@ class ProxyRequest:
     # docs/security.md#serving-a-team). Never the key itself.
     user: str = ""
     # What the proxy changed in the client's body before anything read it (the names,
-    # e.g. apis.BILLING_HEADER_EDIT); sent back in X-Warmslot-Edited, kept in explain.
+    # e.g. core.proxy.billing.BILLING_HEADER_EDIT); sent back in X-Warmslot-Edited, kept in explain.
     edits: tuple[str, ...] = ()
     # The part of its own prompt the cache read into its slot just before it (its stable
     # prefix alone, for a checkpoint there: core.cache.boundary); counted as its prefill.

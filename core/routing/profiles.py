@@ -23,7 +23,7 @@ __all__ = ["GENERIC_MARKERS", "PROFILES", "classify_aux", "profile_cut"]
 # Claude Code's attribution line ("x-anthropic-billing-header: cc_version=…") opens its
 # system text and its stamp changes with each session, not each turn: no marker for it
 # (a cut at 0 leaves no prefix for a system-first template). The proxy takes the line
-# out of the body before anything reads it (core.chat.strip_billing_header), so the
+# out of the body before anything reads it (core.proxy.billing.strip_billing_header), so the
 # profile sees the system text without it.
 _CLAUDE_CODE = (
     # The memory folder is named after the working directory.

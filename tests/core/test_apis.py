@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from core import chat as apis
+from core.proxy import billing
 from core.proxy.app import SSEScanner
 from core.proxy.checks import Invalid, validate
 from core.routing.router import Kind, Router, metadata_session
@@ -129,7 +130,7 @@ def test_billing_header_is_taken_out_of_the_system_text_exactly() -> None:
         "cch=a5145;You are Claude Code, Anthropic's official CLI for Claude.",
         "messages": [{"role": "user", "content": "hi"}],
     }
-    removed = apis.strip_billing_header(body)
+    removed = billing.strip_billing_header(body)
     assert removed == [
         "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=a5145;"
     ]
@@ -148,7 +149,7 @@ def test_billing_header_is_taken_out_of_the_system_text_exactly() -> None:
         ],
         "messages": [],
     }
-    assert len(apis.strip_billing_header(body)) == 2
+    assert len(billing.strip_billing_header(body)) == 2
     assert body["system"] == [{"type": "text", "text": "You are CC."}, keep]
     # Only a system text that starts with the line: the same words elsewhere, in a
     # message, or in a system text that merely mentions them are the client's text.
@@ -162,7 +163,7 @@ def test_billing_header_is_taken_out_of_the_system_text_exactly() -> None:
         if system is not None:
             body["system"] = system
         before = json.dumps(body)
-        assert apis.strip_billing_header(body) == []
+        assert billing.strip_billing_header(body) == []
         assert json.dumps(body) == before
     # With the line gone the chat view's system text is what follows it.
     body = {
@@ -172,7 +173,7 @@ def test_billing_header_is_taken_out_of_the_system_text_exactly() -> None:
         ],
         "messages": [],
     }
-    apis.strip_billing_header(body)
+    billing.strip_billing_header(body)
     view = apis.chat_view("messages", body)
     assert view is not None and view.messages[0] == {"role": "system", "content": "You are CC."}
 

@@ -20,6 +20,7 @@ import pytest
 
 from core import chat as apis
 from core.cache import prefix as pfx
+from core.proxy import billing
 from core.proxy import checks as proxy_checks
 from core.routing import profiles
 from core.routing.router import Decision, Kind, Router, client_name
@@ -119,7 +120,7 @@ def test_claude_code_attribution_line_differs_between_sessions() -> None:
     (sys1, cut1), (sys2, cut2) = cut_of("claude-cli", s1), cut_of("claude-cli", s2)
     # The attribution line opens the system text and its cc_version stamp differs
     # between the two sessions (the same within one) — so the head before the first
-    # cut differs too: the proxy takes the line out (core.chat.strip_billing_header),
+    # cut differs too: the proxy takes the line out (core.proxy.billing.strip_billing_header),
     # as CLAUDE_CODE_ATTRIBUTION_HEADER=0 makes Claude Code leave it out.
     assert sys1.startswith("x-anthropic-billing-header:")
     assert cut1 is not None and cut2 is not None and sys1[:cut1] != sys2[:cut2]
@@ -164,7 +165,7 @@ def test_claude_code_attribution_line_is_stripped_exactly_and_the_sessions_then_
     lines = set()
     for e in entries:
         body = copy.deepcopy(e["body"])
-        removed = apis.strip_billing_header(body)
+        removed = billing.strip_billing_header(body)
         assert len(removed) == 1 and removed[0].startswith("x-anthropic-billing-header:")
         lines.add(removed[0])
         original = e["body"]

@@ -12,7 +12,7 @@ tokenizer makes these prompts 2–3× their real-model size; docs/clients.md):
   CLAUDE_CODE_ATTRIBUTION_HEADER=0: its system text opens with an attribution line
   whose stamp differs per session, so the second session's prompt left every slot at
   the system text's first token (0 of 53,068 tokens reused) until the proxy took the
-  line out of the body (core.chat.strip_billing_header).
+  line out of the body (core.proxy.billing.strip_billing_header).
 - aider (tests/fixtures/clients/aider: chat completions): turns 2 and 3 reuse all the
   tokens their prompt shares with the previous turn's — about 60 %, because aider
   puts the chat history before the files it re-sends (why --cache-reuse cannot help:
