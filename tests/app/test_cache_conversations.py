@@ -25,7 +25,7 @@ from core.cache.manager import policy_factory
 from core.engine import Core
 from core.paths import Paths
 from tests.conftest import settings_for
-from tests.helpers import post_chat, wait_until
+from tests.helpers import cache_idle, post_chat, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -81,6 +81,8 @@ def test_cache_view_lists_conversations_and_pins_and_evicts_them(
             interval=0.2,
             message=f"a saved conversation of {session}",
         )
+    # Every save done: a later one of the same session would change the rows under test.
+    wait_until(lambda: cache_idle(core), 120, message="the cache settled")
     saved = {c["session"]: c for c in _conversations(core)}
     assert set(saved) == {"ses-one", "ses-two"}
 
