@@ -88,7 +88,7 @@ def _server_pid(core: Core) -> int:
 
 def _slot_tokens(core: Core, slot: int) -> int:
     async def n() -> int:
-        client = _mgr(core).client
+        client = _mgr(core).state.client
         assert client is not None
         return {s.id: s.n_prompt_tokens for s in await client.slots()}.get(slot, -1)
 
