@@ -1,16 +1,21 @@
 """Events: frozen dataclasses the core publishes to subscribers.
 
 Subscribers (the CLI, the tray's bridge, tests) register with
-`Core.subscribe`. Callbacks run on the core thread and must return quickly; the
-GUI's bridge re-emits them as queued Qt signals.
+`Core.subscribe` (an `EventBus`). Callbacks run on the core thread and must return
+quickly; the GUI's bridge re-emits them as queued Qt signals.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+log = logging.getLogger("warmslot.core")
 
 
 def _now() -> float:
@@ -277,3 +282,42 @@ class ModelEvent(Event):
     model: str
     reason: str = ""
     numbers: dict[str, object] = field(default_factory=dict)
+
+
+Subscriber = Callable[[Event], None]
+
+
+class EventBus:
+    """The subscribers and their event types. Subscribing is thread-safe; `publish`
+    runs every matching callback in turn, and one that raises is logged, never a
+    reason the others miss the event."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[tuple[Subscriber, tuple[type[Event], ...] | None]] = []
+        self._lock = threading.Lock()
+
+    def subscribe(
+        self, callback: Subscriber, types: tuple[type[Event], ...] | None = None
+    ) -> Callable[[], None]:
+        """Call `callback(event)` for every event (or only those of `types`); returns
+        the function that unsubscribes it."""
+        entry = (callback, types)
+        with self._lock:
+            self._subscribers.append(entry)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if entry in self._subscribers:
+                    self._subscribers.remove(entry)
+
+        return unsubscribe
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            subs = list(self._subscribers)
+        for callback, types in subs:
+            if types is None or isinstance(event, types):
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("event subscriber %r failed", callback)

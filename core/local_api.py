@@ -1,6 +1,7 @@
 """Reaching the running Warmslot (`warmslot serve` or the tray's core) from the CLI.
 
-Its runtime file names the proxy's address, its pid and whether it runs or is stopping.
+Its runtime file names the proxy's address, its pid and whether it runs or is stopping;
+the running core writes it (`RuntimeFile`), everything else reads it here.
 `local_request` builds a GET of the running instance (`warmslot status`, `explain`): a
 wildcard bind is asked on loopback, and the request carries the key the CLI may use
 (core.keys: the per-start local key or proxy.api_key) so a Warmslot that requires keys
@@ -11,11 +12,14 @@ failing on its port.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -46,6 +50,45 @@ class Instance:
     @property
     def stopping(self) -> bool:
         return self.state == STOPPING
+
+
+class RuntimeFile:
+    """The runtime file as the running core writes it: where this instance listens,
+    and whether it runs or is stopping. Only a file this object wrote is rewritten or
+    removed — never another instance's (a start that found its port taken)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._data: dict[str, object] = {}
+
+    @property
+    def written(self) -> bool:
+        return bool(self._data)
+
+    def write(self, host: str, port: int, started: float) -> None:
+        """Say that this instance runs, listening on `host`:`port`; raises OSError."""
+        data = {"pid": os.getpid(), "proxy_host": host, "proxy_port": port, "started": started}
+        self._put({**data, "state": RUNNING})
+
+    def mark_stopping(self) -> None:
+        """Say that this instance is stopping: a `warmslot serve` started now waits for
+        it to exit instead of failing on its port."""
+        if self._data:
+            with contextlib.suppress(OSError):
+                self._put({**self._data, "state": STOPPING})
+
+    def _put(self, data: dict[str, object]) -> None:
+        tmp = self.path.with_suffix(".tmp")  # whole or not at all: a reader never sees half
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.path)
+        self._data = data
+
+    def remove(self) -> None:
+        """Remove it at the end of the run, if this object wrote it."""
+        if self._data:
+            self._data = {}
+            with contextlib.suppress(OSError):
+                self.path.unlink()
 
 
 def _read(paths: Paths) -> Instance | None:

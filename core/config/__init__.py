@@ -27,6 +27,7 @@ from core.config.file import (
     edit_file,
     ensure_file,
     load,
+    plan_update,
     save_changes,
     set_value,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "keys_beside",
     "load",
     "migrate",
+    "plan_update",
     "profiles_from_list",
     "read_file",
     "save_changes",

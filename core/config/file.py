@@ -14,6 +14,7 @@ from typing import Any
 
 import tomlkit
 
+from core.config.keys import keys_file
 from core.config.migrations import SCHEMA_VERSION, migrate
 from core.config.reading import FileRead, read_file, read_text
 from core.config.schema import (
@@ -23,6 +24,7 @@ from core.config.schema import (
     SCHEMA,
     WORKER_SCHEMA,
     Settings,
+    SettingsUpdate,
     iter_specs,
     split_name,
 )
@@ -192,6 +194,25 @@ def edit_file(path: Path, changes: Mapping[str, object]) -> Edit:
         if problem.key not in known or set(problem.involves) & set(values):
             raise problem.error
     return Edit(path, text, new_text, after)
+
+
+def plan_update(
+    path: Path, current: Settings, changes: Mapping[str, object], *, persist: bool
+) -> tuple[Edit | None, Settings | None, SettingsUpdate]:
+    """What `changes` (dotted names, or ``models`` / ``workers`` / ``backends`` with
+    their whole list) would do to the running `current` settings, nothing written yet:
+    with `persist`, the edit of the settings file at `path` (`edit_file`) and the whole
+    file as it would read then (None when it still has a problem, listed in the answer);
+    without, `current` with the changes and no edit. Raises ConfigError for a change
+    the file or the rules refuse."""
+    if not persist:
+        new = current.with_changes(changes, keys_path=keys_file(path))
+        return None, new, SettingsUpdate.between(current, new)
+    edit = edit_file(path, changes)
+    if edit.after.settings is None:
+        return edit, None, SettingsUpdate(problems=edit.after.problems)
+    after = edit.after.settings
+    return edit, after, SettingsUpdate.between(current, after)
 
 
 def _replace_tables(doc: Any, name: str, wanted: Any, path: str) -> None:

@@ -88,6 +88,14 @@ def server_settings(settings: Settings, prof: Profile) -> ServerSettings:
     )
 
 
+def primary_server_settings(settings: Settings) -> ServerSettings:
+    """The primary server's settings: `server.*`, with the primary profile's overrides
+    when ``[[models]]`` profiles are configured."""
+    if not settings.models:
+        return settings.server
+    return server_settings(settings, primary(settings))
+
+
 @dataclass(frozen=True)
 class Footprint:
     """Memory a loaded model needs: bytes per GPU (by index) and host bytes."""

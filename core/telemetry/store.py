@@ -11,6 +11,7 @@ aside and a fresh one made (`core.dbfile`), so history never stops serving."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sqlite3
@@ -498,6 +499,36 @@ class Telemetry(Queries):
                     "details": json.dumps({"build_id": event.build_id}),
                 },
             )
+
+    def record_build(self, row: Mapping[str, object]) -> None:
+        """A build's record (`core.build`): one row per build id, the latest kept."""
+        if not row.get("build_id"):
+            return
+        self.upsert(
+            "builds",
+            {
+                "build_id": row["build_id"],
+                "ts": self._clock(),
+                "outcome": row.get("outcome"),
+                "duration_s": row.get("duration_s"),
+                "log_path": row.get("log_path"),
+                "inputs": json.dumps(row, default=str),
+            },
+            "build_id",
+        )
+
+    async def housekeeping(self, retention_days: Callable[[], float]) -> None:
+        """Until cancelled, on the core's loop: flush every second, prune hourly."""
+        last_prune = 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.maybe_flush(1.0)
+                if time.time() - last_prune > 3600:
+                    last_prune = time.time()
+                    self.prune(retention_days())
+            except Exception:
+                log.exception("telemetry housekeeping failed")
 
     def prune(self, retention_days: float) -> int:
         """Delete rows older than the retention window; returns rows deleted."""

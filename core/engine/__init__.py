@@ -14,6 +14,10 @@ still-open socket; those under way finish, `STOP_GRACE_S` at most) → let the c
 save what it must → stop llama-server → close the proxy's socket → flush telemetry
 → close the database → join the thread. The runtime file says "stopping" meanwhile,
 so a new instance waits for this one instead of handing over to it.
+
+`Core` is the composition root, the one place that knows all the parts; beside it:
+`loop` (the core thread and its loop), `status` (the `Status` gathered from the parts)
+and `settings` (a settings change applied to the running core).
 """
 
 from __future__ import annotations
@@ -21,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
-import os
-import threading
+import math
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
@@ -39,8 +41,13 @@ from core.cache.manager import CacheManager
 from core.clock import Clock, RealClock
 from core.config import ServerSettings, Settings, SettingsUpdate
 from core.config.keys import KeyRing, keys_file, local_key_file, write_local_key
+from core.engine import settings as settings_mod
+from core.engine.loop import LoopThread
+from core.engine.status import collect as collect_status
+from core.engine.status import server_state_words
 from core.errors import CacheError, CoreStopped, WarmslotError
-from core.events import Event, Notice, ServerStateChanged, SettingsChanged
+from core.events import Event, EventBus, Notice, ServerStateChanged, Subscriber
+from core.local_api import RuntimeFile
 from core.machine.devices import GpuInfo, read_llama_devices
 from core.machine.pressure import PressureMonitor, Sampler
 from core.machine.sweeps import Outcome, Sweeps
@@ -53,11 +60,11 @@ from core.proxy.app import CacheService, Proxy, ProxyDeps
 from core.proxy.metrics import COUNTED, Counters, Metrics
 from core.server import discover
 from core.server.fit import FitPlan
-from core.server.fit_report import format_plan
 from core.server.launch import resolve_launch
-from core.server.provision import PATCHED_PURPOSE, Provisioner
+from core.server.provision import Provisioner
 from core.server.rpc import WorkerSet, watch_in_use
 from core.server.supervisor import Resolved, ServerState, Supervisor
+from core.server.upgrade import PatchedUpgrade
 from core.server.upstream import Upstream
 from core.status import EvictResult, Explanation, PinResult, RewarmResult, Status
 from core.telemetry import QUERIES, Telemetry
@@ -70,7 +77,6 @@ log = logging.getLogger("warmslot.core")
 # answered 503 with Retry-After, or its stream ends with an error event.
 STOP_GRACE_S = 30.0
 T = TypeVar("T")
-Subscriber = Callable[[Event], None]
 PolicyFactory = Callable[["Core"], CacheService | None]
 
 
@@ -91,11 +97,8 @@ class Core:
         self.clock: Clock = clock if clock is not None else RealClock()  # sweeps, TTLs
         self.settings = settings if settings is not None else config_mod.load(paths.config_file)
         self._policy_factory = policy_factory
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._subscribers: list[tuple[Subscriber, tuple[type[Event], ...] | None]] = []
-        self._sub_lock = threading.Lock()
-        self._stopping = False
+        self._thread = LoopThread("warmslot-core")  # the core thread, its one loop
+        self._bus = EventBus()
         self.telemetry: Telemetry | None = None  # the history
         # Lifetime totals behind /metrics: seeded from the history at start, then
         # counted from events (core.proxy.metrics).
@@ -131,17 +134,22 @@ class Core:
         self.provision = Provisioner(
             self.paths, self.emit, self._record_build, check=binary_check, request=build_request
         )
-        self._upgrade_task: asyncio.Task[None] | None = None
-        self._upgrade_failed = False
+        # server.build = auto: the patched server, built while the stock one serves.
+        self.upgrade = PatchedUpgrade(
+            self.provision,
+            supervisor=lambda: self.supervisor,
+            settings=self._primary_settings,
+            idle_for=lambda: self.proxy.idle_for() if self.proxy is not None else math.inf,
+            emit=self.emit,
+        )
         self._tasks: list[asyncio.Task[Any]] = []
         self.started_at = 0.0
-        self._runtime_written = False  # the runtime file is this core's to rewrite and remove
+        self.runtime = RuntimeFile(paths.runtime_file)  # where `warmslot status` finds us
 
     # ------------------------------------------------------------- events
     def _warn_threadsafe(self, text: str) -> None:
         """A warning Notice from any thread (worker checks run off the loop)."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.emit, Notice(level="warning", text=text))
+        self._thread.call_soon(self.emit, Notice(level="warning", text=text))
 
     def subscribe(
         self, callback: Subscriber, types: tuple[type[Event], ...] | None = None
@@ -150,42 +158,27 @@ class Core:
 
         Callbacks run on the core thread and must be quick. Returns an unsubscribe function.
         """
-        entry = (callback, types)
-        with self._sub_lock:
-            self._subscribers.append(entry)
-
-        def unsubscribe() -> None:
-            with self._sub_lock:
-                if entry in self._subscribers:
-                    self._subscribers.remove(entry)
-
-        return unsubscribe
+        return self._bus.subscribe(callback, types)
 
     def emit(self, event: Event) -> None:
-        """Publish an event (call on the core thread)."""
+        """Publish an event (call on the core thread): into the history, then to the
+        subscribers."""
         if self.telemetry is not None:
             try:
                 self.telemetry.record(event)
             except Exception:
                 log.exception("telemetry could not record %s", type(event).__name__)
-        with self._sub_lock:
-            subs = list(self._subscribers)
-        for callback, types in subs:
-            if types is None or isinstance(event, types):
-                try:
-                    callback(event)
-                except Exception:
-                    log.exception("event subscriber %r failed", callback)
+        self._bus.publish(event)
 
     # ---------------------------------------------------------- lifecycle
     @property
     def running(self) -> bool:
-        return self._loop is not None and self._thread is not None and self._thread.is_alive()
+        return self._thread.running
 
     @property
     def stopping(self) -> bool:
         """True while `stop()` runs: new requests get a 503, those under way finish."""
-        return self._stopping
+        return self._thread.stopping
 
     def start(
         self, *, start_server: bool = True, wait_ready: bool = False, timeout: float = 300.0
@@ -198,40 +191,11 @@ class Core:
         if self.running:
             return
         self.paths.ensure()
-        started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(started,), name="warmslot-core", daemon=True
-        )
-        self._thread.start()
-        try:
-            started.result(timeout)
-        except BaseException:
-            self._thread.join(10)
-            self._thread = None
-            self._loop = None
-            raise
+        self._thread.start(self._setup, self._teardown, timeout)
         if start_server:
             fut = self.start_server()
             if wait_ready:
                 fut.result(timeout)
-
-    def _run(self, started: concurrent.futures.Future[None]) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._setup())
-        except BaseException as e:
-            started.set_exception(e)
-            with contextlib.suppress(Exception):
-                loop.run_until_complete(self._teardown())
-            loop.close()
-            return
-        self._loop = loop
-        started.set_result(None)
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
 
     async def _setup(self) -> None:
         self.started_at = time.time()
@@ -292,7 +256,7 @@ class Core:
             self.policy = self._policy_factory(self)
         # One registry of llama-servers, one admission: the primary alone, or with its
         # backends ([[backends]]) and the pool's models ([[models]]), or both.
-        servers = self.servers = ServerSet(self, state_words=self._server_state_words)
+        servers = self.servers = ServerSet(self, state_words=self._state_words)
         router, models = None, None
         if s.backends:  # several backends of the primary model: chosen per request
             self.backends = BackendSet(servers, self._primary_settings)
@@ -307,7 +271,7 @@ class Core:
             ProxyDeps(
                 upstream=self.upstream,
                 settings=lambda: self.settings.proxy,
-                server_state=self._server_state_words,
+                server_state=self._state_words,
                 # The slots llama-server was launched with: the fit plan's when it chose them.
                 n_slots=lambda: (
                     self.fit_plan.slots if self.fit_plan else self.settings.server.launch_slots
@@ -340,14 +304,17 @@ class Core:
             )
             self.background.register()
         await self.proxy.start(s.proxy.host, s.proxy.port)
-        self.subscribe(self._on_server_state, (ServerStateChanged,))
+        self.subscribe(self.upgrade.on_state, (ServerStateChanged,))
         try:
             self._write_runtime()
         except OSError as e:
             self._state_unwritable(
                 self.paths.runtime_file, e, "`warmslot status` will not find this run"
             )
-        self._tasks.append(asyncio.create_task(self._housekeeping()))
+        tel = self.telemetry  # flushed every second, pruned hourly
+        self._tasks.append(
+            asyncio.create_task(tel.housekeeping(lambda: self.settings.telemetry.retention_days))
+        )
         # A lost RPC worker restarts the server before a request finds out (docs/scale.md).
         sup = self.supervisor
         self._tasks.append(
@@ -395,10 +362,7 @@ class Core:
         return Outcome(len(done), {"unloaded": [d.model for d in done]})
 
     def _primary_settings(self) -> ServerSettings:
-        """`server.*`, with the primary profile's overrides when profiles are configured."""
-        if not self.settings.models:
-            return self.settings.server
-        return profiles.server_settings(self.settings, profiles.primary(self.settings))
+        return profiles.primary_server_settings(self.settings)
 
     async def _resolve(self) -> Resolved:
         return await self.resolve_for(self._primary_settings())
@@ -417,49 +381,17 @@ class Core:
             self.fit_plan = primary_plan
         return resolved
 
-    async def _housekeeping(self) -> None:
-        """Flush telemetry every second; prune old rows hourly."""
-        last_prune = 0.0
-        while True:
-            await asyncio.sleep(1.0)
-            tel = self.telemetry
-            if tel is None:
-                return
-            try:
-                tel.maybe_flush(1.0)
-                if time.time() - last_prune > 3600:
-                    last_prune = time.time()
-                    tel.prune(self.settings.telemetry.retention_days)
-            except Exception:
-                log.exception("telemetry housekeeping failed")
-
     def stop(self, timeout: float = 120.0) -> None:
         """Shut down in stages and join the core thread. Safe to call twice.
 
         `timeout` bounds the stages together (requests under way get `STOP_GRACE_S` of
         it, the cache's saves and llama-server's stop the rest), then the thread's join.
         """
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or self._stopping:
-            return
-        self._stopping = True
-        try:
-            fut = asyncio.run_coroutine_threadsafe(self._teardown(), loop)
-            try:
-                fut.result(timeout)
-            except Exception:
-                log.exception("shutdown did not finish cleanly")
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout)
-        finally:
-            self._loop = None
-            self._thread = None
-            self._stopping = False
+        self._thread.stop(self._teardown, timeout)
 
     async def _teardown(self) -> None:
         self.provision.cancel()
-        if self._upgrade_task is not None:
-            self._upgrade_task.cancel()
+        self.upgrade.cancel()
         if self.servers is not None:
             self.servers.cancel_starts()
         for task in self._tasks:
@@ -467,7 +399,7 @@ class Core:
         self._tasks.clear()
         if self.proxy is not None:  # 1. stop accepting requests: a 503 each from now on,
             self.proxy.stop_accepting()  # on the open socket; those under way finish
-            self._mark_stopping()
+            self.runtime.mark_stopping()
             await self.proxy.drain(STOP_GRACE_S)
         if self.policy is not None:  # 2. the cache saves what it must
             try:
@@ -501,21 +433,15 @@ class Core:
         if self.cache_index is not None:
             self.cache_index.close()
             self.cache_index = None
-        if self._runtime_written:  # never another instance's (a start that found its port)
-            self._runtime_written = False
-            with contextlib.suppress(OSError):
-                self.paths.runtime_file.unlink()
+        self.runtime.remove()  # never another instance's (a start that found its port)
         with contextlib.suppress(OSError):
             local_key_file(self.paths.state_dir).unlink()  # this start's local key
 
     # ------------------------------------------------------------ commands
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run a coroutine on the core loop; returns its future."""
-        loop = self._loop
-        if loop is None:
-            coro.close()
-            raise CoreStopped("the Warmslot core is not running")
-        return asyncio.run_coroutine_threadsafe(coro, loop)
+        """Run a coroutine on the core loop; returns its future (CoreStopped when the
+        core is not running)."""
+        return self._thread.submit(coro)
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run a plain function on the core thread (e.g. a telemetry query)."""
@@ -589,93 +515,9 @@ class Core:
 
         return self.submit(cancel())
 
-    # ------------------------------------------------- patched build in the background
-    def _on_server_state(self, event: Event) -> None:
-        """When the primary server is ready on a stock binary that the model's disk tier
-        needs patched, build the patched server in the background (server.build = auto)."""
-        if not isinstance(event, ServerStateChanged) or event.model or event.state != "ready":
-            return
-        if self._upgrade_task is not None and not self._upgrade_task.done():
-            return
-        self._upgrade_task = asyncio.ensure_future(self._upgrade())
-
-    async def _upgrade(self) -> None:
-        sup = self.supervisor
-        s = self._primary_settings()
-        if sup is None or sup.resolved is None or s.build != "auto" or self.provision.building:
-            return
-        if self._upgrade_failed:  # once per run: a failing build is not retried per restart
-            return
-        binary, mdl = sup.resolved.binary, sup.resolved.model
-        loop = asyncio.get_running_loop()
-        why = await loop.run_in_executor(None, self.provision.upgrade_reason, s, binary, mdl.path)
-        if why is None:
-            return
-        self.emit(
-            Notice(
-                level="info",
-                text=f"{why}. Building the patched server in the background at idle "
-                "priority; Warmslot switches to it at the next quiet moment.",
-                hint='server.build = "off" stops this; "now" builds before starting',
-            )
-        )
-        try:
-            await self.provision.build(PATCHED_PURPOSE, background=True)
-        except asyncio.CancelledError:
-            raise
-        except WarmslotError as e:
-            self.emit(
-                Notice(
-                    level="warning",
-                    text=f"The patched llama-server could not be built: {e}",
-                    hint=e.hint or "serving goes on with the stock server, without the disk tier",
-                )
-            )
-            self._upgrade_failed = True
-            return
-        found = await self.provision.discover(s)
-        if found.found is None or not found.found.patched:
-            return
-        await self._wait_quiet(s.switch_idle_s)
-        self.emit(Notice(level="info", text="Switching to the patched llama-server (disk tier)."))
-        await sup.restart("switching to the patched llama-server for the disk tier")
-
-    async def _wait_quiet(self, idle_s: float) -> None:
-        """Until no request is in flight and none ended in the last `idle_s` seconds."""
-        while True:
-            idle = self.proxy.idle_for() if self.proxy is not None else idle_s
-            if idle is not None and idle >= idle_s:
-                return
-            wait = 0.5 if idle is None else max(0.1, idle_s - idle)
-            await asyncio.sleep(wait)
-
-    def _server_state_words(self) -> str:
-        """The server's state for a 503, with what is happening or went wrong."""
-        sup = self.supervisor
-        if sup is None:
-            return "stopped"
-        build = self.provision.status()
-        if build is not None and not build.get("background"):
-            return f"{sup.state.value} — {build.get('text') or 'building llama-server'}"
-        if sup.state is ServerState.FAILED and sup.state_reason:
-            return f"failed — {sup.state_reason}; see `warmslot doctor`"
-        return sup.state.value
-
     def _record_build(self, row: dict[str, object]) -> None:
-        if self.telemetry is None or not row.get("build_id"):
-            return
-        self.telemetry.upsert(
-            "builds",
-            {
-                "build_id": row["build_id"],
-                "ts": time.time(),
-                "outcome": row.get("outcome"),
-                "duration_s": row.get("duration_s"),
-                "log_path": row.get("log_path"),
-                "inputs": json.dumps(row, default=str),
-            },
-            "build_id",
-        )
+        if self.telemetry is not None:
+            self.telemetry.record_build(row)
 
     def server_status(self) -> concurrent.futures.Future[Status]:
         """`status()` without the telemetry history (cheap enough to poll every second)."""
@@ -717,128 +559,21 @@ class Core:
         """
         if self.running:
             with contextlib.suppress(CoreStopped):
-                return self.submit(self._update_settings(changes, persist=persist))
+                return self.submit(settings_mod.apply_running(self, changes, persist=persist))
         out: concurrent.futures.Future[SettingsUpdate] = concurrent.futures.Future()
         try:
-            edit, new, update = self._plan_settings(changes, persist=persist)
-            if edit is not None:
-                edit.write()
-            if new is not None:
-                self.settings = new
-            out.set_result(update)
+            out.set_result(settings_mod.apply_stopped(self, changes, persist=persist))
         except Exception as e:
             out.set_exception(e)
         return out
 
-    def _plan_settings(
-        self, changes: Mapping[str, object], *, persist: bool
-    ) -> tuple[config_mod.Edit | None, Settings | None, SettingsUpdate]:
-        """The file edit to write (with `persist`), the settings to use (None when the
-        file still has a problem) and the answer."""
-        keys = keys_file(self.paths.config_file)
-        if not persist:
-            new = self.settings.with_changes(changes, keys_path=keys)
-            return None, new, SettingsUpdate.between(self.settings, new)
-        edit = config_mod.edit_file(self.paths.config_file, changes)
-        if edit.after.settings is None:
-            return edit, None, SettingsUpdate(problems=edit.after.problems)
-        after = edit.after.settings
-        return edit, after, SettingsUpdate.between(self.settings, after)
-
-    async def _update_settings(
-        self, changes: Mapping[str, object], *, persist: bool
-    ) -> SettingsUpdate:
-        old = self.settings
-        edit, new, update = self._plan_settings(changes, persist=persist)
-        moved = {"proxy.host", "proxy.port"} & set(update.changed)
-        if new is not None and moved and self.proxy is not None and self.proxy.port:
-            # Live: the new address first (a taken port changes nothing, the file keeps
-            # its value), then the runtime file, so `warmslot status` and the tray find it.
-            await self.proxy.rebind(new.proxy.host, new.proxy.port)
-            self._write_runtime()
-        if edit is not None:
-            edit.write()
-        if new is None:
-            return update
-        self.settings = new
-        if update.changed:
-            self.emit(
-                SettingsChanged(changes=config_mod.settings_changes(old, new, update.changed))
-            )
-        return update
-
     # ------------------------------------------------------------ status
     async def _status_async(self, *, history: bool = True) -> Status:
-        assert self.supervisor is not None and self.proxy is not None
-        tel = self.telemetry if history else None
-        hour_ago = time.time() - 3600
-        out: Status = {
-            "warmslot": {
-                "pid": os.getpid(),
-                "started": self.started_at,
-                "proxy": f"http://{self.proxy.host}:{self.proxy.port}",
-                "config": str(self.paths.config_file),
-            },
-            "build": self.provision.status(),
-            "server": {
-                **self.supervisor.snapshot(),
-                "fit": None
-                if self.fit_plan is None
-                else {"plan": self.fit_plan.to_dict(), "text": format_plan(self.fit_plan)},
-            },
-            "workers": self.workers.snapshot() if self.workers.configured else None,
-            "totals": tel.totals() if tel else None,
-            "last_hour": tel.totals(hour_ago) if tel else None,
-            "clients": tel.per_client() if tel else [],
-            "users": tel.per_user() if tel else [],
-            "sessions": tel.sessions(hour_ago, limit=20) if tel else [],
-            "recent_requests": tel.recent_requests(10) if tel else [],
-            "models": self.pool.status()
-            if self.pool is not None
-            else [
-                {
-                    "name": profiles.PRIMARY_NAME,
-                    "role": "text",
-                    "primary": True,
-                    "state": self.supervisor.state.value,
-                }
-            ],
-        }
-        if self.backends is not None:  # only with [[backends]]: the default stays as it was
-            out["backends"] = self.backends.status()
-        if self.pool is not None:
-            out["model_calls"] = {
-                "routed_to_side": self.pool.routed_side,
-                "by_model": {e["name"]: e["calls"] for e in out["models"]},
-            }
-        if self.policy is not None:
-            try:
-                out["cache"] = await self.policy.status()
-            except Exception as e:
-                log.exception("cache status failed")
-                out["cache"] = {"error": repr(e)}
-        return out
+        return await collect_status(self, history=history)
 
-    def _write_runtime(self, state: str = "running") -> None:
-        """The runtime file (read by `core.local_api`): where this instance listens, and
-        whether it runs or is stopping."""
+    def _state_words(self) -> str:
+        return server_state_words(self.supervisor, self.provision)
+
+    def _write_runtime(self) -> None:
         assert self.proxy is not None
-        data = {
-            "pid": os.getpid(),
-            "proxy_host": self.proxy.host,
-            "proxy_port": self.proxy.port,
-            "started": self.started_at,
-            "state": state,
-        }
-        path: Path = self.paths.runtime_file
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-        self._runtime_written = True
-
-    def _mark_stopping(self) -> None:
-        """Say in the runtime file that this instance is stopping: a `warmslot serve`
-        started now waits for it to exit instead of failing on its port."""
-        if self._runtime_written:
-            with contextlib.suppress(OSError):
-                self._write_runtime("stopping")
+        self.runtime.write(self.proxy.host, self.proxy.port, self.started_at)
