@@ -38,9 +38,9 @@ from core.cache import prefix as pfx
 from core.cache.store import StateRecord
 from core.errors import UpstreamError
 from core.events import CacheEventKind
-from core.status import BootFailure, BootRewarmStatus
+from core.status.boot import BootFailure, BootRewarmStatus, BootSource
 
-__all__ = ["BootRewarm", "BootStep", "Emit"]
+__all__ = ["BootRewarm", "BootStep", "Emit", "Warmed"]
 
 log = logging.getLogger("warmslot.cache")
 
@@ -62,6 +62,28 @@ class Emit(Protocol):
 
 
 @dataclass(frozen=True)
+class Warmed:
+    """How one boot step filled its slot: from which source, in tokens."""
+
+    source: str  # "prefix state", "conversation state" or "prefill" (no usable state)
+    restored: int  # tokens restored from a verified state on disk
+    prefilled: int  # tokens llama-server read for it
+    text: str  # in words, for the event, the status and the log
+
+    def row(self, step: BootStep) -> BootSource:
+        """The status row of `step` warmed this way."""
+        return {
+            "slot": step.slot,
+            "fingerprint": step.info.fingerprint[:16],
+            "tokens": step.info.n_tokens,
+            "source": self.source,
+            "restored": self.restored,
+            "prefilled": self.prefilled,
+            "text": self.text,
+        }
+
+
+@dataclass(frozen=True)
 class BootStep:
     """One prefix to bring back into one slot."""
 
@@ -73,7 +95,7 @@ class BootStep:
 @dataclass
 class _Running:
     step: BootStep
-    task: asyncio.Task[bool]
+    task: asyncio.Task[Warmed | None]
     preempted: bool = False
 
 
@@ -91,6 +113,7 @@ class BootRewarm:
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.failures: list[BootFailure] = []
+        self.sources: list[BootSource] = []  # how each warmed slot was filled
         self._pending: dict[int, BootStep] = {}  # slot → step not started yet
         self._running: _Running | None = None
 
@@ -113,6 +136,7 @@ class BootRewarm:
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "failures": list(self.failures),
+            "sources": list(self.sources),
         }
 
     def forget(self) -> None:
@@ -123,6 +147,7 @@ class BootRewarm:
             self.total = self.warmed = self.skipped = self.failed = 0
             self.started_at = self.finished_at = None
             self.failures = []
+            self.sources = []
 
     def claim(self, slot: int, fingerprint: str) -> None:
         """A client request needs `slot` for the prefix `fingerprint` ("" for none)."""
@@ -141,8 +166,11 @@ class BootRewarm:
             run.preempted = True
             run.task.cancel()
 
-    async def run(self, steps: list[BootStep], warm: Callable[[BootStep], Awaitable[bool]]) -> None:
-        """Warm each step in turn with `warm` (True: warmed, False: skipped, e.g. pressure)."""
+    async def run(
+        self, steps: list[BootStep], warm: Callable[[BootStep], Awaitable[Warmed | None]]
+    ) -> None:
+        """Warm each step in turn with `warm` (how it was warmed; None: skipped, e.g.
+        under pressure)."""
         self._start(steps)
         try:
             for step in steps:
@@ -158,11 +186,14 @@ class BootRewarm:
         self.finished_at = self._clock()
         if not steps:
             return  # nothing known yet (a first start): no events to clutter the log
+        how = "; ".join(f"slot {s['slot']}: {s['text']}" for s in self.sources)
         self._emit(
             CacheEventKind.BOOT_REWARM_DONE,
             f"{self.warmed} of {self.total} prefixes re-warmed after the server start"
             + (f", {self.skipped} skipped" if self.skipped else "")
-            + (f", {self.failed} failed" if self.failed else ""),
+            + (f", {self.failed} failed" if self.failed else "")
+            + (f" ({how})" if how else ""),
+            sources=list(self.sources),
             warmed=self.warmed,
             skipped=self.skipped,
             failed=self.failed,
@@ -175,6 +206,7 @@ class BootRewarm:
         self.total = len(steps)
         self.warmed = self.skipped = self.failed = 0
         self.failures = []
+        self.sources = []
         self.started_at, self.finished_at = self._clock(), None
         self._pending = {s.slot: s for s in steps}
         self._running = None
@@ -187,8 +219,10 @@ class BootRewarm:
             slots=[s.slot for s in steps],
         )
 
-    async def _one(self, step: BootStep, warm: Callable[[BootStep], Awaitable[bool]]) -> None:
-        task: asyncio.Task[bool] = asyncio.ensure_future(warm(step))
+    async def _one(
+        self, step: BootStep, warm: Callable[[BootStep], Awaitable[Warmed | None]]
+    ) -> None:
+        task: asyncio.Task[Warmed | None] = asyncio.ensure_future(warm(step))
         run = self._running = _Running(step, task)
         try:
             await asyncio.wait({task})
@@ -214,10 +248,13 @@ class BootRewarm:
             return
         error = task.exception()
         if error is None:
-            if task.result():
-                self.warmed += 1
-            else:
+            warmed = task.result()
+            if warmed is None:
                 self.skipped += 1
+                return
+            self.warmed += 1
+            self.sources.append(warmed.row(step))
+            log.info("boot re-warm of slot %d: %s", step.slot, warmed.text)
             return
         self.failed += 1
         self.failures.append(

@@ -128,8 +128,11 @@ def boot_rewarm_text(boot: BootRewarmStatus | None) -> str:
     extra = [
         f"{n} {word}" for n, word in ((boot["skipped"], "skipped"), (boot["failed"], "failed")) if n
     ]
-    return f"boot re-warm finished{at}{took}: {boot['warmed']} of {total} prefixes warm" + (
-        f", {', '.join(extra)}" if extra else ""
+    how = "".join(f"\n  slot {s['slot']}: {s['text']}" for s in boot.get("sources", []))
+    return (
+        f"boot re-warm finished{at}{took}: {boot['warmed']} of {total} prefixes warm"
+        + (f", {', '.join(extra)}" if extra else "")
+        + how
     )
 
 

@@ -29,11 +29,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, NotRequired, TypedDict
 
 from core import chat as apis
 from core.cache import background as bg
-from core.cache import boundary, warmup
+from core.cache import boundary, sources, warmup
 from core.cache import prefix as pfx
 from core.cache.boot import BootRewarm
 from core.cache.conversations import NOT_RESUMED, Conversations
@@ -50,7 +51,7 @@ from core.cache.reuse import ReuseCheck
 from core.cache.slot_ops import SlotOps
 from core.cache.slots import SlotState
 from core.cache.state import CacheState
-from core.errors import UpstreamError, VerificationFailed
+from core.errors import UpstreamError
 from core.events import CacheEventKind, Event, Notice, ServerStateChanged
 from core.proxy.context_limit import ContextLimits
 from core.proxy.types import ProxyRequest, SlotPlan
@@ -135,7 +136,7 @@ class CacheManager:
         # Whole conversations saved and restored (core.cache.conversations).
         self.conversations = Conversations(state, ops, self.retention, self._spawn)
         # Prefix states written from the live slot that holds them (core.cache.prefix_save).
-        self.prefix_saver = PrefixSaver(state, ops, self.retention, self.conversations)
+        self.prefix_saver = PrefixSaver(state, ops, self.retention, self.conversations, self._spawn)
         deps.subscribe(self._on_event, (ServerStateChanged,))
 
     @property
@@ -215,17 +216,18 @@ class CacheManager:
         side = decision.side
         session = decision.session
         info = None if side else await self.learner.prefix_for(req, client, session)
-        # A new session goes where its prefix is when no saved state can bring it into
-        # an empty slot: a shared prefix is then read once, not per session (core.cache.slots).
         fp = info.fingerprint if info is not None else ""
-        displace = bool(fp) and info is not None and info.n_tokens >= DISPLACE_MIN_TOKENS
-        if displace and self.state.disk.usable and self.state.store.for_fingerprint(fp) is not None:
-            displace = False
         # Compared in chat form: a slot keeps its last request's chat view (a Messages or
         # Responses body never equals it, and its new session went to an empty slot).
         chat = chat_of(req)
         head = req.chat.head_key
         holding = [st.id for st in self.state.slots.slots if fp and self._holds(st, fp, head)]
+        # A new session takes another's idle slot holding its prefix only where nothing
+        # brings the prefix into an empty slot (core.cache.sources.displace).
+        can_copy = self.prefix_saver.can_save_prefix()
+        displace = info is not None and sources.displace(
+            self.state, self.conversations, info, session, holding, can_copy, DISPLACE_MIN_TOKENS
+        )
         slot, why_slot = self.state.slots.pick(session, req.kind, holding, displace, owner=req.user)
         if info is not None and req.user:
             self.state.prefix_owners.setdefault(info.fingerprint, req.user)
@@ -243,7 +245,7 @@ class CacheManager:
             # A saved conversation this request continues beats its stable prefix.
             resumed = await self.conversations.restore_for(req, info, slot, session)
             if not resumed.restored:
-                await self._ensure_slot(info, slot, session)
+                await self._ensure_slot(info, slot, session, holding)
                 st = self.state.slots.slots[slot]
                 if self.state.disk.rewinds and boundary.needs_mark(
                     st, info.fingerprint, info.n_tokens, chat, session
@@ -283,8 +285,13 @@ class CacheManager:
             self.state.publish(Notice(level="warning", text=f"{req.path}: {why}"))
         return False
 
-    async def _ensure_slot(self, info: pfx.PrefixInfo, slot: int, session: str = "") -> None:
-        """Make the slot hold the prefix before the request runs, if that can be done cheaply."""
+    async def _ensure_slot(
+        self, info: pfx.PrefixInfo, slot: int, session: str = "", holding: Sequence[int] = ()
+    ) -> None:
+        """Make the slot hold the prefix before the request runs, if that can be done
+        cheaply: copied from an idle slot of `holding` (slots whose content starts with it),
+        or restored from the longest verified state on disk that it starts with
+        (core.cache.sources) — never a cold prefill while a copy exists."""
         st = self.state.slots.slots[slot]
         if st.prefix_fp == info.fingerprint:
             return  # warm
@@ -298,12 +305,8 @@ class CacheManager:
             # now given to this one) would be overwritten by the request anyway, so the
             # prefix is restored over it.
             return
-        rec = self.state.store.for_fingerprint(info.fingerprint) if self.state.disk.usable else None
-        if rec is None:
-            return  # the request warms it; `completed` persists it
-        async with self.ops.lock(slot):
-            with contextlib.suppress(VerificationFailed):
-                await self.ops.restore(rec, slot)
+        copy = self.prefix_saver.copy if self.prefix_saver.can_save_prefix() else None
+        await sources.bring(self.state, self.ops, self.conversations, info, slot, holding, copy)
 
     @staticmethod
     def _holds(st: SlotState, fp: str, head_key: str) -> bool:

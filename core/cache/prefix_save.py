@@ -19,6 +19,14 @@ conversation. The prefix's state goes to disk from there:
 
 A save that would have to wait — the slot is busy again, or no longer holds the prefix —
 is left to the next response; no client waits for one and nothing is prefilled for it.
+A written file whose reference probe found no quiet moment (another slot worked through
+every try) is kept, journaled, and its reference taken once the server is quiet
+(`LATER_WAIT_S`), never dropped for a busy moment.
+
+The same save copies a prefix between slots (`PrefixSaver.copy`): a new session whose
+prefix only another session's slot holds gets it from there — saved from that slot, the
+file restored into the new session's slot and its reference taken there — instead of a
+cold prefill (docs/cache.md#the-shared-prefix-wherever-it-is).
 Every save keeps the disk cap (core.cache.retention, `Retention.make_room`): room is made
 before it is written, or it is not made (and not built instead); once written, a file
 that does not fit after all is deleted.
@@ -29,6 +37,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +64,22 @@ log = logging.getLogger("warmslot.cache")
 PATCH_PREFIX_SAVE = "prefix-save-v1"  # GET /props → warmslot_patches (patches/0004)
 SCRATCH_WAIT_S = 30.0  # longest a saved prefix waits for an idle slot to be verified in
 BUILD_WAIT_S = 120.0  # longest a prefix to build waits for the scratch slot to be idle
+# A written prefix whose reference found no quiet moment keeps trying for this long (under
+# the retention's grace for unfinished saves: its journal row is refreshed each try),
+# pausing between tries from the first to the last pause, doubling.
+LATER_WAIT_S = 540.0
+LATER_PAUSE_S = 1.0
+LATER_PAUSE_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class Written:
+    """A prefix file the server wrote and whose token list was checked; not indexed yet."""
+
+    name: str
+    saved: dict[str, Any]  # the server's answer to the save
+    save_ms: float
+    how: str  # for the `save` event: where it came from
 
 
 class PrefixSaver:
@@ -65,6 +91,7 @@ class PrefixSaver:
         ops: SlotOps,
         retention: Retention,
         conversations: Conversations,
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]] | None = None,
     ) -> None:
         self.state = state
         self.ops = ops
@@ -74,10 +101,17 @@ class PrefixSaver:
         # patch list, or from its first 501, and kept until the server restarts.
         self.refused = ""
         self.counts: dict[str, int] = {"live": 0, "conversation": 0, "deferred": 0, "built": 0}
+        # Runs the reference of a written prefix later, as the manager's job (None: a
+        # reference that found no quiet moment fails the save, as before).
+        self._spawn = spawn
+        self._later: dict[str, asyncio.Task[Any]] = {}  # fingerprint → its reference later
 
     def server_gone(self) -> None:
-        """A new server may answer differently."""
+        """A new server may answer differently; references waiting for a quiet moment of
+        the old one end (their files are swept: journaled, never indexed)."""
         self.refused = ""
+        for task in self._later.values():
+            task.cancel()
 
     def can_save_prefix(self) -> bool:
         """Whether the running server can save the first N tokens of a slot."""
@@ -102,6 +136,8 @@ class PrefixSaver:
         or as the last resort built in a scratch slot; saved, then its probe answer
         recorded. A failure is recorded (core.cache.retention), never raised."""
         m = self.state
+        if info.fingerprint in self._later:
+            return  # written; its reference is taken when the server is quiet
         try:
             if not m.pressure.allows_persist():
                 why = m.pressure.paused().get("persist", "")
@@ -151,7 +187,9 @@ class PrefixSaver:
         if problem is not None:
             self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
             return
-        await self._record(info, slot, name, saved, how="built in a scratch slot")
+        written = Written(name, saved, 0.0, "built in a scratch slot")
+        if not await self._record(info, slot, name, saved, how=written.how):
+            self._reference_later(info, written)
 
     def _room(self, info: pfx.PrefixInfo) -> bool:
         """Before a save: room under the disk cap for its estimated size (what must go
@@ -172,9 +210,10 @@ class PrefixSaver:
 
     async def _record(
         self, info: pfx.PrefixInfo, slot: int, name: str, saved: dict[str, Any], *, how: str
-    ) -> None:
+    ) -> bool:
         """Index the just-saved prefix file `name` with its probe reference, taken in
-        `slot` (idle, under its lock) after restoring that very file."""
+        `slot` (idle, under its lock) after restoring that very file; False (nothing
+        indexed, the file kept) when no probe ran alone."""
         m = self.state
         client = m.client
         assert client is not None and m.probe_suffix is not None
@@ -195,9 +234,9 @@ class PrefixSaver:
             lambda: client.slot_action(slot, "restore", name),
         )
         if answer is None:
-            problem = f"no probe reference ran alone in {REFERENCE_TRIES} tries (a busy server)"
-            self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
-            return
+            log.info("prefix %s: no probe reference ran alone yet", info.fingerprint[:16])
+            await self.ops.unload(slot, client)  # it holds the unverified file: cleared
+            return False
         now = m.clock.time()
         rec = StateRecord(
             filename=name,
@@ -233,21 +272,76 @@ class PrefixSaver:
             save_ms=(saved.get("timings") or {}).get("save_ms"),
             how=how,
         )
+        return True
 
     # ------------------------------------------------------------ 1. part of the slot
     async def _save_prefix(self, info: pfx.PrefixInfo, slot: int) -> bool | None:
         """True: saved and indexed, or left for later; None: the server cannot (501)."""
         m = self.state
-        client = m.client
-        assert client is not None
         probe_slot = self.ops.scratch_slot(exclude=slot)
         if probe_slot is None and m.slots.n_slots < 2:
             return None  # nowhere to verify it but the live slot: save the conversation
+        written = await self._write(info, slot, own=True)
+        if not isinstance(written, Written):
+            return written
+        # The reference is taken after restoring this very file, in an idle slot, so the
+        # live slot keeps its conversation (docs/cache.md#verification).
+        deadline = time.monotonic() + SCRATCH_WAIT_S
+        while probe_slot is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            probe_slot = self.ops.scratch_slot(exclude=slot)
+        if probe_slot is None:
+            why = f"no idle slot to verify it in within {SCRATCH_WAIT_S:.0f} s"
+            self.retention.save_failed(info.fingerprint, why, filename=written.name, slot=slot)
+            return True
+        async with self.ops.lock(probe_slot):
+            done = await self._record(
+                info, probe_slot, written.name, written.saved, how=written.how
+            )
+        if not done:
+            self._reference_later(info, written)
+        self.counts["live"] += 1
+        return True
+
+    async def copy(self, info: pfx.PrefixInfo, source: int, target: int) -> bool:
+        """Copy the prefix `info` from the idle `source` slot (another session's, whose
+        content starts with it) into `target`: a prefix save of `source` — its
+        conversation stays — restored into `target`, where its probe reference is taken
+        (docs/cache.md#the-shared-prefix-wherever-it-is). True when `target` holds the
+        prefix, verified from its own file, which stays on disk like any prefix state;
+        False when this server cannot save part of a slot, `source` does not hold the
+        prefix (any more), or no reference ran alone (the file's reference is then taken
+        later; `target` is cleared). Takes both slots' locks; the caller holds neither."""
+        if not self.can_save_prefix() or source == target or info.fingerprint in self._later:
+            return False
+        written = await self._write(info, source, own=False)
+        if not isinstance(written, Written):
+            return False
+        how = f"copied from live slot {source} into slot {target}, {written.save_ms:.0f} ms"
+        async with self.ops.lock(target):
+            done = await self._record(info, target, written.name, written.saved, how=how)
+            if done:
+                st = self.state.slots.slots[target]
+                st.promised = (info.n_tokens, f"restored prefix state (copied from slot {source})")
+                return True
+        self._reference_later(info, written)  # `target` was cleared: never served unverified
+        return False
+
+    async def _write(self, info: pfx.PrefixInfo, slot: int, *, own: bool) -> Written | bool | None:
+        """Write the first `info.n_tokens` tokens of `slot` to the prefix's file and check
+        that it holds exactly them: the file (journaled, not indexed yet), or True when
+        the save was left for later or failed (recorded), None when the server cannot
+        save part of a slot (501). `own`: the slot's prefix is `info` itself (else the
+        file's token list alone decides, as when copying another session's slot)."""
+        m = self.state
+        client = m.client
+        assert client is not None
         name = state_filename(info.fingerprint)
         path = m.store.dir_for(m.launch_id) / name
         async with self.ops.lock(slot):
             st = m.slots.slots[slot]
-            if st.inflight or st.prefix_fp != info.fingerprint or st.tokens_hint < info.n_tokens:
+            moved = own and st.prefix_fp != info.fingerprint
+            if st.inflight or moved or st.tokens_hint < info.n_tokens:
                 self.counts["deferred"] += 1
                 return True  # it moved on: the next response with this prefix tries again
             if not self._room(info):
@@ -297,26 +391,49 @@ class PrefixSaver:
             if problem is not None:
                 self.retention.save_failed(info.fingerprint, problem, filename=name, slot=slot)
                 return True
-        # The reference is taken after restoring this very file, in an idle slot, so the
-        # live slot keeps its conversation (docs/cache.md#verification).
-        deadline = time.monotonic() + SCRATCH_WAIT_S
-        while probe_slot is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.25)
-            probe_slot = self.ops.scratch_slot(exclude=slot)
-        if probe_slot is None:
-            why = f"no idle slot to verify it in within {SCRATCH_WAIT_S:.0f} s"
-            self.retention.save_failed(info.fingerprint, why, filename=name, slot=slot)
-            return True
-        async with self.ops.lock(probe_slot):
-            await self._record(
-                info,
-                probe_slot,
-                name,
-                saved,
-                how=f"from live slot {slot}, {save_ms:.0f} ms, no prefill",
+        how = f"from live slot {slot}, {save_ms:.0f} ms, no prefill"
+        return Written(name, saved, save_ms, how)
+
+    def _reference_later(self, info: pfx.PrefixInfo, written: Written) -> None:
+        """The file is written and its tokens checked, but no probe ran alone to take its
+        reference (a busy server): keep it, journaled, and take the reference when the
+        server is quiet — never drop a correct state for a busy moment."""
+        if self._spawn is None or info.fingerprint in self._later:
+            problem = f"no probe reference ran alone in {REFERENCE_TRIES} tries (a busy server)"
+            self.retention.save_failed(info.fingerprint, problem, filename=written.name)
+            return
+        self._later[info.fingerprint] = self._spawn(self._take_reference_later(info, written))
+
+    async def _take_reference_later(self, info: pfx.PrefixInfo, written: Written) -> None:
+        m = self.state
+        identity, deadline = m.launch_id, time.monotonic() + LATER_WAIT_S
+        pause = LATER_PAUSE_S
+        tries = 0
+        try:
+            while time.monotonic() < deadline:
+                await m.slots.wait_quiet(max(1.0, deadline - time.monotonic()))
+                if m.identity is None or m.launch_id != identity:
+                    self.retention.discard_partial(written.name)  # another server: useless
+                    return
+                slot = self.ops.scratch_slot()
+                if slot is not None and not m.slots.busy():
+                    # Refreshed, so that the retention sweep does not take the journaled
+                    # file for a save that never finished.
+                    self.retention.journal.begin(identity, written.name)
+                    async with self.ops.lock(slot):
+                        tries += 1
+                        how = f"{written.how}; its reference taken later, try {tries}"
+                        if await self._record(info, slot, written.name, written.saved, how=how):
+                            return
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, LATER_PAUSE_MAX_S)
+            problem = (
+                f"no probe reference ran alone within {LATER_WAIT_S:.0f} s of a busy server "
+                f"({tries} tries)"
             )
-        self.counts["live"] += 1
-        return True
+            self.retention.save_failed(info.fingerprint, problem, filename=written.name)
+        finally:
+            self._later.pop(info.fingerprint, None)
 
     # ------------------------------------------------------------ 2. the whole slot
     async def _cover_with_conversation(self, info: pfx.PrefixInfo, slot: int) -> bool:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from core.cache import prefix as pfx
-from core.cache.boot import BootStep
+from core.cache import sources
+from core.cache.boot import BootStep, Warmed
 from core.cache.definitions import PrefixDefinition
 from core.cache.deps import DiskTier as DiskTier
 from core.cache.fingerprint import ServerIdentity, fingerprint, template_hash
@@ -302,9 +303,10 @@ async def warm_known(
 ) -> None:
     """After a (re)start: bring back the most recently used prefixes (the boot re-warm).
 
-    Restored from disk and verified where the disk tier is valid, else (and for
-    sliding-window models on a stock server, or prefixes never saved) prewarmed
-    from their tokens. Client requests go first (`core.cache.boot`).
+    Restored from disk and verified where the disk tier is valid (the longest saved state
+    each prefix starts with, `warm_step`), else (and for sliding-window models on a stock
+    server, or prefixes never saved) prewarmed from their tokens. Client requests go first
+    (`core.cache.boot`).
     """
     assert state.identity is not None
     await boot.run(boot_steps(state, conversations), partial(warm_step, state, ops, conversations))
@@ -312,31 +314,53 @@ async def warm_known(
 
 async def warm_step(
     state: CacheState, ops: SlotOps, conversations: Conversations, step: BootStep
-) -> bool:
-    """Warm one boot step under its slot's lock; False when skipped (busy, pressure)."""
+) -> Warmed | None:
+    """Warm one boot step under its slot's lock from the cheapest source: the longest
+    verified state on disk that the prefix starts with (its own prefix state, a saved
+    conversation, or a shorter prefix state, the rest then prefilled: core.cache.sources),
+    else a prefill from its tokens. How it was warmed; None when skipped (busy, pressure)."""
     if state.slots.slots[step.slot].inflight:
-        return False  # a request runs there already
-    async with ops.lock(step.slot):
-        if step.saved is not None:
-            return await restore_or_prewarm(
-                state,
-                ops,
-                conversations,
-                step.saved,
-                step.slot,
-                chunk=BOOT_CHUNK_TOKENS,
-                info=step.info,
-            )
-        if not state.pressure.allows_prewarm(False):
+        return None  # a request runs there already
+    info, slot = step.info, step.slot
+    async with ops.lock(slot):
+        source = sources.find(state, conversations, info)
+        pinned = source.rec.pinned if source is not None else False
+        if not state.pressure.allows_prewarm(pinned):
             why = state.pressure.paused().get("prewarm", "")
-            state.emit(
-                CacheEventKind.PREWARM_SKIPPED, why, fp=step.info.fingerprint, slot=step.slot
+            state.emit(CacheEventKind.PREWARM_SKIPPED, why, fp=info.fingerprint, slot=slot)
+            return None
+        restored, rejected = 0, ""
+        if source is not None:
+            try:
+                await sources.restore(ops, conversations, source, slot)
+                restored = source.tokens
+            except VerificationFailed as e:
+                rejected = f" (its {source.kind} was rejected: {e})"  # recorded, deleted
+        if restored >= info.n_tokens:
+            assert source is not None
+            return Warmed(source.kind, restored, 0, f"restored {source.describe(info)}")
+        reason = "after server start"
+        if restored:
+            reason += f": the rest after the restored {restored}-token state"
+        # Chunked only into an empty slot (`SlotOps.prewarm`): the rest after a restore
+        # is one request.
+        t = await ops.prewarm(info, slot, reason=reason, chunk=BOOT_CHUNK_TOKENS)
+        prefilled = t.prompt_n if t is not None else 0
+        if restored and source is not None:
+            # The next request should reuse the restored state, and says it was restored.
+            st = state.slots.slots[slot]
+            st.promised = (restored, f"restored {source.kind} and prefilled the rest")
+            text = (
+                f"restored the {restored}-token {source.kind} and prefilled the other "
+                f"{prefilled} of the prefix's {info.n_tokens} tokens"
             )
-            return False
-        await ops.prewarm(
-            step.info, step.slot, reason="after server start", chunk=BOOT_CHUNK_TOKENS
-        )
-        return True
+            return Warmed(source.kind, restored, prefilled, text)
+        text = f"prefilled {prefilled} of {info.n_tokens} tokens: no verified state on disk"
+        if rejected:
+            text = f"prefilled {prefilled} of {info.n_tokens} tokens{rejected}"
+        elif not state.disk.usable:
+            text = f"prefilled {prefilled} of {info.n_tokens} tokens: {state.disk.reason}"
+        return Warmed("prefill", 0, prefilled, text)
 
 
 async def restore_or_prewarm(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import NotRequired, TypedDict, cast
 
+from core.status.boot import BootRewarmStatus as BootRewarmStatus
 from core.status.server import BuildStatus, ServerStatus, WorkersStatus
 
 
@@ -317,30 +318,6 @@ class ContextLimitsStatus(TypedDict):
     n_ctx_slot: int | None
     total: int
     recent: list[ContextHitRow]
-
-
-class BootRewarmStatus(TypedDict):
-    """The re-warm of recently used prefixes after a server start."""
-
-    state: str  # idle | running | done
-    done: int
-    total: int
-    warmed: int
-    skipped: int
-    failed: int
-    current_slot: int | None
-    started_at: float | None
-    finished_at: float | None
-    # The steps that failed and why, in words (what the tray says when it is not warm).
-    failures: NotRequired[list[BootFailure]]
-
-
-class BootFailure(TypedDict):
-    """A prefix the boot re-warm could not bring back."""
-
-    fingerprint: str  # the first 16 hex digits
-    slot: int
-    reason: str
 
 
 class CacheWarmth(TypedDict):
