@@ -306,3 +306,37 @@ def test_the_boot_rewarm_restores_the_longest_saved_state_and_prefills_only_the_
     # A new session then starts from the warm learned prefix.
     third = _turn(core, "agent-three", _second_session())
     assert third["cache_n"] >= learned_n, third
+
+
+def test_a_prefix_whose_reference_found_the_server_busy_is_kept_and_verified_later(
+    make_core: MakeCore, tiny32k: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = _core(make_core, tiny32k)
+    gate = cache_manager(core).ops.probe_gate
+    real = gate.reference
+    calls: list[int] = []
+
+    async def busy_first(
+        client: Any, body: Any, slot: int, restore: Any, **kw: Any
+    ) -> tuple[Any, list[float]]:
+        # The first reference sees other slots working through all its tries, as when
+        # another session's long turn ran beside it (ProbeGate's own check says so).
+        calls.append(slot)
+        if len(calls) == 1:
+            await restore()
+            return None, [0.0]
+        return await real(client, body, slot, restore, **kw)
+
+    monkeypatch.setattr(gate, "reference", busy_first)
+    one: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    one.append({"role": "user", "content": OPENING + "Fix the parser. " + _text(70, 80)})
+    first = _turn(core, "agent-one", one)
+    saves = _events(core, "save")
+    print(f"reference calls {calls}; saves {saves}; failed {_events(core, 'save_failed')}")
+    assert len(calls) >= 2, calls
+    # Kept and verified once the server was quiet: on disk with its reference, never
+    # deleted ("no probe reference ran alone in 3 tries").
+    fp, n = first["prefix"].split(":")
+    assert _saved_prefixes(core).get(fp) == int(n)
+    assert any("its reference taken later" in s for s in saves), saves
+    assert not _events(core, "save_failed")
