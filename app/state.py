@@ -164,9 +164,8 @@ def derive_state(
     backends = status.get("backends")  # several backends (docs/scale.md#several-backends)
     for b in backends["backends"] if backends is not None else []:
         if not b["ready"] and b["name"] != "main":  # main's state is the server's own
-            warnings.append(
-                f"backend {b['name']} is not ready ({b['state']}): sessions go elsewhere"
-            )
+            state = " — ".join(filter(None, (b["state"], b["reason"])))
+            warnings.append(f"backend {b['name']} is not ready ({state}): sessions go elsewhere")
     if error := cache_error(status):
         warnings.append(f"cache status failed: {error}")
     if warnings:

@@ -213,6 +213,10 @@ def format_status(st: Status) -> str:
         from core.models.backends import backend_lines
 
         lines += backend_lines(backends)
+    if "model_calls" in st:  # with [[models]] profiles: a line per model's server
+        from core.models.servers import server_lines
+
+        lines += server_lines("models:", st["models"])
     for label, t in (("all time", st["totals"]), ("last hour", st["last_hour"])):
         if t is not None:
             priced = [m for m in t.get("by_model", []) if m["cold_rate"]["ms_per_token"]]

@@ -12,6 +12,7 @@ from typing import Protocol
 from core.models import profiles
 from core.models.backends import BackendSet
 from core.models.pool import ModelPool
+from core.models.servers import ServerSet
 from core.paths import Paths
 from core.proxy.app import CacheService, Proxy
 from core.server.fit import FitPlan
@@ -20,6 +21,7 @@ from core.server.provision import Provisioner
 from core.server.rpc import WorkerSet
 from core.server.supervisor import ServerState, Supervisor
 from core.status import Status
+from core.status.server import ServerRow
 from core.telemetry import Telemetry
 
 log = logging.getLogger("warmslot.core")
@@ -36,6 +38,7 @@ class Parts(Protocol):
     supervisor: Supervisor | None
     proxy: Proxy | None
     fit_plan: FitPlan | None
+    servers: ServerSet | None
     pool: ModelPool | None
     backends: BackendSet | None
     policy: CacheService | None
@@ -67,16 +70,7 @@ async def collect(core: Parts, *, history: bool = True) -> Status:
         "users": tel.per_user() if tel else [],
         "sessions": tel.sessions(hour_ago, limit=20) if tel else [],
         "recent_requests": tel.recent_requests(10) if tel else [],
-        "models": core.pool.status()
-        if core.pool is not None
-        else [
-            {
-                "name": profiles.PRIMARY_NAME,
-                "role": "text",
-                "primary": True,
-                "state": core.supervisor.state.value,
-            }
-        ],
+        "models": core.pool.status() if core.pool is not None else [_single_model(core)],
     }
     if core.backends is not None:  # only with [[backends]]: the default stays as it was
         out["backends"] = core.backends.status()
@@ -92,6 +86,14 @@ async def collect(core: Parts, *, history: bool = True) -> Status:
             log.exception("cache status failed")
             out["cache"] = {"error": repr(e)}
     return out
+
+
+def _single_model(core: Parts) -> ServerRow:
+    """The one model without [[models]] profiles: the primary server's row."""
+    assert core.servers is not None
+    row = core.servers.row(core.servers.primary, profiles.PRIMARY_NAME)
+    row["role"] = "text"
+    return row
 
 
 def server_state_words(sup: Supervisor | None, provision: Provisioner) -> str:

@@ -30,13 +30,14 @@ import aiohttp
 from core.config import BackendSettings, ServerSettings
 from core.errors import WarmslotError
 from core.events import Event, Notice, ServerStateChanged
-from core.models.servers import PRIMARY, Server, ServerSet
+from core.models.servers import PRIMARY, Server, ServerSet, server_lines
 from core.proxy.types import Route
 from core.routing.choice import Affinity, BackendView, Pick
 from core.routing.router import Decision, Router, Target
 from core.server.supervisor import ServerState
 from core.server.upstream import Upstream
-from core.status import BackendRow, BackendsStatus
+from core.status import BackendsStatus
+from core.status.server import ServerRow
 
 __all__ = [
     "PRIMARY",
@@ -191,27 +192,12 @@ class BackendSet:
     def status(self) -> BackendsStatus:
         """Per-backend rows for `/warmslot/status` and `warmslot status`."""
         active = self.affinity.active(time.monotonic())
-        rows: list[BackendRow] = []
+        rows: list[ServerRow] = []
         for b in self.backends.values():
-            s = b.server
-            rows.append(
-                {
-                    "name": b.backend,
-                    "where": b.url if s is None else "launched here",
-                    "ready": b.ready,
-                    "state": b.state,
-                    "port": s.port if s is not None and b.ready else None,
-                    "pid": s.pid if s is not None else None,
-                    "inflight": b.inflight,
-                    "active_sessions": active.get(b.backend, 0),
-                    "calls": dict(b.calls),
-                    "moved_in": b.moved_in,
-                    "errors": b.errors,
-                    "prompt_tokens": b.prompt_tokens,
-                    "cached_tokens": b.cached_tokens,
-                    "hit_ratio": b.cached_tokens / b.prompt_tokens if b.prompt_tokens else None,
-                }
-            )
+            row = self.servers.row(b, b.backend)
+            row["active_sessions"] = active.get(b.backend, 0)
+            row["moved_in"] = b.moved_in
+            rows.append(row)
         return {
             "backends": rows,
             "sessions": len(self.affinity.sessions),
@@ -220,16 +206,7 @@ class BackendSet:
 
 
 def backend_lines(st: BackendsStatus) -> list[str]:
-    """The backends' rows in `warmslot status`."""
-    lines = [f"backends ({st['sessions']} sessions, {st['moved']} moved):"]
-    for r in st["backends"]:
-        hit = "—" if r["hit_ratio"] is None else f"{r['hit_ratio'] * 100:.1f} %"
-        calls = r["calls"]
-        state = "ready" if r["ready"] else r["state"][:60]  # why, when it is not
-        lines.append(
-            f"  {r['name']:<10} {state:<6} {r['where'][:40]:<14}"
-            f" {r['inflight']} in flight  {r['active_sessions']} sessions"
-            f"  {calls.get('agent', 0)} agent + {calls.get('aux', 0)} side req  hit {hit}"
-            + (f"  {r['moved_in']} moved in" if r["moved_in"] else "")
-        )
-    return lines
+    """The backends' lines in `warmslot status` and the tray's Server tab."""
+    return server_lines(
+        f"backends ({st['sessions']} sessions, {st['moved']} moved):", st["backends"]
+    )

@@ -27,7 +27,8 @@ from core.proxy.types import Route
 from core.routing.router import BackendChooser, Decision, Router, Target
 from core.server import model
 from core.server.supervisor import Supervisor
-from core.status import ModelList, ModelRow, PoolDecision
+from core.status import ModelList, PoolDecision
+from core.status.server import ServerRow
 
 log = logging.getLogger("warmslot.models")
 VRAM_MARGIN = 1024 * MIB  # per GPU, like the fit planner's
@@ -349,28 +350,19 @@ class ModelPool:
             ],
         }
 
-    def status(self) -> list[ModelRow]:
-        """One row per model: its server's state, load, calls and the last decision."""
-        out: list[ModelRow] = []
-        now = self.clock.monotonic()
+    def status(self) -> list[ServerRow]:
+        """One row per model: its server's row, with its profile, loads and the pool's
+        last decision about it."""
+        out: list[ServerRow] = []
         for p, e in self._pairs():
-            out.append(
-                {
-                    "name": p.name,
-                    "role": p.role,
-                    "primary": p.primary,
-                    "priority": p.priority,
-                    "ttl_s": p.ttl_s,
-                    "state": e.server.state.value if e.server is not None else "unloaded",
-                    "loading": p.name in self._loading,
-                    "port": e.server.port if e.server is not None and e.loaded else None,
-                    "inflight": e.inflight,
-                    "idle_s": round(now - e.last_used, 1),
-                    "footprint": e.footprint.as_dict() if e.footprint else None,
-                    "calls": dict(e.calls),
-                    "loads": e.loads,
-                    "unloads": e.unloads,
-                    "last_decision": e.last_decision,
-                }
-            )
+            row = self.servers.row(e, p.name)
+            row["role"] = p.role
+            row["priority"] = p.priority
+            row["ttl_s"] = p.ttl_s
+            row["loading"] = p.name in self._loading
+            row["footprint"] = e.footprint.as_dict() if e.footprint else None
+            row["loads"] = e.loads
+            row["unloads"] = e.unloads
+            row["last_decision"] = e.last_decision
+            out.append(row)
         return out

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,12 +34,13 @@ from core.proxy.types import Route
 from core.routing.router import Decision
 from core.server.supervisor import Resolved, ServerState, Supervisor
 from core.server.upstream import Upstream
+from core.status.server import ServerRow
 
 if TYPE_CHECKING:
     from core.cache.manager import CacheManager
     from core.proxy.types import CachePolicy
 
-__all__ = ["PRIMARY", "BringUp", "Server", "ServerHost", "ServerSet"]
+__all__ = ["PRIMARY", "BringUp", "Server", "ServerHost", "ServerSet", "server_lines"]
 
 log = logging.getLogger("warmslot.servers")
 PRIMARY = "main"  # the primary server's name as a backend (and without [[models]])
@@ -337,6 +338,37 @@ class ServerSet:
             e.prompt_tokens += event.prompt_n + event.cache_n
             e.cached_tokens += event.cache_n
 
+    # ------------------------------------------------------------ status
+    def row(self, e: Server, name: str) -> ServerRow:
+        """`e`'s row in the status, under `name` (what its list calls it); the pool and
+        the backends add their own keys to it."""
+        s = e.server
+        if s is not None:
+            state, reason = s.state.value, s.state_reason
+        elif e.url:
+            state, reason = ("ready", "") if e.remote_ok else ("unreachable", e.remote_problem)
+        else:
+            state, reason = "unloaded", ""
+        return {
+            "name": name,
+            "model": e.model,
+            "backend": e.backend,
+            "primary": e.primary,
+            "where": e.url or "launched here",
+            "ready": e.ready,
+            "state": state,
+            "reason": reason,
+            "port": s.port if s is not None and e.loaded else None,
+            "pid": s.pid if s is not None else None,
+            "inflight": e.inflight,
+            "idle_s": round(self.host.clock.monotonic() - e.last_used, 1),
+            "calls": dict(e.calls),
+            "errors": e.errors,
+            "prompt_tokens": e.prompt_tokens,
+            "cached_tokens": e.cached_tokens,
+            "hit_ratio": e.cached_tokens / e.prompt_tokens if e.prompt_tokens else None,
+        }
+
     # ------------------------------------------------------------ the set
     def managers(self) -> list[CacheManager]:
         """The cache manager of every entry that has one, the primary's first."""
@@ -368,6 +400,26 @@ class ServerSet:
         """Cancel the starts requests asked for (at shutdown, before anything else)."""
         for task in list(self._demand.values()):
             task.cancel()
+
+
+def server_lines(heading: str, rows: Sequence[ServerRow]) -> list[str]:
+    """The servers in `warmslot status` and the tray's Server tab: `heading`, then a line
+    each — ready, or its state and why; the backends' sessions, the models' loads."""
+    lines = [heading]
+    for r in rows:
+        hit = "—" if r["hit_ratio"] is None else f"{r['hit_ratio'] * 100:.1f} %"
+        calls = r["calls"]
+        state = "ready" if r["ready"] else " — ".join(filter(None, (r["state"], r["reason"])))
+        sessions = f"  {r['active_sessions']} sessions" if "active_sessions" in r else ""
+        loads = f"  {r['loads']} loads, {r['unloads']} unloads" if "loads" in r else ""
+        lines.append(
+            f"  {r['name']:<10} {state[:60]:<6} {r['where'][:40]:<14}"
+            f" {r['inflight']} in flight{sessions}"
+            f"  {calls.get('agent', 0)} agent + {calls.get('aux', 0)} side req  hit {hit}"
+            + (f"  {r['moved_in']} moved in" if r.get("moved_in") else "")
+            + loads
+        )
+    return lines
 
 
 def _safe(name: str) -> str:

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from core.events import CacheEvent, CacheEventKind, Event, RequestCompleted, ServerExited
-from core.status import BackendRow
+from core.status.server import ServerRow
 from core.telemetry.totals import LifetimeTotals, UserTotals
 
 __all__ = ["CONTENT_TYPE", "COUNTED", "Counters", "Metrics"]
@@ -68,7 +68,7 @@ class Metrics(Collector):
         counters: Counters,
         *,
         server_ready: Callable[[], bool],
-        backends: Callable[[], Sequence[BackendRow]] = lambda: (),
+        backends: Callable[[], Sequence[ServerRow]] = lambda: (),
     ) -> None:
         self._counters = counters
         self._server_ready = server_ready
@@ -164,7 +164,7 @@ def _per_user(users: dict[str, UserTotals]) -> Iterator[Metric]:
         yield family
 
 
-def _per_backend(rows: Sequence[BackendRow]) -> Iterator[Metric]:
+def _per_backend(rows: Sequence[ServerRow]) -> Iterator[Metric]:
     """With ``[[backends]]`` only (docs/scale.md#status-and-metrics). Counted since
     Warmslot started: a restart begins them at 0, which Prometheus reads as a reset."""
     if not rows:
@@ -199,7 +199,7 @@ def _per_backend(rows: Sequence[BackendRow]) -> Iterator[Metric]:
         name = r["name"]
         ready.add_metric([name], 1 if r["ready"] else 0)
         inflight.add_metric([name], r["inflight"])
-        moved.add_metric([name], r["moved_in"])
+        moved.add_metric([name], r.get("moved_in", 0))
         prompt.add_metric([name], r["prompt_tokens"])
         cached.add_metric([name], r["cached_tokens"])
         for kind, n in r["calls"].items():

@@ -19,7 +19,7 @@ import json
 from typing import NotRequired, TypedDict, cast
 
 from core.status.boot import BootRewarmStatus as BootRewarmStatus
-from core.status.server import BuildStatus, ServerStatus, WorkersStatus
+from core.status.server import BuildStatus, ServerRow, ServerStatus, WorkersStatus
 
 
 class WarmslotInfo(TypedDict):
@@ -132,54 +132,15 @@ class RequestRow(TypedDict):
 # ------------------------------------------------------------------ backends
 
 
-class BackendRow(TypedDict):
-    """One llama-server backend of a team setup (core.backends)."""
-
-    name: str
-    where: str  # its URL, or "launched here"
-    ready: bool
-    state: str
-    port: int | None
-    pid: int | None
-    inflight: int
-    active_sessions: int
-    calls: dict[str, int]  # per request kind
-    moved_in: int  # sessions moved here from another backend
-    errors: int
-    prompt_tokens: int
-    cached_tokens: int
-    hit_ratio: float | None
-
-
 class BackendsStatus(TypedDict):
     """`Status.backends` (only with [[backends]])."""
 
-    backends: list[BackendRow]
+    backends: list[ServerRow]  # main first
     sessions: int
     moved: int
 
 
 # ------------------------------------------------------------------ models
-
-
-class ModelRow(TypedDict):
-    """One model of the pool (or the single model without one)."""
-
-    name: str
-    role: str
-    primary: bool
-    state: str  # its server's state, or "unloaded"
-    priority: NotRequired[int]  # the keys below: with a model pool
-    ttl_s: NotRequired[float | None]
-    loading: NotRequired[bool]
-    port: NotRequired[int | None]
-    inflight: NotRequired[int]
-    idle_s: NotRequired[float]
-    footprint: NotRequired[dict[str, object] | None]
-    calls: NotRequired[dict[str, int]]
-    loads: NotRequired[int]
-    unloads: NotRequired[int]
-    last_decision: NotRequired[str]
 
 
 class ModelListEntry(TypedDict):
@@ -518,7 +479,7 @@ class Status(TypedDict):
     users: NotRequired[list[UserRow]]  # per API key name (docs/security.md)
     sessions: list[SessionRow]
     recent_requests: list[RequestRow]
-    models: list[ModelRow]
+    models: list[ServerRow]  # the primary alone without [[models]]
     backends: NotRequired[BackendsStatus]  # only with [[backends]]
     model_calls: NotRequired[ModelCalls]  # with a model pool
     cache: NotRequired[CacheStatus | CacheFailure]  # with a cache manager attached

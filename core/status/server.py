@@ -146,3 +146,39 @@ class WorkersStatus(TypedDict):
 
     workers: list[WorkerRow]
     waiting_for: list[str]
+
+
+class ServerRow(TypedDict):
+    """One llama-server of the server set (`core.models.servers`): the primary, another
+    backend of the primary model, or a pooled model. `Status.models` lists the model
+    servers, `Status.backends` the backends; the primary, in both, is one server."""
+
+    name: str  # its name in the list: the model's in `models`, the backend's in `backends`
+    model: str  # the model profile it serves ("" without [[models]])
+    backend: str  # its name as a backend of the primary model ("" when it is not one)
+    primary: bool
+    where: str  # "launched here", or a remote backend's URL
+    ready: bool
+    state: str  # its server's state (`ServerState`), "unloaded", or a remote one's
+    reason: str  # why it is in that state ("" when there is nothing to say)
+    port: int | None  # while it runs or starts
+    pid: int | None
+    inflight: int
+    idle_s: float  # since its last request
+    calls: dict[str, int]  # per request kind (agent, aux)
+    errors: int  # answers of 500 and above
+    prompt_tokens: int  # of the requests it completed, cached ones included
+    cached_tokens: int
+    hit_ratio: float | None
+    # In `models`: its role; with [[models]] profiles its profile and the pool's loads too.
+    role: NotRequired[str]
+    priority: NotRequired[int]
+    ttl_s: NotRequired[float | None]
+    loading: NotRequired[bool]
+    footprint: NotRequired[dict[str, object] | None]
+    loads: NotRequired[int]
+    unloads: NotRequired[int]
+    last_decision: NotRequired[str]
+    # A backend's (with [[backends]]): the sessions the router keeps on it.
+    active_sessions: NotRequired[int]
+    moved_in: NotRequired[int]  # sessions moved here from another backend

@@ -6,26 +6,32 @@ from __future__ import annotations
 from typing import Any
 
 from app.state import TrayState, derive_state
+from core.status.server import ServerRow
 from tests.app.conftest import NOW
 from tests.fixtures import demo_data as demo
 
 
-def _row(name: str, ready: bool, state: str) -> dict[str, Any]:
+def _row(name: str, ready: bool, state: str, reason: str = "") -> ServerRow:
     return {
         "name": name,
+        "model": "",
+        "backend": name,
+        "primary": name == "main",
         "where": "launched here",
         "ready": ready,
         "state": state,
+        "reason": reason,
         "port": None,
         "pid": None,
         "inflight": 0,
-        "active_sessions": 0,
+        "idle_s": 0.0,
         "calls": {"agent": 0, "aux": 0},
-        "moved_in": 0,
         "errors": 0,
         "prompt_tokens": 0,
         "cached_tokens": 0,
         "hit_ratio": None,
+        "active_sessions": 0,
+        "moved_in": 0,
     }
 
 
@@ -38,7 +44,7 @@ def test_a_backend_that_is_not_ready_degrades_the_tray() -> None:
         "moved": 0,
     }
     assert derive_state(st).tray is healthy
-    st["backends"]["backends"][1] = _row("gpu1", False, "starting — restart 1 in 0.5 s")
+    st["backends"]["backends"][1] = _row("gpu1", False, "starting", "restart 1 in 0.5 s")
     lost = derive_state(st)
     assert (lost.tray, lost.detail) == (
         TrayState.DEGRADED,

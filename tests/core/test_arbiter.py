@@ -106,7 +106,9 @@ class FakeServer:
     def __init__(self, name: str) -> None:
         self.name = name
         self.state = ServerState.STOPPED
+        self.state_reason = ""
         self.port: int | None = None
+        self.pid: int | None = None
         self.starts = 0
 
     @property

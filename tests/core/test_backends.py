@@ -11,13 +11,16 @@ from core import config
 from core.clock import RealClock
 from core.errors import ConfigError
 from core.events import ServerStateChanged
-from core.models.backends import BackendSet, server_settings
-from core.models.servers import ServerSet
+from core.models.backends import BackendSet, backend_lines, server_settings
+from core.models.pool import ModelPool
+from core.models.servers import ServerSet, server_lines
 from core.proxy.metrics import Counters, Metrics
 from core.routing.choice import Affinity, BackendView, affinity_key
 from core.routing.router import Decision, Kind, Router, Target
 from core.server.supervisor import ServerState
 from core.server.upstream import Upstream
+from core.status.server import ServerRow
+from tests.fixtures.status_shapes import shape_errors
 
 TOOLS_A = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
 TOOLS_B = [*TOOLS_A, {"type": "function", "function": {"name": "jira", "parameters": {}}}]
@@ -322,6 +325,53 @@ async def test_admission_counts_and_refuses_a_backend_that_is_not_ready() -> Non
     text = metrics.exposition().decode()
     assert 'warmslot_backend_ready{backend="far"} 0.0' in text
     assert 'warmslot_backend_requests_total{backend="main",kind="agent"} 1.0' in text
+
+
+async def test_the_models_and_the_backends_list_their_servers_in_one_row_type() -> None:
+    """`Status.models` and `Status.backends` are rows of one type (`ServerRow`), from one
+    place (`ServerSet.row`): the primary, listed in both, is the same server there."""
+    settings = config.settings_from_dict(
+        {
+            "backends": [{"name": "far", "url": "http://127.0.0.1:9"}],
+            "models": [
+                {"name": "coder", "role": "text"},
+                {"name": "side", "role": "side", "model": "/m/side.gguf"},
+            ],
+        }
+    )
+    host = _Host(settings)
+    servers = ServerSet(host)  # type: ignore[arg-type]
+    backends = BackendSet(servers, lambda: settings.server)
+    pool = ModelPool(servers, backend=backends.choose)
+    route = await servers.route(_decision(backends, "s1"))
+    assert route.release is not None
+    route.release()
+    models = {r["name"]: r for r in pool.status()}
+    rows = {r["name"]: r for r in backends.status()["backends"]}
+    for row in [*models.values(), *rows.values()]:
+        assert shape_errors(row, ServerRow, row["name"]) == []
+    main, coder = rows["main"], models["coder"]
+    assert (main["model"], main["backend"], coder["model"], coder["backend"]) == (
+        "coder",
+        "main",
+        "coder",
+        "main",
+    )
+    same = ("ready", "state", "port", "pid", "calls", "prompt_tokens", "where")
+    assert {k: main[k] for k in same} == {k: coder[k] for k in same}
+    assert main["calls"] == {"agent": 1, "aux": 0} and main["port"] == 1234
+    # Each list adds its own: the backends' sessions, the models' profile and loads.
+    assert "active_sessions" in main and "role" not in main
+    assert coder["role"] == "text" and "moved_in" not in coder
+    # A server that is not up says its state and why apart (the tray and CLI join them).
+    far, side = rows["far"], models["side"]
+    assert (far["ready"], far["state"], far["reason"]) == (False, "unreachable", "not checked yet")
+    assert (side["state"], side["port"], side["where"]) == ("unloaded", None, "launched here")
+    text = backend_lines(backends.status())
+    assert "unreachable — not checked yet" in text[2] and text[2].split()[0] == "far"
+    lines = server_lines("models:", pool.status())
+    assert [line.split()[:2] for line in lines[1:]] == [["coder", "ready"], ["side", "unloaded"]]
+    assert "0 loads, 0 unloads" in lines[2]
 
 
 def test_a_failing_choice_fails_open_to_the_first_ready_backend() -> None:

@@ -97,3 +97,19 @@ def test_a_saved_states_check_is_said_in_words() -> None:
     assert "ws-a.bin: 100 tokens, 1 B, long, probe answer recorded at save, not restored" in text
     assert "ws-b.bin: 100 tokens, 1 B, long, verified: its last restore gave the recorded" in text
     assert not text.rstrip().endswith((", reference", ", ok"))
+
+
+def test_with_a_model_pool_each_model_has_its_line() -> None:
+    """The models' rows (`ServerRow`, as the backends') in words, only with a pool."""
+    single = format_status(complete({}))
+    assert "models:" not in single
+    (row,) = complete({})["models"]
+    loaded = {**row, "name": "coder", "model": "coder", "loads": 1, "unloads": 0}
+    gone = {**loaded, "name": "helper", "model": "helper", "ready": False, "port": None}
+    gone |= {"state": "failed", "reason": "exit 1", "loads": 2, "unloads": 2}
+    calls = {"routed_to_side": 0, "by_model": {"coder": row["calls"], "helper": row["calls"]}}
+    text = format_status(complete({"models": [loaded, gone], "model_calls": calls}))
+    lines = text.split("\n")
+    at = lines.index("models:")
+    assert lines[at + 1].split()[:2] == ["coder", "ready"] and "1 loads" in lines[at + 1]
+    assert lines[at + 2].split()[:4] == ["helper", "failed", "—", "exit"]
