@@ -151,6 +151,7 @@ class CacheEventKind(StrEnum):
     SAVE = "save"  # a prefix state was saved to disk with its probe answer
     SAVE_FAILED = "save_failed"  # saving a prefix state failed
     PERSIST_SKIPPED = "persist_skipped"  # a save was not attempted (pressure, no scratch slot)
+    REFERENCE = "reference"  # a saved state's known-answer reference was taken after its save
     RESTORE_OK = "restore_ok"  # a saved state was restored and verified
     RESTORE_REJECTED = "restore_rejected"  # a restored state failed checks and was deleted
     RESTORE_UNPAID = "restore_unpaid"  # the request after a restore reused less than it held

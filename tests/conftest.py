@@ -167,13 +167,16 @@ def adopt_user_source(user: Paths, home: Paths) -> None:
 def ensure_server_binary() -> Path:
     """The llama-server every test's Core finds first; chosen (or built) once.
 
-    The first candidate that passes its smoke start on this CPU (PATH, the registry
-    package, the test build cache). When none does — the prebuilt package is built for
-    CPUs with AVX-512 and AMX — a build in the user's own Warmslot cache with the build
-    id the test session would build is used as it is (`user_build`); else Warmslot's own
-    build runs once for this CPU into the test cache (outside the clone, keyed by its
-    inputs, so later runs reuse it). A binary from a build cache is put first on PATH for
-    every Core and subprocess.
+    The best candidate that passes its smoke start on this CPU (PATH, the registry
+    package, the test build cache), if it carries Warmslot's patches: the tests check
+    what a user's `warmslot serve` runs, and that builds the patched server wherever only
+    a stock one works (core.server.provision). The prebuilt package (stock llama.cpp, built
+    for CPUs with AVX-512 and AMX) would leave every patched path untested on such a CPU.
+    Otherwise a build in the user's own Warmslot cache with the build id the test session
+    would build is used as it is (`user_build`); else Warmslot's own build runs once for
+    this CPU into the test cache (outside the clone, keyed by its inputs, so later runs
+    reuse it). A binary from a build cache is put first on PATH for every Core and
+    subprocess.
     """
     if _chosen:
         return _chosen[0]
@@ -181,6 +184,9 @@ def ensure_server_binary() -> Path:
 
     home = test_home()
     found = discover.discover(home).found
+    if found is not None and not found.patched:
+        print(f"\n{found.path} is a stock llama-server: the tests use the patched build")
+        found = None
     on_path = found is not None and found.source == "build-cache"
     if found is None and (reused := user_build(home, Paths.default())) is not None:
         candidate = discover.probe(reused, "build-cache")
@@ -188,7 +194,7 @@ def ensure_server_binary() -> Path:
             print(f"\nusing the llama-server already built for this machine: {reused}")
             found, on_path = candidate, True
     if found is None:
-        print("\nno llama-server works on this CPU: building one (cached for later runs)")
+        print("\nno patched llama-server works on this CPU: building one (cached for later runs)")
         shown = [-10.0]
 
         def progress(ev: BuildProgress) -> None:

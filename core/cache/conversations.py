@@ -3,8 +3,10 @@
 A stable prefix (core.cache.prefix) is only the head of a conversation; an agent session
 that has grown to 30k tokens would be re-read from there after a restart. So the whole
 slot of a conversation that holds more than its stable prefix is saved — the *live*
-slot (`POST /slots/N?action=save`: no prefill; the server writes in milliseconds, and
-the probe that follows takes most of a save's time) — at these moments:
+slot (`POST /slots/N?action=save`: no prefill; the server writes in milliseconds) — at
+these moments:
+
+- when a request of another session is about to overwrite it (displaced);
 
 - after a response, once it has grown by ``cache.conversation_save_tokens`` since its
   last save (debounced; 0 turns this off);
@@ -17,12 +19,13 @@ rules make room for it (`Retention.make_room`, its size estimated from the serve
 states), and once written its real size is checked again; one that does not fit is not
 kept (docs/cache.md#disk-cap).
 
-Saves run under the slot's lock, between requests: a request for that slot waits for the
-save — ~50 ms on an idle server, seconds on a loaded CPU (2.7–9.4 s measured for the
-save a displacing request waited for, docs/cache.md#conversations) — never for a
-prefill. Each save records the known-answer probe (core.cache.probe) the same way a
-prefix save does: the file is restored into its slot, probed, and restored once more so
-the slot is left as the conversation left it.
+A save runs under the slot's lock only for the server's write of the live slot
+(milliseconds; the request that displaces a conversation waits for that alone). The file
+is then hashed and indexed with its known-answer reference *pending*: the probe must run
+alone (core.cache.probe.ProbeGate), and no client waits for a quiet server, so the
+reference is taken at the next quiet moment in a slot nobody needs, or by the state's
+first restore (core.cache.references; before, a displacing request waited 2.7–64.7 s for
+it and the save was dropped when the server stayed busy, docs/cache.md#conversations).
 
 When a request's rendered prompt shares more with a saved conversation than its stable
 prefix gives — found by session id, or by token prefix among conversations that started
@@ -39,19 +42,20 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from core import fmt
 from core.cache import prefix as pfx
 from core.cache.conversation_pick import MIN_GAIN_TOKENS, choose, read_tokens
 from core.cache.fingerprint import fingerprint
 from core.cache.learner import chat_of, render_body, renderable
-from core.cache.probe import probe_reference, probe_request, wait_quiet
+from core.cache.probe import ProbeRecord
+from core.cache.references import PendingReferences
 from core.cache.saving import save_problem
-from core.cache.store import StateRecord, file_sha256
+from core.cache.store import PENDING, StateRecord, file_sha256
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEventKind
 from core.proxy.types import ProxyRequest
@@ -66,7 +70,6 @@ log = logging.getLogger("warmslot.cache")
 KIND = "conversation"  # `StateRecord.kind` of a conversation state
 SHUTDOWN_SAVE_S = 20.0  # share of the staged stop's time (60 s) the conversation saves get
 ALREADY_SAVED = "conversation already saved"
-OTHERS_WAIT_S = 10.0  # longest a save at release or shutdown waits for other slots to finish
 CANDIDATES = 8  # most recent states looked at per request
 
 
@@ -83,23 +86,6 @@ def too_large(nbytes: float, cap: int) -> str:
     )
 
 
-class SaveTimes(TypedDict):
-    """A conversation save's timings (ms): the event's details, and its `SaveSize`."""
-
-    save_ms: float
-    server_save_ms: float | None  # the server's own, as it sent it
-    restore_ms: float
-    verify_ms: float
-    hash_ms: float
-
-
-class SaveSize(SaveTimes):
-    """One recent save (`Conversations.last_saves`): its size, and what it took."""
-
-    tokens: int
-    bytes: int
-
-
 @dataclass(frozen=True)
 class Resumed:
     """What `Conversations.restore_for` did for a request: whether its slot now holds the
@@ -111,6 +97,23 @@ class Resumed:
 
 
 NOT_RESUMED = Resumed()
+
+
+@dataclass(frozen=True)
+class _Written:
+    """A conversation the server wrote to disk, not yet indexed."""
+
+    name: str
+    path: Path
+    why: str
+    slot: int
+    tokens: list[int]
+    bytes: int
+    session: str
+    base: str
+    owner: str
+    save_ms: float
+    server_save_ms: float | None
 
 
 @dataclass
@@ -134,8 +137,7 @@ class Conversations:
         self.retention = retention
         self._spawn = spawn  # runs a background job (the manager's, cancelled at close)
         self._saved: dict[int, _Saved] = {}  # slot → its conversation's last save
-        self._verify: deque[float] = deque(maxlen=20)  # probe times measured at saves (ms)
-        self.last_saves: list[SaveSize] = []  # recent saves' numbers (status, docs)
+        self.references = PendingReferences(state, ops, spawn)  # taken when the server is quiet
 
     # ------------------------------------------------------------ bookkeeping
     def server_gone(self) -> None:
@@ -176,12 +178,16 @@ class Conversations:
         self._spawn(self.save(slot, "grew", wait=False))
         return True
 
-    async def save(self, slot: int, why: str, *, wait: bool = True) -> str:
-        """Save the conversation `slot` holds, under the slot's lock; what happened, in words.
+    async def save(self, slot: int, why: str, *, wait: bool = True, later: bool = False) -> str:
+        """Save the conversation `slot` holds; what happened, in words.
 
-        With `wait` False (after a response) a save that would have to wait — the slot
-        or another slot busy — is left for the next response, the idle release or the
-        shutdown, so no client waits for it.
+        Only the server's live-slot save runs under the slot's lock (milliseconds); the
+        file is hashed and indexed after it, and its known-answer reference is taken at
+        a quiet moment or by its first restore (core.cache.references): no request waits
+        for a probe. With `wait` False (after a response) a save that would wait for the
+        slot is left for the next response, the idle release or the shutdown. With
+        `later` (a request is about to overwrite the slot) the hashing and indexing run
+        in the background too, so that request waits for the file write alone.
         """
         m = self.state
         problem = self._usable()
@@ -196,11 +202,6 @@ class Conversations:
             st = m.slots.slots[slot]
             if st.inflight:
                 return "not saved now: a request runs in the slot"
-            if not wait and any(s.inflight for s in m.slots.slots if s.id != slot):
-                return "not saved now: another slot is busy"
-            assert m.client is not None
-            if not await wait_quiet(m.client, slot, OTHERS_WAIT_S if wait else 0.0) and not wait:
-                return "not saved now: the server works for another slot"
             if self.unsaved(slot) <= 0:
                 return ALREADY_SAVED
             # Backs off per conversation after a failure, as prefix saves do (a full disk
@@ -219,7 +220,7 @@ class Conversations:
                 self.retention.save_failed(key, full, filename=name, slot=slot)
                 return full
             try:
-                rec = await self._save_in(slot, why, name)
+                written = await self._write(slot, why, name)
             except (UpstreamError, OSError, ValueError) as e:
                 log.warning("saving the conversation in slot %d failed: %s", slot, e)
                 # After an answer the server writes no more: its partial file goes now;
@@ -234,18 +235,24 @@ class Conversations:
                 )
                 return f"conversation not saved: {e}"
             self.retention.save_succeeded(key)
-            if cap and rec.bytes > cap * MAX_CAP_SHARE:  # before any size was known
-                problem = too_large(rec.bytes, cap)
-                self.retention.evict_now(rec, "too_large", problem)
-                return problem
-        return f"saved its {rec.n_tokens}-token conversation ({fmt.size(rec.bytes)})"
+        if cap and written.bytes > cap * MAX_CAP_SHARE:  # before any size was known
+            written.path.unlink(missing_ok=True)
+            self.retention.journal.end(name)
+            return too_large(written.bytes, cap)
+        said = f"saved its {len(written.tokens)}-token conversation ({fmt.size(written.bytes)})"
+        if later:
+            self._spawn(self._index_written(written))
+            return f"{said}; indexed in the background"
+        rec = await self._index_written(written)
+        return said if rec is not None else f"conversation not saved: {written.name} not indexed"
 
-    async def _save_in(self, slot: int, why: str, name: str) -> StateRecord:
+    async def _write(self, slot: int, why: str, name: str) -> _Written:
+        """The server's live-slot save into `name`, checked (its token list, its real size
+        under the disk cap); what a record of it needs. Raise ValueError or UpstreamError."""
         m = self.state
-        client, ident, suffix = m.client, m.identity, m.probe_suffix
-        assert client is not None and ident is not None and suffix is not None
+        client = m.client
+        assert client is not None
         st = m.slots.slots[slot]
-        session, base = st.session_of_last, st.prefix_fp
         path = m.store.dir_for(m.launch_id) / name
         self.retention.journal.begin(m.launch_id, name)  # a save that never ends is swept
         t0 = time.perf_counter()
@@ -264,96 +271,99 @@ class Conversations:
             problem = self.retention.make_room(size, what, written=name)
         if problem is not None:
             raise ValueError(problem)
-        t1 = time.perf_counter()
-        # Off the event loop: a long conversation's file is hundreds of MB (93 MB for 4.6k
-        # tokens of Gemma 3 270M), and the proxy shares this loop.
-        sha = await asyncio.to_thread(file_sha256, path)
-        hash_ms = (time.perf_counter() - t1) * 1000
-        # The reference comes from the file as a restore lays it out, from a probe that had
-        # the server to itself (core.cache.probe.ProbeGate, docs/cache.md#verification).
-        restores: list[float] = []
+        session = st.session_of_last
+        self._saved[slot] = _Saved(session, st.tokens_hint)
+        return _Written(
+            name=name,
+            path=path,
+            why=why,
+            slot=slot,
+            tokens=tokens,
+            bytes=path.stat().st_size,
+            session=session,
+            base=st.prefix_fp,
+            owner=m.slots.owners.get(session, ""),  # its user's, for the disk's fair share
+            save_ms=save_ms,
+            server_save_ms=(saved.get("timings") or {}).get("save_ms"),
+        )
 
-        async def restore() -> None:
-            t = time.perf_counter()
-            await client.slot_action(slot, "restore", name)
-            restores.append((time.perf_counter() - t) * 1000)
-
-        try:
-            answer, times = await self.ops.probe_gate.reference(
-                client, probe_request(tokens, suffix, slot), slot, restore
-            )
-        finally:
-            # Leave the slot as the conversation left it, not with the probe's suffix.
-            await client.slot_action(slot, "restore", name)
-        if answer is None:
-            raise ValueError(
-                f"no probe reference ran alone in {len(times)} tries (other slots kept working)"
-            )
-        restore_ms, verify_ms = restores[0], min(times)
-        self._verify.extend(times)
-        # What a probe costs when it has the CPU: the quickest one measured so far.
-        verify_est = min(self._verify)
+    def _index(self, w: _Written, sha: str, hash_ms: float) -> StateRecord:
+        """Index the written conversation `w`, its reference pending, and announce it."""
+        m = self.state
+        ident, suffix = m.identity, m.probe_suffix
+        assert ident is not None and suffix is not None
+        probe = {
+            "prefix": w.tokens,
+            "suffix": suffix,
+            "hash_ms": round(hash_ms, 2),
+            "prefill_ms_per_token": m.prefill_rate(),
+        }
         now = m.clock.time()
-        info = m.by_fp.get(base)
+        info = m.by_fp.get(w.base)
         rec = StateRecord(
-            filename=name,
+            filename=w.name,
             identity=m.launch_id,
-            fingerprint=fingerprint(ident, tokens),
+            fingerprint=fingerprint(ident, w.tokens),
             client=info.client if info is not None else "",
             source=KIND,
-            prefix_n=len(tokens),
-            n_tokens=len(tokens),
-            bytes=path.stat().st_size,
+            prefix_n=len(w.tokens),
+            n_tokens=len(w.tokens),
+            bytes=w.bytes,
             sha256=sha,
             ttl_class=m.settings.cache.conversation_class,
             pinned=False,
             created=now,
             last_used=now,
-            verified_at=now,
-            verify_result="reference",
-            probe={
-                "prefix": tokens,
-                "suffix": suffix,
-                **probe_reference(answer),
-                "hash_ms": round(hash_ms, 2),
-                "restore_ms": round(restore_ms, 2),
-                "verify_ms": round(verify_est, 2),
-                "verify_ms_measured": round(verify_ms, 2),
-                "prefill_ms_per_token": m.prefill_rate(),
-            },
+            verified_at=None,
+            verify_result=PENDING,
+            probe=cast(ProbeRecord, probe),
             kind=KIND,
-            session=session,
-            base=base,
-            owner=m.slots.owners.get(session, ""),  # its user's, for the disk's fair share
+            session=w.session,
+            base=w.base,
+            owner=w.owner,
         )
         m.store.add(rec)
-        self.retention.journal.end(name)
-        self._saved[slot] = _Saved(session, st.tokens_hint)
+        self.retention.journal.end(w.name)
         superseded = self.supersede(rec)
-        numbers: SaveTimes = {
-            "save_ms": round(save_ms, 1),
-            "server_save_ms": (saved.get("timings") or {}).get("save_ms"),
-            "restore_ms": round(restore_ms, 1),
-            "verify_ms": round(verify_ms, 1),
-            "hash_ms": round(hash_ms, 1),
-        }
-        entry: SaveSize = {"tokens": rec.n_tokens, "bytes": rec.bytes, **numbers}
-        self.last_saves = [entry, *self.last_saves][:10]
         m.emit(
             CacheEventKind.SAVE,
-            f"saved the {rec.n_tokens}-token conversation of session {session[:24]} ({why})",
+            f"saved the {rec.n_tokens}-token conversation of session {w.session[:24]} "
+            f"({w.why}); its known-answer reference follows",
             fp=rec.fingerprint,
-            slot=slot,
+            slot=w.slot,
             tokens=rec.n_tokens,
             nbytes=rec.bytes,
             state=KIND,
-            file=name,
-            session=session,
-            base=base[:16],
-            why=why,
+            file=w.name,
+            session=w.session,
+            base=w.base[:16],
+            why=w.why,
             superseded=superseded,
-            **numbers,
+            reference=False,
+            save_ms=round(w.save_ms, 1),
+            server_save_ms=w.server_save_ms,
+            hash_ms=round(hash_ms, 1),
         )
+        return rec
+
+    async def _index_written(self, w: _Written) -> StateRecord | None:
+        """Hash the written file off the event loop (a long conversation's is hundreds of
+        MB: 93 MB for 4.6k tokens of Gemma 3 270M) and index it, its reference pending
+        (core.cache.references); None when that failed (said, and the file swept)."""
+        try:
+            t1 = time.perf_counter()
+            sha = await asyncio.to_thread(file_sha256, w.path)
+            rec = self._index(w, sha, (time.perf_counter() - t1) * 1000)
+        except (OSError, ValueError) as e:
+            log.warning("indexing the conversation written to %s failed: %s", w.name, e)
+            self.retention.save_failed(
+                f"{w.base}:{w.session}",
+                f"saving the conversation of session {w.session[:24]} failed: {e}",
+                filename=w.name,
+                slot=w.slot,
+            )
+            return None
+        self.references.add(rec)
         return rec
 
     def supersede(self, new: StateRecord) -> list[str]:
@@ -531,7 +541,7 @@ class Conversations:
         assert client is not None
         rendered = await client.apply_template(render_body(chat_of(req)))
         prompt = await client.tokenize(rendered, add_special=True)
-        quickest = min(self._verify) if self._verify else None
+        quickest = self.ops.quickest_probe_ms()
         # What the request gets without a conversation state: the prefix, where the slot
         # holds it or it is saved; nothing where only conversations hold it
         # (core.cache.prefix_save), so any state that extends it then counts.

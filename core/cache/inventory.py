@@ -104,6 +104,8 @@ def verified_words(result: str) -> str:
     answer back since; anything else is why the last check failed."""
     if result == "reference":
         return "probe answer recorded at save, not restored since"
+    if result == "pending":
+        return "written; its probe answer is recorded at the next quiet moment or restore"
     if result == "ok":
         return "verified: its last restore gave the recorded answer"
     return f"last check: {result}" if result else "not checked"

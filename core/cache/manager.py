@@ -192,6 +192,7 @@ class CacheManager:
         if not state.settings.cache.enabled:
             return
         await warmup.warm_known(state, self.ops, self.boot, self.conversations)
+        self.conversations.references.server_ready()  # what a previous run left pending
 
     # ------------------------------------------------------------ request path
     async def prepare(self, req: ProxyRequest) -> SlotPlan | None:
@@ -332,7 +333,9 @@ class CacheManager:
             return
         t0 = time.perf_counter()
         try:
-            outcome = await self.conversations.save(slot, "displaced")
+            # The file now (milliseconds); its hash and reference in the background: this
+            # request waits for no probe and no quiet moment (docs/cache.md#conversations).
+            outcome = await self.conversations.save(slot, "displaced", later=True)
         except Exception:  # fail open: the request goes on; the conversation is re-read later
             log.exception("saving the conversation displaced from slot %d failed", slot)
             return
@@ -355,6 +358,7 @@ class CacheManager:
         plan = req.plan
         if plan is not None:  # before anything that waits: the slot is free now
             self.state.slots.end(plan.slot)
+            self.conversations.references.kick()  # a pending reference may be taken now
         await self.context_limits.observe(
             req, timings, self.state.client, self.state.identity, self.state.emit
         )

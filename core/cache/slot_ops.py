@@ -14,25 +14,29 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 from core.cache import prefix as pfx
 from core.cache.probe import (
     REUSE_SLACK,
     ProbeGate,
+    ProbeRecord,
     check_answer,
     non_finite,
+    probe_reference,
+    probe_request,
     probe_request_for,
     scrub_request,
     second_look,
 )
 from core.cache.state import CacheState
-from core.cache.store import StateRecord
+from core.cache.store import PENDING, StateRecord
 from core.chat import JsonObject
 from core.errors import UpstreamError, VerificationFailed
 from core.events import CacheEventKind
-from core.server.client import LlamaClient, Timings
+from core.server.client import CompletionAnswer, LlamaClient, Timings
 
 log = logging.getLogger("warmslot.cache")
 
@@ -81,6 +85,7 @@ class SlotOps:
         # a request for that slot waits, so nothing slips in between our steps.
         self._locks: dict[int, asyncio.Lock] = {}
         self.probe_gate = ProbeGate()  # one probe at a time, each knowing if it ran alone
+        self._probe_ms: deque[float] = deque(maxlen=20)  # references' probe times (ms)
         self._persisting: set[str] = set()
 
     # ------------------------------------------------------------ locks
@@ -229,6 +234,101 @@ class SlotOps:
         ]
         return idle[0].id if idle else None
 
+    # ------------------------------------------------------------ references
+    async def reference(
+        self, name: str, tokens: list[int], slot: int
+    ) -> tuple[CompletionAnswer | None, list[float], float]:
+        """Restore the file `name` (holding `tokens`) into `slot`, probe it until a probe
+        ran alone, and erase the slot: the reference answer (None when no probe ran
+        alone), every probe's time and the first restore's (ms). The caller holds the
+        slot's lock."""
+        client, suffix = self.state.client, self.state.probe_suffix
+        assert client is not None and suffix is not None
+        # The reference comes from the file as a restore lays it out, from a probe that had
+        # the server to itself (core.cache.probe.ProbeGate, docs/cache.md#verification).
+        restores: list[float] = []
+
+        async def restore() -> None:
+            t = time.perf_counter()
+            await client.slot_action(slot, "restore", name)
+            restores.append((time.perf_counter() - t) * 1000)
+
+        try:
+            answer, times = await self.probe_gate.reference(
+                client, probe_request(tokens, suffix, slot), slot, restore
+            )
+        finally:
+            await self.unload(slot, client)  # nobody's content: not left with the probe's
+        return answer, times, restores[0] if restores else 0.0
+
+    def reference_fields(
+        self, answer: CompletionAnswer, times: list[float], restore_ms: float
+    ) -> dict[str, object]:
+        """A state record's probe fields for the reference `answer` and its timings."""
+        self._probe_ms.extend(times)
+        return {
+            **probe_reference(answer),
+            "restore_ms": round(restore_ms, 2),
+            # What a probe costs when it has the CPU: the quickest one measured so far.
+            "verify_ms": round(min(self._probe_ms), 2),
+            "verify_ms_measured": round(min(times), 2),
+        }
+
+    def quickest_probe_ms(self) -> float | None:
+        """The quickest reference probe measured lately on this server (ms), or None."""
+        return min(self._probe_ms) if self._probe_ms else None
+
+    def record_reference(
+        self, rec: StateRecord, answer: CompletionAnswer, times: list[float], restore_ms: float
+    ) -> None:
+        """Store the reference taken for the pending state `rec` (in the background, or by
+        its first restore)."""
+        state = self.state
+        rec.probe = cast(
+            ProbeRecord, {**rec.probe, **self.reference_fields(answer, times, restore_ms)}
+        )
+        rec.verify_result = "reference"
+        rec.verified_at = state.clock.time()
+        state.store.add(rec)
+        state.emit(
+            CacheEventKind.REFERENCE,
+            f"took the known-answer reference of the saved {rec.n_tokens}-token {rec.kind} "
+            f"state {rec.filename}",
+            fp=rec.fingerprint,
+            tokens=rec.n_tokens,
+            state=rec.kind,
+            file=rec.filename,
+            session=rec.session,
+            reference=True,
+            restore_ms=round(restore_ms, 1),
+            verify_ms=round(min(times), 1),
+        )
+
+    async def _first_reference(
+        self, rec: StateRecord, slot: int, client: LlamaClient, restore_ms: float
+    ) -> str | None:
+        """The first restore of a pending state (just restored into `slot`): its probe, if
+        it ran alone, becomes its reference and the state is served — its bytes matched
+        the sha256 taken when the server wrote them, which is all a reference taken right
+        after the save knew more. Why it is wrong (non-finite, not reused), or None; raise
+        VerificationFailed when the probe shared the server (the file is kept for later)."""
+        suffix, tokens = rec.probe.get("suffix"), rec.probe.get("prefix")
+        if not suffix or not tokens:
+            return "no probe suffix recorded"
+        await self.wait_idle(exclude=slot)
+        run = await self.probe_gate.probe(client, probe_request(tokens, suffix, slot), slot)
+        t = Timings.parse(run.answer.get("timings"))
+        problem = check_answer(
+            run.answer, t.cache_n if t else None, rec.prefix_n, probe_reference(run.answer)
+        )
+        if problem is None and run.alone:
+            self.record_reference(rec, run.answer, [run.ms], restore_ms)
+            return None
+        if problem is not None:
+            return problem
+        await self.unload(slot, client)
+        raise VerificationFailed(f"{rec.filename}: its first probe shared the server; kept")
+
     # ------------------------------------------------------------ restore + verify
     async def restore(self, rec: StateRecord, slot: int) -> None:
         """Restore `rec` into an expendable slot and verify it; raise VerificationFailed."""
@@ -238,16 +338,24 @@ class SlotOps:
         t0 = time.perf_counter()
         problem = state.store.check_file(rec)
         resp: dict[str, Any] = {}
+        restore_ms = 0.0
         if problem is None:
             try:
+                t_restore = time.perf_counter()
                 resp = await client.slot_action(slot, "restore", rec.filename)
+                restore_ms = (time.perf_counter() - t_restore) * 1000
                 if int(resp.get("n_restored", -1)) != rec.n_tokens:
                     problem = f"restored {resp.get('n_restored')} tokens, expected {rec.n_tokens}"
             except UpstreamError as e:
                 problem = f"server refused the file: {e}"
         if problem is None:
             try:
-                problem = await self._verify(rec, slot, client)
+                if rec.verify_result == PENDING:
+                    problem = await self._first_reference(rec, slot, client, restore_ms)
+                else:
+                    problem = await self._verify(rec, slot, client)
+            except VerificationFailed:
+                raise  # a pending state's probe shared the server: cleared, kept
             except BaseException as e:
                 # The probe could not run (the server went away, a time-out, a bug): the
                 # restored state is unverified, so it must not stay in the slot, where

@@ -154,6 +154,12 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# The `verify_result` of a state written before its known-answer reference was taken (a
+# save that a request did not wait for): its first quiet moment or first restore takes it
+# (docs/cache.md#conversations).
+PENDING = "pending"
+
+
 @dataclass
 class StateRecord:
     filename: str

@@ -214,8 +214,13 @@ class Pipeline:
         fails the request goes through as the client sent it (fail-open)."""
         assert req.policy is not None
         req.gone = lambda: client_gone(request)
+        t0 = time.perf_counter()
         try:
             req.plan = await req.policy.prepare(req)
+            # What the request waited for the cache's own work before it was forwarded
+            # (docs/headers.md): a restore it needs, never a save it does not.
+            ms = (time.perf_counter() - t0) * 1000
+            req.response_headers["X-Warmslot-Prepare-Ms"] = f"{ms:.0f}"
         except Exception as e:
             log.exception("cache policy failed; forwarding the request untouched")
             # The client's own bytes, parsed again: no copy kept for this case.
