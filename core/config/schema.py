@@ -343,23 +343,6 @@ def settings_problems(
                 names,
             )
         )
-    if settings.backends and settings.workers:
-        # The workers extend the primary server alone, not its copies on other backends
-        # (docs/scale.md#several-backends).
-        error = ConfigError(
-            "[[backends]] cannot be combined with [[workers]] yet",
-            file=file,
-            key="backends",
-            expected="no [[workers]] tables with [[backends]]",
-        )
-        out.append(
-            Problem(
-                "backends",
-                "Several backends cannot be combined with [[workers]] yet.",
-                error,
-                ("backends", "workers"),
-            )
-        )
     host = settings.proxy.host
     if not is_loopback(host) and not settings.proxy.api_key and not _named_keys(keys_path):
         error = ConfigError(

@@ -106,7 +106,8 @@ class ModelProfile:
 @dataclass
 class WorkerSettings:
     """One llama.cpp RPC worker (a ``[[workers]]`` table): a machine running
-    ``ggml-rpc-server`` (`warmslot worker`) whose devices the primary model may use."""
+    ``ggml-rpc-server`` (`warmslot worker`) whose devices the primary server ('main')
+    may use."""
 
     address: str = field(
         default="",
@@ -158,7 +159,8 @@ class WorkerSettings:
 class BackendSettings:
     """One more backend behind the proxy (a ``[[backends]]`` table): a llama-server
     Warmslot launches for the primary model, or a remote Warmslot instance by URL. The
-    primary server (``server.*``) is always the first backend, named 'main'
+    primary server (``server.*``) is always the first backend, named 'main'; with
+    ``[[workers]]`` it alone uses them, and a backend launched here runs on this machine
     (docs/scale.md#several-backends)."""
 
     name: str = field(

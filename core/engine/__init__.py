@@ -365,17 +365,18 @@ class Core:
         return profiles.primary_server_settings(self.settings)
 
     async def _resolve(self) -> Resolved:
-        return await self.resolve_for(self._primary_settings())
+        return await self.resolve_for(self._primary_settings(), primary=True)
 
-    async def resolve_for(self, s: ServerSettings) -> Resolved:
+    async def resolve_for(self, s: ServerSettings, *, primary: bool = False) -> Resolved:
         """Find the binary and model these server settings name (off the loop) and plan
-        their launch (`core.server.launch`); the primary's fit plan is kept for status."""
+        their launch (`core.server.launch`): the `primary` server's with the RPC workers,
+        and its fit plan kept for status; any other server's on this machine alone."""
         resolved, primary_plan = await resolve_launch(
             s,
             paths=self.paths,
             provision=self.provision,
             workers=self.workers,
-            is_primary=lambda x: x == self._primary_settings(),
+            primary=primary,
         )
         if primary_plan is not None:
             self.fit_plan = primary_plan

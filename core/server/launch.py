@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -236,12 +236,13 @@ async def resolve_launch(
     paths: Paths,
     provision: Provisioner,
     workers: WorkerSet,
-    is_primary: Callable[[ServerSettings], bool],
+    primary: bool,
 ) -> tuple[Resolved, FitPlan | None]:
     """Find the binary and model these server settings name (off the loop), and plan
-    the launch: the fit plan's flags (with the RPC `workers` for the primary server),
-    the chat template, the slot directory. Also the fit plan when `is_primary` says
-    these are the primary server's settings (the engine reports it), else None."""
+    the launch: the fit plan's flags, the chat template, the slot directory. The
+    `primary` server alone is launched with the RPC `workers` (every other backend and
+    pooled model is planned on this machine: docs/scale.md#several-backends), and its
+    fit plan is returned too (the engine reports it); None for every other server."""
     loop = asyncio.get_running_loop()
     # Probing binaries and hashing files is blocking work: keep it off the loop.
     mdl = await loop.run_in_executor(None, model.resolve, paths, s.model)
@@ -249,7 +250,7 @@ async def resolve_launch(
     template = chat_template_for(s, mdl)
     plan: list[str] = []
     primary_plan: FitPlan | None = None
-    on_workers = workers.configured and is_primary(s)
+    on_workers = workers.configured and primary
     fit_plan, gpus_seen = await loop.run_in_executor(
         None,
         lambda: plan_fit_for(s, mdl, paths.state_dir, binary, placed_by_llama=not on_workers),
@@ -276,7 +277,7 @@ async def resolve_launch(
     if fit_plan is not None:
         flags = plan_argv(fit_plan)
         plan += flags if gpus_seen else drop_flag(flags, "-ngl")
-        if is_primary(s):
+        if primary:
             primary_plan = fit_plan
     if template is not None and not s.chat_template_file:
         plan += ["--jinja", "--chat-template-file", str(template)]

@@ -228,15 +228,23 @@ def test_invalid_backend_tables_are_refused(tables: list[dict[str, object]], wor
         config.settings_from_dict({"backends": tables})
 
 
-def test_backends_with_workers_are_refused_with_models_accepted() -> None:
-    with pytest.raises(ConfigError, match="cannot be combined with \\[\\[workers\\]\\]"):
-        config.settings_from_dict(
-            {"backends": [{"name": "b"}], "workers": [{"address": "127.0.0.1"}]}
-        )
-    s = config.settings_from_dict(
-        {"backends": [{"name": "b"}], "models": [{"name": "m", "role": "text"}]}
+def test_backends_combine_with_workers_and_models_in_the_settings_file(tmp_path: Path) -> None:
+    """The RPC workers extend the primary server ('main'); every other backend is
+    launched here without them, or is a remote Warmslot (docs/scale.md#several-backends)."""
+    path = tmp_path / "config.toml"
+    path.write_text(
+        '[[backends]]\nname = "b1"\n\n'
+        '[[backends]]\nname = "far"\nurl = "http://10.0.0.3:8089"\n\n'
+        '[[workers]]\naddress = "10.0.0.2"\nport = 50052\n\n'
+        '[[models]]\nname = "m"\nrole = "text"\n'
     )
-    assert [b.name for b in s.backends] == ["b"] and [m.name for m in s.models] == ["m"]
+    s = config.load(path)
+    assert [b.name for b in s.backends] == ["b1", "far"] and [m.name for m in s.models] == ["m"]
+    assert [(w.address, w.port) for w in s.workers] == [("10.0.0.2", 50052)]
+    assert config.read_file(path).problems == ()
+    # The running core takes the same change (the tray's settings dialog writes it so).
+    again = s.with_changes({"workers": [], "backends": s.backends})
+    assert again.workers == [] and again.backends == s.backends
 
 
 # ------------------------------------------------------------------ the backend set
