@@ -3,25 +3,24 @@ file holds (`read_tokens`): the pure part of `core.cache.conversations`, no I/O 
 reading a file's head.
 
 A saved state counts for the tokens it shares with the request's prompt beyond what
-its stable prefix gives anyway, and only when restoring and verifying it (as its save
-measured) costs less than prefilling those tokens (docs/cache.md#conversations).
+its stable prefix gives anyway, and only when restoring and verifying it (priced from
+this machine's measured costs, core.cache.costs) costs less than prefilling those
+tokens (docs/cache.md#conversations).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.cache import prefix as pfx
+from core.cache.costs import Estimate
 from core.cache.store import StateRecord
 
 SEQ_MAGIC = 0x67677371  # "ggsq": llama.cpp's sequence state file (llama_state_seq_save_file)
 MIN_GAIN_TOKENS = 64  # a conversation state must give this many tokens beyond the prefix
-# Until a prefill was measured on this server (a fresh start): a fast GPU's speed, so an
-# unmeasured guess errs against restoring.
-PRIOR_PREFILL_MS_PER_TOKEN = 0.05
 
 
 def read_tokens(path: Path) -> list[int]:
@@ -58,8 +57,7 @@ class Choice:
     rec: StateRecord
     match: int  # tokens of the request the state covers
     by: str  # "session" (same session id) or "tokens" (another session's, same tokens)
-    cost_ms: float  # predicted: hash + restore + verify
-    saves_ms: float  # predicted: the prefill it saves
+    estimate: Estimate  # its predicted cost against the prefill it saves
 
 
 @dataclass(frozen=True)
@@ -68,40 +66,28 @@ class Skip:
     the prefill it saves."""
 
     rec: StateRecord
-    gain: int  # tokens it would save beyond what the request gets anyway
-    cost_ms: float  # predicted: hash + restore + verify
-    saves_ms: float  # predicted: the prefill of `gain` tokens
+    estimate: Estimate
 
     @property
     def reason(self) -> str:
         """The ``prewarm_skipped`` event's reason."""
         return (
             f"{self.rec.n_tokens}-token conversation {self.rec.filename} not restored: "
-            f"restore + verify ≈ {self.cost_ms:.0f} ms > prefill of {self.gain} tokens "
-            f"≈ {self.saves_ms:.0f} ms"
+            f"{self.estimate.words()}"
         )
 
     @property
     def header(self) -> str:
         """``X-Warmslot-Conversation`` for the request it was skipped for."""
+        e = self.estimate
         return (
             f"not restored: restoring the saved {self.rec.n_tokens}-token conversation "
-            f"(~{self.cost_ms:.0f} ms) would take longer than prefilling the {self.gain} "
-            f"tokens it covers (~{self.saves_ms:.0f} ms)"
+            f"(~{e.cost_ms:.0f} ms) would take longer than prefilling the {e.gain} "
+            f"tokens it covers (~{e.prefill_ms:.0f} ms)"
         )
 
 
-def restore_cost_ms(rec: StateRecord, verify_ms: float | None = None) -> float:
-    """Predicted milliseconds to restore and verify `rec`, from what its save measured.
-
-    `verify_ms`, when given, is the quickest probe measured lately on this server: a
-    probe timed while other work shared the CPU says more about that work than about
-    the probe, so the smaller of the two counts."""
-    p = rec.probe
-    verify = float(p.get("verify_ms") or 0)
-    if verify_ms is not None:
-        verify = min(verify, verify_ms)
-    return float(p.get("hash_ms") or 0) + float(p.get("restore_ms") or 0) + verify
+Price = Callable[[StateRecord, int], Estimate]  # a state and the tokens it would save
 
 
 def choose(
@@ -109,8 +95,7 @@ def choose(
     prompt: Sequence[int],
     session: str,
     base_n: int,
-    prefill_ms_per_token: float | None,
-    verify_ms: float | None = None,
+    price: Price,
 ) -> tuple[Choice | None, Skip | None]:
     """The state covering most of `prompt`, or None and the state skipped as too slow to
     restore (None: nothing fits).
@@ -118,9 +103,9 @@ def choose(
     A state counts for the tokens it shares with the prompt; it must give at least
     `MIN_GAIN_TOKENS` more than `base_n` (what the stable prefix gives anyway). The
     longest match wins; on a tie the same session's, then the newest. A state whose
-    predicted restore (its own measured save-time restore and verify) costs more than
-    the prefill of the tokens it saves is skipped — a too-large state never holds up a
-    request longer than prefilling would.
+    restore `price` predicts (core.cache.costs: this machine's measured costs) to cost
+    more than the prefill of the tokens it saves is skipped — a too-large state never
+    holds up a request longer than prefilling would.
     """
     best: Choice | None = None
     skipped: Skip | None = None
@@ -132,16 +117,12 @@ def choose(
         gain = match - base_n
         if gain < MIN_GAIN_TOKENS:
             continue
-        rate = prefill_ms_per_token
-        if rate is None:
-            rate = float(rec.probe.get("prefill_ms_per_token") or PRIOR_PREFILL_MS_PER_TOKEN)
-        saves = gain * rate
-        cost = restore_cost_ms(rec, verify_ms)
-        if cost > saves:
-            skipped = Skip(rec, gain, cost, saves)
+        estimate = price(rec, gain)
+        if not estimate.pays:
+            skipped = Skip(rec, estimate)
             continue
         by = "session" if rec.session == session else "tokens"
-        c = Choice(rec, match, by, cost, saves)
+        c = Choice(rec, match, by, estimate)
         if best is None or (match, by == "session", rec.created) > (
             best.match,
             best.by == "session",

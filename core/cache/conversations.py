@@ -31,8 +31,9 @@ When a request's rendered prompt shares more with a saved conversation than its 
 prefix gives — found by session id, or by token prefix among conversations that started
 with the same stable prefix (a client that resumes with a new session id) — the longest
 match (`core.cache.conversation_pick.choose`) is restored and verified (`SlotOps.restore`)
-before the request runs. A state whose restore is predicted, from the times measured when
-it was saved, to cost more than the prefill it saves is skipped. Any failure leaves the
+before the request runs. A state whose restore is predicted, from this machine's measured
+restore bandwidth, probe time and cold prefill rate (core.cache.costs), to cost more than
+the prefill it saves is skipped. Any failure leaves the
 request to the prefix path.
 """
 
@@ -44,6 +45,7 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -353,7 +355,9 @@ class Conversations:
         try:
             t1 = time.perf_counter()
             sha = await asyncio.to_thread(file_sha256, w.path)
-            rec = self._index(w, sha, (time.perf_counter() - t1) * 1000)
+            hash_ms = (time.perf_counter() - t1) * 1000
+            self.ops.costs.note_hash(w.bytes, hash_ms)
+            rec = self._index(w, sha, hash_ms)
         except (OSError, ValueError) as e:
             log.warning("indexing the conversation written to %s failed: %s", w.name, e)
             self.retention.save_failed(
@@ -478,14 +482,16 @@ class Conversations:
                 return rec
         return None
 
-    async def restore_prefix(self, rec: StateRecord, info: pfx.PrefixInfo, slot: int) -> None:
+    async def restore_prefix(
+        self, rec: StateRecord, info: pfx.PrefixInfo, slot: int, *, wait_s: float | None = None
+    ) -> None:
         """Restore (verified) the conversation `rec`, which `covering` found, into `slot`
         for its prefix `info` (the caller holds the slot's lock); raise VerificationFailed.
 
         The slot then holds the prefix for any request and the conversation for its own
         session: a request of another conversation should reuse the prefix, no more."""
         m = self.state
-        await self.ops.restore(rec, slot)
+        await self.ops.restore(rec, slot, wait_s=wait_s)
         st = m.slots.slots[slot]
         st.prefix_fp = info.fingerprint
         st.tokens_hint = rec.n_tokens
@@ -541,14 +547,14 @@ class Conversations:
         assert client is not None
         rendered = await client.apply_template(render_body(chat_of(req)))
         prompt = await client.tokenize(rendered, add_special=True)
-        quickest = self.ops.quickest_probe_ms()
         # What the request gets without a conversation state: the prefix, where the slot
         # holds it or it is saved; nothing where only conversations hold it
         # (core.cache.prefix_save), so any state that extends it then counts.
         has_prefix = st.prefix_fp == info.fingerprint or m.store.for_fingerprint(info.fingerprint)
         base_n = info.n_tokens if has_prefix else 0
+        rate = self.state.prefill_rate()
         choice, skipped = choose(
-            cands, prompt, session, base_n, self.state.prefill_rate(), quickest
+            cands, prompt, session, base_n, partial(self.ops.costs.estimate, rate=rate)
         )
         if choice is None:
             if skipped is not None:
@@ -558,13 +564,15 @@ class Conversations:
                     fp=info.fingerprint,
                     slot=slot,
                     state=KIND,
+                    **skipped.estimate.details(),
                 )
                 return Resumed(False, skipped.header)
             return NOT_RESUMED
         async with self.ops.lock(slot):
             if st.inflight:
                 return NOT_RESUMED
-            await self.ops.restore(choice.rec, slot)
+            e = choice.estimate
+            await self.ops.restore(choice.rec, slot, wait_s=e.slack_s, details=e.details())
         # The slot now holds the conversation, which starts with the stable prefix.
         st.prefix_fp = info.fingerprint
         st.tokens_hint = choice.rec.n_tokens
@@ -574,12 +582,18 @@ class Conversations:
         st.last_body = None
         st.head_key = req.chat.head_key if req.chat is not None else ""
         self._saved[slot] = _Saved(session, choice.rec.n_tokens)
+        e = choice.estimate
         log.info(
-            "restored conversation %s into slot %d: %d of %d prompt tokens (by %s)",
+            "restored conversation %s into slot %d: %d of %d prompt tokens (by %s): %s",
             choice.rec.filename,
             slot,
             choice.match,
             len(prompt),
             choice.by,
+            e.words(),
         )
-        return Resumed(True, f"restored {choice.match} of {len(prompt)} tokens ({choice.by})")
+        return Resumed(
+            True,
+            f"restored {choice.match} of {len(prompt)} tokens ({choice.by}; predicted "
+            f"~{e.cost_ms:.0f} ms against a prefill of ~{e.prefill_ms:.0f} ms)",
+        )

@@ -14,6 +14,7 @@ left (docs/cache.md#conversations).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmslot.cache")
 
 QUIET_WAIT_S = 60.0  # one wait for a quiet server before looking again
+TRY_PAUSES_S = (1.0, 4.0, 0.0)  # tries per kick, and the pause after each
 
 
 class PendingReferences:
@@ -69,8 +71,16 @@ class PendingReferences:
             self._spawn(self._try(name))
 
     async def _try(self, name: str) -> bool:
+        """A few tries, a little apart: the server may still be finishing a request its
+        client left (it notices between batches) when the proxy already counts it done."""
         try:
-            return await self._take(name)
+            for pause in TRY_PAUSES_S:
+                if await self._take(name):
+                    return True
+                if name not in self._pending:
+                    return False
+                await asyncio.sleep(pause)
+            return False
         finally:
             self._sought.discard(name)
 

@@ -14,15 +14,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, cast
 
 from core.cache import prefix as pfx
+from core.cache.costs import Costs
 from core.cache.probe import (
+    QUIET_WAIT_S,
     REUSE_SLACK,
     ProbeGate,
     ProbeRecord,
+    ProbeRun,
     check_answer,
     non_finite,
     probe_reference,
@@ -85,7 +87,7 @@ class SlotOps:
         # a request for that slot waits, so nothing slips in between our steps.
         self._locks: dict[int, asyncio.Lock] = {}
         self.probe_gate = ProbeGate()  # one probe at a time, each knowing if it ran alone
-        self._probe_ms: deque[float] = deque(maxlen=20)  # references' probe times (ms)
+        self.costs = Costs()  # this server's measured restore, hash and probe costs
         self._persisting: set[str] = set()
 
     # ------------------------------------------------------------ locks
@@ -265,18 +267,16 @@ class SlotOps:
         self, answer: CompletionAnswer, times: list[float], restore_ms: float
     ) -> dict[str, object]:
         """A state record's probe fields for the reference `answer` and its timings."""
-        self._probe_ms.extend(times)
+        for ms in times:
+            self.costs.note_probe(ms)
+        quickest = self.costs.quickest_probe_ms()
         return {
             **probe_reference(answer),
             "restore_ms": round(restore_ms, 2),
             # What a probe costs when it has the CPU: the quickest one measured so far.
-            "verify_ms": round(min(self._probe_ms), 2),
+            "verify_ms": round(quickest if quickest is not None else min(times), 2),
             "verify_ms_measured": round(min(times), 2),
         }
-
-    def quickest_probe_ms(self) -> float | None:
-        """The quickest reference probe measured lately on this server (ms), or None."""
-        return min(self._probe_ms) if self._probe_ms else None
 
     def record_reference(
         self, rec: StateRecord, answer: CompletionAnswer, times: list[float], restore_ms: float
@@ -305,7 +305,12 @@ class SlotOps:
         )
 
     async def _first_reference(
-        self, rec: StateRecord, slot: int, client: LlamaClient, restore_ms: float
+        self,
+        rec: StateRecord,
+        slot: int,
+        client: LlamaClient,
+        restore_ms: float,
+        deadline: float | None,
     ) -> str | None:
         """The first restore of a pending state (just restored into `slot`): its probe, if
         it ran alone, becomes its reference and the state is served — its bytes matched
@@ -315,8 +320,11 @@ class SlotOps:
         suffix, tokens = rec.probe.get("suffix"), rec.probe.get("prefix")
         if not suffix or not tokens:
             return "no probe suffix recorded"
-        await self.wait_idle(exclude=slot)
-        run = await self.probe_gate.probe(client, probe_request(tokens, suffix, slot), slot)
+        body = probe_request(tokens, suffix, slot)
+        run = await self._probe_run(body, slot, client, deadline)
+        if run is None:
+            await self.unload(slot, client)
+            raise VerificationFailed(f"{rec.filename}: other slots kept working; kept")
         t = Timings.parse(run.answer.get("timings"))
         problem = check_answer(
             run.answer, t.cache_n if t else None, rec.prefix_n, probe_reference(run.answer)
@@ -330,12 +338,29 @@ class SlotOps:
         raise VerificationFailed(f"{rec.filename}: its first probe shared the server; kept")
 
     # ------------------------------------------------------------ restore + verify
-    async def restore(self, rec: StateRecord, slot: int) -> None:
-        """Restore `rec` into an expendable slot and verify it; raise VerificationFailed."""
+    async def restore(
+        self,
+        rec: StateRecord,
+        slot: int,
+        *,
+        wait_s: float | None = None,
+        details: Mapping[str, object] | None = None,
+    ) -> None:
+        """Restore `rec` into an expendable slot and verify it; raise VerificationFailed.
+
+        Its probe's log-probs are bit-exact only alone, so it waits for the other slots to
+        be quiet first: background work as long as it takes (`wait_s` None: up to 30 s),
+        a restore a request waits for at most `wait_s` seconds — what the restore saves
+        over prefilling, so that waiting never costs more than not restoring. When its
+        probe then shared the server and disagrees, nothing is known: the slot is erased,
+        the file kept and VerificationFailed raised (the request goes on from its
+        prefix). `details` (why it was restored: a cost decision's inputs) go into its
+        event."""
         state = self.state
         client = state.client
         assert client is not None
         t0 = time.perf_counter()
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         problem = state.store.check_file(rec)
         resp: dict[str, Any] = {}
         restore_ms = 0.0
@@ -344,6 +369,7 @@ class SlotOps:
                 t_restore = time.perf_counter()
                 resp = await client.slot_action(slot, "restore", rec.filename)
                 restore_ms = (time.perf_counter() - t_restore) * 1000
+                self.costs.note_restore(rec.bytes, restore_ms)
                 if int(resp.get("n_restored", -1)) != rec.n_tokens:
                     problem = f"restored {resp.get('n_restored')} tokens, expected {rec.n_tokens}"
             except UpstreamError as e:
@@ -351,11 +377,11 @@ class SlotOps:
         if problem is None:
             try:
                 if rec.verify_result == PENDING:
-                    problem = await self._first_reference(rec, slot, client, restore_ms)
+                    problem = await self._first_reference(rec, slot, client, restore_ms, deadline)
                 else:
-                    problem = await self._verify(rec, slot, client)
+                    problem = await self._verify(rec, slot, client, deadline)
             except VerificationFailed:
-                raise  # a pending state's probe shared the server: cleared, kept
+                raise  # its probe shared the server: nothing known; cleared, the file kept
             except BaseException as e:
                 # The probe could not run (the server went away, a time-out, a bug): the
                 # restored state is unverified, so it must not stay in the slot, where
@@ -388,6 +414,7 @@ class SlotOps:
                 nbytes=rec.bytes,
                 ms=round(ms, 1),
                 restore_ms=(resp.get("timings") or {}).get("restore_ms"),
+                **(details or {}),
             )
             return
         # NaN/inf cells outlive an erase: overwrite them first. On a sliding-window (or
@@ -422,14 +449,18 @@ class SlotOps:
         st = self.state.slots.slots[slot]
         st.prefix_fp, st.tokens_hint = "", 0
 
-    async def _verify(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
+    async def _verify(
+        self, rec: StateRecord, slot: int, client: LlamaClient, deadline: float | None
+    ) -> str | None:
         probe = rec.probe
         suffix, prefix_tokens = probe.get("suffix"), probe.get("prefix")
         if not suffix or not prefix_tokens or "tokens" not in probe:
             return "no known-answer probe recorded"
-        problem = await self._probe(rec, slot, client)
-        if not second_look(problem):
+        problem, alone = await self._probe(rec, slot, client, deadline)
+        if problem is None or not second_look(problem):
             return problem
+        if not alone and deadline is not None and time.monotonic() >= deadline:
+            await self._not_now(rec, slot, client, problem)
         # A request of another slot in the same batch changes the matrix shapes and so the
         # last bits of the probe's log-probs (docs/cache.md#verification): restore once more
         # and probe alone. A wrong state fails again, bit for bit.
@@ -440,22 +471,62 @@ class SlotOps:
             return problem
         if int(again.get("n_restored", -1)) != rec.n_tokens:
             return problem
-        second = await self._probe(rec, slot, client)
+        second, alone = await self._probe(rec, slot, client, deadline)
+        if second is not None and not alone and deadline is not None:
+            await self._not_now(rec, slot, client, second)
         if second is None:
             log.info("%s verified on a second probe (first: %s)", rec.filename, problem)
         return second
 
-    async def _probe(self, rec: StateRecord, slot: int, client: LlamaClient) -> str | None:
-        probe = rec.probe
-        await self.wait_idle(exclude=slot)
+    async def _not_now(
+        self, rec: StateRecord, slot: int, client: LlamaClient, problem: str
+    ) -> None:
+        """A request waits and its probe could not run alone in the time the restore
+        saves: nothing is known of the state now. Erase the slot, keep the file, say so
+        (`prewarm_skipped`) and raise VerificationFailed."""
+        await self.unload(slot, client)
+        why = (
+            f"{rec.filename} not used now: its probe could not run alone within what "
+            f"restoring it saves over prefilling ({problem}); the file is kept"
+        )
+        self.state.emit(
+            CacheEventKind.PREWARM_SKIPPED, why, fp=rec.fingerprint, slot=slot, tokens=rec.n_tokens
+        )
+        raise VerificationFailed(why)
+
+    async def _probe_run(
+        self, body: JsonObject, slot: int, client: LlamaClient, deadline: float | None
+    ) -> ProbeRun | None:
+        """Probe `slot` once the other slots are quiet, waiting until `deadline` (None:
+        as long as background work may, 30 s for the requests and `QUIET_WAIT_S` for the
+        server's own work); None when requests still run in other slots at the deadline
+        (a probe beside them proves nothing and, sharing their batches, takes seconds)."""
+        if deadline is None:
+            await self.wait_idle(exclude=slot)
+        elif not await self.state.slots.wait_quiet(
+            max(0.0, deadline - time.monotonic()), exclude=slot
+        ):
+            return None
+        quiet_s = QUIET_WAIT_S if deadline is None else max(0.0, deadline - time.monotonic())
         # Under the gate: never beside another of our probes (docs/cache.md#verification).
-        run = await self.probe_gate.probe(client, probe_request_for(probe, slot), slot)
-        resp = run.answer
-        t = Timings.parse(resp.get("timings"))
-        return check_answer(
-            resp,
+        run = await self.probe_gate.probe(client, body, slot, quiet_s=min(QUIET_WAIT_S, quiet_s))
+        self.costs.note_probe(run.ms)
+        return run
+
+    async def _probe(
+        self, rec: StateRecord, slot: int, client: LlamaClient, deadline: float | None
+    ) -> tuple[str | None, bool]:
+        """Why the probe disagrees (None: it agrees), and whether it ran alone."""
+        probe = rec.probe
+        run = await self._probe_run(probe_request_for(probe, slot), slot, client, deadline)
+        if run is None:
+            return "not probed: requests kept running in other slots", False
+        t = Timings.parse(run.answer.get("timings"))
+        problem = check_answer(
+            run.answer,
             t.cache_n if t else None,
             rec.prefix_n,
             probe,
             tolerance=self.state.disk.logprob_tolerance,
         )
+        return problem, run.alone

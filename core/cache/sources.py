@@ -147,6 +147,8 @@ async def bring(
     saved state gives all of it, else restore the longest saved state that gives part of
     it (verified; the request prefills the rest). Nothing when neither exists: the request
     prefills it, and its response saves it (core.cache.prefix_save)."""
+    if slot in holding:
+        return  # its own content starts with the prefix: the server reuses it from there
     source = find(state, conversations, info)
     if copy is not None and (source is None or source.tokens < info.n_tokens):
         for other in holding:
@@ -160,16 +162,29 @@ async def bring(
                 return
     if source is None:
         return
+    # Priced from this machine's measured costs (core.cache.costs), as conversations are.
+    estimate = ops.costs.estimate(source.rec, source.tokens, rate=state.prefill_rate())
+    if not estimate.pays:
+        log.info("slot %d: %s not restored: %s", slot, source.describe(info), estimate.words())
+        return
     async with ops.lock(slot):
         with contextlib.suppress(VerificationFailed):  # recorded; the request prefills it
-            await restore(ops, conversations, source, slot)
+            await restore(ops, conversations, source, slot, wait_s=estimate.slack_s)
             log.info("slot %d: restored %s", slot, source.describe(info))
 
 
-async def restore(ops: SlotOps, conversations: Conversations, source: Source, slot: int) -> None:
+async def restore(
+    ops: SlotOps,
+    conversations: Conversations,
+    source: Source,
+    slot: int,
+    *,
+    wait_s: float | None = None,
+) -> None:
     """Restore `source` into `slot` and verify it (the caller holds the slot's lock);
-    raise VerificationFailed (recorded, and the state deleted, by the restore)."""
+    raise VerificationFailed (recorded, and the state deleted, by the restore). A request
+    waits for one with `wait_s` (`SlotOps.restore`)."""
     if source.rec.kind == "conversation":
-        await conversations.restore_prefix(source.rec, source.covers, slot)
+        await conversations.restore_prefix(source.rec, source.covers, slot, wait_s=wait_s)
     else:
-        await ops.restore(source.rec, slot)
+        await ops.restore(source.rec, slot, wait_s=wait_s)

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from core.cache.conversation_pick import MIN_GAIN_TOKENS, SEQ_MAGIC, choose, read_tokens
+from core.cache.conversation_pick import MIN_GAIN_TOKENS, SEQ_MAGIC, Price, choose, read_tokens
 from core.cache.conversations import KIND
+from core.cache.costs import PRIOR_BYTES_PER_MS, Costs
 from core.cache.store import StateRecord
 from tests.core.bg_support import IDENT, OTHER, FakeManager, make_manager, prefix
 
@@ -65,6 +66,20 @@ def _rec(
     )
 
 
+def _price(rate: float | None, verify_ms: float | None = None) -> Price:
+    """Restores priced as on a server that measured no restore yet (each state's own
+    numbers count), at the cold prefill `rate`, with `verify_ms` its quickest probe."""
+    costs = Costs()
+    if verify_ms is not None:
+        costs.note_probe(verify_ms)
+    return lambda rec, gain: costs.estimate(rec, gain, rate=rate)
+
+
+def _hash_ms(rec: StateRecord) -> float:
+    """What hashing `rec` before its restore is priced at (its stat is not recorded)."""
+    return rec.bytes / PRIOR_BYTES_PER_MS
+
+
 def _conv(n: int, tail: int = 0) -> list[int]:
     """The system prefix, then `n` conversation tokens (a different tail per `tail`)."""
     return SYSTEM + [5000 + tail * 100_000 + i for i in range(n)]
@@ -75,7 +90,7 @@ def test_the_longest_match_wins() -> None:
     short = _rec("1", _conv(800), created=3)
     longest = _rec("2", _conv(1900), created=1)
     other = _rec("3", _conv(2500, tail=1), created=2)  # another conversation: prefix only
-    choice, why = choose([short, other, longest], prompt, "s1", len(SYSTEM), 1.0)
+    choice, why = choose([short, other, longest], prompt, "s1", len(SYSTEM), _price(1.0))
     assert choice is not None and why is None
     assert choice.rec is longest and choice.match == len(SYSTEM) + 1900
     assert choice.by == "session"
@@ -84,15 +99,15 @@ def test_the_longest_match_wins() -> None:
 def test_a_state_of_another_session_is_found_by_its_tokens() -> None:
     prompt = [*_conv(1500), 9]
     theirs = _rec("1", _conv(1200), session="old-session")
-    choice, _ = choose([theirs], prompt, "new-session", len(SYSTEM), 1.0)
+    choice, _ = choose([theirs], prompt, "new-session", len(SYSTEM), _price(1.0))
     assert choice is not None and choice.by == "tokens" and choice.match == len(SYSTEM) + 1200
     # On equal matches the same session's state wins over another's, even an older one.
     mine = _rec("2", _conv(1200), session="new-session", created=-5)
-    choice, _ = choose([theirs, mine], prompt, "new-session", len(SYSTEM), 1.0)
+    choice, _ = choose([theirs, mine], prompt, "new-session", len(SYSTEM), _price(1.0))
     assert choice is not None and choice.rec is mine
     # A session match counts only for the tokens it shares: a longer other-session state wins.
     longer = _rec("3", _conv(1400), session="old-session")
-    choice, _ = choose([mine, longer], prompt, "new-session", len(SYSTEM), 1.0)
+    choice, _ = choose([mine, longer], prompt, "new-session", len(SYSTEM), _price(1.0))
     assert choice is not None and choice.rec is longer and choice.by == "tokens"
 
 
@@ -100,52 +115,53 @@ def test_a_state_that_gives_little_beyond_the_prefix_is_not_restored() -> None:
     prompt = _conv(1000)
     barely = _rec("1", _conv(MIN_GAIN_TOKENS - 1))
     enough = _rec("2", _conv(MIN_GAIN_TOKENS))
-    assert choose([barely], prompt, "s1", len(SYSTEM), 1.0) == (None, None)
-    choice, _ = choose([barely, enough], prompt, "s1", len(SYSTEM), 1.0)
+    assert choose([barely], prompt, "s1", len(SYSTEM), _price(1.0)) == (None, None)
+    choice, _ = choose([barely, enough], prompt, "s1", len(SYSTEM), _price(1.0))
     assert choice is not None and choice.rec is enough
     # What the slot or the stable prefix gives anyway is the base: measured from there.
-    assert choose([enough], prompt, "s1", len(SYSTEM) + 10, 1.0) == (None, None)
+    assert choose([enough], prompt, "s1", len(SYSTEM) + 10, _price(1.0)) == (None, None)
 
 
 def test_a_state_slower_to_restore_than_to_prefill_is_skipped() -> None:
     prompt = [*_conv(1000), 3]
     # 1,000 tokens at 0.1 ms each: 100 ms of prefill saved.
     slow = _rec("1", _conv(1000), restore_ms=150.0)
-    choice, skip = choose([slow], prompt, "s1", len(SYSTEM), 0.1)
+    choice, skip = choose([slow], prompt, "s1", len(SYSTEM), _price(0.1))
     assert choice is None and skip is not None
-    assert "not restored" in skip.reason and "> prefill of 1000 tokens" in skip.reason
+    assert "not restored" in skip.reason and "against a prefill of 1000 tokens" in skip.reason
     # The response header says it in words (it once said "skipped: too large to pay").
     assert skip.header == (
         f"not restored: restoring the saved {slow.n_tokens}-token conversation (~171 ms) "
         "would take longer than prefilling the 1000 tokens it covers (~100 ms)"
     )
     # The same state pays where prefill is slower (measured 1 ms per token).
-    choice, _ = choose([slow], prompt, "s1", len(SYSTEM), 1.0)
-    assert choice is not None and choice.cost_ms == pytest.approx(1 + 150 + 20)
+    choice, _ = choose([slow], prompt, "s1", len(SYSTEM), _price(1.0))
+    assert choice is not None
+    assert choice.estimate.cost_ms == pytest.approx(_hash_ms(slow) + 150 + 20)
     # A smaller state that pays is taken over the longer one that does not.
     fast = _rec("2", _conv(900), restore_ms=5.0)
-    choice, _ = choose([slow, fast], prompt, "s1", len(SYSTEM), 0.1)
+    choice, _ = choose([slow, fast], prompt, "s1", len(SYSTEM), _price(0.1))
     assert choice is not None and choice.rec is fast
 
 
 def test_without_a_live_measurement_the_saved_one_decides() -> None:
     prompt = [*_conv(1000), 3]
     slow_server = _rec("1", _conv(1000), restore_ms=150.0, prefill=1.0)
-    assert choose([slow_server], prompt, "s1", len(SYSTEM), None)[0] is not None
+    assert choose([slow_server], prompt, "s1", len(SYSTEM), _price(None))[0] is not None
     fast_server = _rec("2", _conv(1000), restore_ms=150.0, prefill=0.1)
-    assert choose([fast_server], prompt, "s1", len(SYSTEM), None)[0] is None
+    assert choose([fast_server], prompt, "s1", len(SYSTEM), _price(None))[0] is None
     # Nothing measured at all: the prior is a fast GPU's prefill, erring against restoring.
     unknown = _rec("3", _conv(1000), restore_ms=150.0, prefill=None)
-    assert choose([unknown], prompt, "s1", len(SYSTEM), None)[0] is None
+    assert choose([unknown], prompt, "s1", len(SYSTEM), _price(None))[0] is None
 
 
 def test_a_probe_timed_under_load_does_not_veto_a_restore() -> None:
     prompt = [*_conv(1000), 3]
     # The save's probe took 1 s while other work shared the CPU; probes take 20 ms here.
     rec = _rec("1", _conv(1000), verify_ms=1000.0)
-    assert choose([rec], prompt, "s1", len(SYSTEM), 0.5)[0] is None
-    choice, _ = choose([rec], prompt, "s1", len(SYSTEM), 0.5, verify_ms=20.0)
-    assert choice is not None and choice.cost_ms == pytest.approx(1 + 5 + 20)
+    assert choose([rec], prompt, "s1", len(SYSTEM), _price(0.5))[0] is None
+    choice, _ = choose([rec], prompt, "s1", len(SYSTEM), _price(0.5, verify_ms=20.0))
+    assert choice is not None and choice.estimate.cost_ms == pytest.approx(_hash_ms(rec) + 5 + 20)
 
 
 def test_candidates_are_this_servers_conversations_of_the_session_or_prefix(

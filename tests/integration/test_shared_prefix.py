@@ -200,9 +200,19 @@ def test_a_new_session_restores_the_shared_prefix_while_the_other_slot_works(
     _row("agent-one", answer["r"], one)
     assert still_busy or second["slot"] != first["slot"], "placed while the other slot worked"
     assert second["slot"] != first["slot"], second
-    # The shared prefix came from its verified state on disk, by the server's own count.
-    assert second["restored"] >= shared, (second, shared)
-    assert second["cache_n"] >= shared, (second, shared)
+    # The shared prefix came from its verified state on disk, by the server's own count —
+    # unless its probe could not run alone (the other slot kept working) within what the
+    # restore saves over prefilling: then the turn did not wait longer than that for it
+    # and prefilled, and said why (core.cache.costs).
+    events = core.query("recent_events", limit=200, category="cache", kind="prewarm_skipped")
+    skipped = [e["reason"] for e in events.result(10) if "not used now" in e["reason"]]
+    if not skipped:
+        assert second["restored"] >= shared, (second, shared)
+        assert second["cache_n"] >= shared, (second, shared)
+    else:
+        print(f"restore not used: {skipped}")
+        # It waited at most what the restore would have saved: the prefill it then did.
+        assert int(r2.headers["X-Warmslot-Prepare-Ms"]) <= second["prompt_ms"], second
     # The longer prefix the second session taught reaches the disk, verified, although
     # the server was busy when it was written.
     wait_until(lambda: cache_idle(core), 600, interval=0.2, message="cache idle")
