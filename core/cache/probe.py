@@ -401,6 +401,7 @@ class ProbeGate:
         restore: Callable[[], Awaitable[object]],
         *,
         tries: int = REFERENCE_TRIES,
+        quiet_s: float = QUIET_WAIT_S,
     ) -> tuple[CompletionAnswer | None, list[float]]:
         """A reference answer for a just-saved state — `restore` it into `slot` and probe,
         until a probe ran alone (at most `tries`) — and every probe's time (ms). None when
@@ -412,7 +413,7 @@ class ProbeGate:
         times: list[float] = []
         previous: CompletionAnswer | None = None
         for _ in range(tries):
-            run = await self.probe(client, body, slot, before=restore)
+            run = await self.probe(client, body, slot, before=restore, quiet_s=quiet_s)
             times.append(run.ms)
             if run.alone:
                 return run.answer, times

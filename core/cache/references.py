@@ -103,7 +103,7 @@ class PendingReferences:
                 return False  # a request came in, or the file changed: its restore decides
             try:
                 answer, times, restore_ms = await self.ops.reference(
-                    name, rec.probe["prefix"], slot
+                    name, rec.probe["prefix"], slot, tries=1
                 )
             except UpstreamError as e:
                 log.info("the reference of %s was not taken now: %s", name, e)

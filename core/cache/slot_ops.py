@@ -21,6 +21,7 @@ from core.cache import prefix as pfx
 from core.cache.costs import Costs
 from core.cache.probe import (
     QUIET_WAIT_S,
+    REFERENCE_TRIES,
     REUSE_SLACK,
     ProbeGate,
     ProbeRecord,
@@ -238,7 +239,7 @@ class SlotOps:
 
     # ------------------------------------------------------------ references
     async def reference(
-        self, name: str, tokens: list[int], slot: int
+        self, name: str, tokens: list[int], slot: int, *, tries: int = REFERENCE_TRIES
     ) -> tuple[CompletionAnswer | None, list[float], float]:
         """Restore the file `name` (holding `tokens`) into `slot`, probe it until a probe
         ran alone, and erase the slot: the reference answer (None when no probe ran
@@ -256,8 +257,10 @@ class SlotOps:
             restores.append((time.perf_counter() - t) * 1000)
 
         try:
+            # One short wait for the server per try: a request's own probe may queue
+            # behind this one at the gate (`restore`'s deadline does not cover that).
             answer, times = await self.probe_gate.reference(
-                client, probe_request(tokens, suffix, slot), slot, restore
+                client, probe_request(tokens, suffix, slot), slot, restore, tries=tries, quiet_s=1.0
             )
         finally:
             await self.unload(slot, client)  # nobody's content: not left with the probe's
