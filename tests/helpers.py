@@ -23,6 +23,7 @@ import psutil
 from core.cache.manager import CacheManager
 from core.engine import Core
 from core.events import Event
+from core.server import validate
 
 T = TypeVar("T")
 
@@ -131,13 +132,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def raw_server_args() -> tuple[str, ...]:
+    """Flags every llama-server a test starts itself (no supervisor in front) needs on
+    this CPU: ``--no-repack`` where the CPU has AMX, since native builds crash there while
+    repacking a real model's weights; the supervisor retries such a crash with the flag,
+    a raw start cannot (docs/llama-server-facts.md#amx-repack-crash)."""
+    return ("--no-repack",) if "amx_tile" in validate.cpu_info().flags else ()
+
+
 @contextmanager
 def bare_llama_server(binary: Path, model: Path, workdir: Path, *args: str) -> Iterator[str]:
     """A llama-server of its own (no Warmslot in front) on a free loopback port, with `args`;
     yields its base URL once healthy, and stops it. Its output goes to workdir/server.log."""
     port = free_port()
     log = workdir / "server.log"
-    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    argv += [*raw_server_args(), *args]
     with log.open("wb") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

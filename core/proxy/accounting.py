@@ -47,6 +47,9 @@ class Outcome:
     timings: dict[str, Any] | None = None
     ttfb: float | None = None
     error: str = ""
+    # False: it never reached llama-server (no connection to it), so it cannot be what
+    # crashed it (core.server.quarantine).
+    reached: bool = True
 
 
 def served(req: ProxyRequest, upstream: Upstream) -> str:

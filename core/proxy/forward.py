@@ -170,7 +170,9 @@ class Forwarder:
         ex = _Exchange(self._watch(req, upstream))
         try:
             out = await self._exchange_unless_gone(request, req, upstream, base, t0, ex)
-            broke = out.status == 502  # no answer: the server may have died of it
+            # No answer: the server may have died of it — unless it never got there (the
+            # server was already dead: a request beside the one that crashed it).
+            broke = out.status == 502 and out.reached
         finally:
             if quarantine is not None and token is not None:
                 quarantine.end(token, failed=broke)
@@ -320,7 +322,8 @@ class Forwarder:
             error = f"llama-server did not answer: {e!r}"
             log.warning("%s %s → 502: %s", req.endpoint, req.request_id, error)
             response = error_response(502, f"Warmslot: {error}", type_="server_error")
-            return Outcome(response, 502, error=error)
+            reached = not isinstance(e, aiohttp.ClientConnectorError)
+            return Outcome(response, 502, error=error, reached=reached)
 
     async def _whole(
         self,

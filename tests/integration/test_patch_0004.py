@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from core.server import discover
-from tests.helpers import free_port, post_chat, wait_until
+from tests.helpers import free_port, post_chat, raw_server_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -61,7 +61,7 @@ def _start(binary: Path, model: Path, workdir: Path, *extra: str) -> Server:
     args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     args += ["-c", "4096", "-np", "2", "-t", "2", "--slot-save-path", str(slots)]
     # No RAM prompt cache: a request must find its tokens in the slot it names or nowhere.
-    args += ["--cache-ram", "0", "--jinja", *extra]
+    args += ["--cache-ram", "0", "--jinja", *raw_server_args(), *extra]
     with log.open("wb") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", slots, proc, log)
